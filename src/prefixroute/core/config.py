@@ -1,0 +1,309 @@
+"""Routing configuration, validated once at the edge into immutable typed objects.
+
+Names follow SageMaker's API (SPEC §2): a production variant has a ``RoutingConfig``
+with a ``RoutingStrategy`` and, for ``PREFIX_AWARE``, a ``PrefixAwareRoutingConfig``
+with ``PrefixLength`` and ``ConcurrencyThreshold``. Python attribute names are
+snake_case; the SageMaker CamelCase names are accepted as aliases (YAML, admin API).
+
+Errors: every constructor raises :class:`ConfigError` whose message names the field,
+the value and the allowed range, e.g.
+``PrefixAwareRoutingConfig.PrefixLength: 100 is out of range (allowed 1,024-65,536)``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+__all__ = [
+    "ConfigError",
+    "RoutingStrategy",
+    "PrefixAwareRoutingConfig",
+    "RoutingConfig",
+    "PREFIX_LENGTH_RANGE",
+    "CONCURRENCY_THRESHOLD_RANGE",
+    "format_validation_error",
+    "parse_model",
+    "VariantConfig",
+    "EndpointConfig",
+    "FleetConfig",
+]
+
+#: Allowed PrefixLength (bytes on the native API, characters on the OpenAI API); SageMaker's range.
+PREFIX_LENGTH_RANGE = (1_024, 65_536)
+#: Allowed ConcurrencyThreshold (requests in flight on one instance); SageMaker's range.
+CONCURRENCY_THRESHOLD_RANGE = (1, 1_024)
+
+
+class ConfigError(ValueError):
+    """Invalid configuration; the message names the field, the value and what is allowed."""
+
+
+class RoutingStrategy(str, enum.Enum):
+    """How a production variant picks an instance (SPEC §2)."""
+
+    RANDOM = "RANDOM"
+    LEAST_OUTSTANDING_REQUESTS = "LEAST_OUTSTANDING_REQUESTS"
+    PREFIX_AWARE = "PREFIX_AWARE"
+
+    @classmethod
+    def parse(cls, value: "str | RoutingStrategy") -> "RoutingStrategy":
+        """Accept ``PREFIX_AWARE``, ``prefix_aware``, ``prefix-aware`` (any case).
+
+        Raises:
+            ConfigError: not a known strategy; the message lists the known ones.
+        """
+        if isinstance(value, RoutingStrategy):
+            return value
+        norm = str(value).strip().upper().replace("-", "_")
+        try:
+            return cls(norm)
+        except ValueError:
+            known = ", ".join(s.value for s in cls)
+            raise ConfigError(f"RoutingStrategy: unknown strategy {value!r} (known: {known})") from None
+
+    @property
+    def cli_name(self) -> str:
+        """The kebab-case spelling used on the command line, e.g. ``prefix-aware``."""
+        return self.value.lower().replace("_", "-")
+
+
+def _check_range(field: str, value: int, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{field}: {value!r} is not an integer (allowed {lo:,}-{hi:,})")
+    if not lo <= value <= hi:
+        raise ValueError(f"{field}: {value:,} is out of range (allowed {lo:,}-{hi:,})")
+    return value
+
+
+class PrefixAwareRoutingConfig(BaseModel):
+    """Settings of ``PREFIX_AWARE`` routing (SageMaker ``PrefixAwareRoutingConfig``).
+
+    Attributes:
+        prefix_length: ``PrefixLength``, 1,024-65,536. How much of the request takes
+            part in the key: bytes of the raw body (native API) or characters of the
+            extracted text (OpenAI API).
+        concurrency_threshold: ``ConcurrencyThreshold``, 1-1,024. Requests in flight
+            on the preferred instance at which a new request overflows.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    prefix_length: int = Field(alias="PrefixLength")
+    concurrency_threshold: int = Field(alias="ConcurrencyThreshold")
+
+    @field_validator("prefix_length", mode="before")
+    @classmethod
+    def _v_prefix_length(cls, v: Any) -> int:
+        return _check_range("PrefixAwareRoutingConfig.PrefixLength", v, *PREFIX_LENGTH_RANGE)
+
+    @field_validator("concurrency_threshold", mode="before")
+    @classmethod
+    def _v_threshold(cls, v: Any) -> int:
+        return _check_range("PrefixAwareRoutingConfig.ConcurrencyThreshold", v, *CONCURRENCY_THRESHOLD_RANGE)
+
+    def to_api(self) -> dict[str, int]:
+        """SageMaker-shaped dict: ``{"PrefixLength": ..., "ConcurrencyThreshold": ...}``."""
+        return {"PrefixLength": self.prefix_length, "ConcurrencyThreshold": self.concurrency_threshold}
+
+
+class RoutingConfig(BaseModel):
+    """A production variant's routing (SageMaker ``RoutingConfig``).
+
+    ``prefix_aware`` is required with ``PREFIX_AWARE`` and ignored (kept) otherwise.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    strategy: RoutingStrategy = Field(default=RoutingStrategy.RANDOM, alias="RoutingStrategy")
+    prefix_aware: PrefixAwareRoutingConfig | None = Field(default=None, alias="PrefixAwareRoutingConfig")
+
+    @field_validator("strategy", mode="before")
+    @classmethod
+    def _v_strategy(cls, v: Any) -> RoutingStrategy:
+        try:
+            return RoutingStrategy.parse(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @model_validator(mode="after")
+    def _v_required(self) -> "RoutingConfig":
+        if self.strategy is RoutingStrategy.PREFIX_AWARE and self.prefix_aware is None:
+            raise ValueError(
+                "PrefixAwareRoutingConfig (PrefixLength and ConcurrencyThreshold) is required "
+                "with RoutingStrategy PREFIX_AWARE"
+            )
+        return self
+
+    @classmethod
+    def build(
+        cls,
+        strategy: "str | RoutingStrategy" = RoutingStrategy.RANDOM,
+        prefix_length: int | None = None,
+        concurrency_threshold: int | None = None,
+    ) -> "RoutingConfig":
+        """Validate a config from plain values (CLI flags).
+
+        Raises:
+            ConfigError: a value is out of range or a required one is missing.
+        """
+        data: dict[str, Any] = {"RoutingStrategy": strategy}
+        if prefix_length is not None or concurrency_threshold is not None:
+            pa: dict[str, Any] = {}
+            if prefix_length is not None:
+                pa["PrefixLength"] = prefix_length
+            if concurrency_threshold is not None:
+                pa["ConcurrencyThreshold"] = concurrency_threshold
+            data["PrefixAwareRoutingConfig"] = pa
+        return parse_model(cls, data)
+
+    def to_api(self) -> dict[str, Any]:
+        """SageMaker-shaped dict."""
+        out: dict[str, Any] = {"RoutingStrategy": self.strategy.value}
+        if self.prefix_aware is not None:
+            out["PrefixAwareRoutingConfig"] = self.prefix_aware.to_api()
+        return out
+
+
+def format_validation_error(exc: ValidationError, root: str = "") -> str:
+    """One clause per problem, ``path.to.Field: message``, joined by ``; ``."""
+    errors = exc.errors()
+    locs = [tuple(str(p) for p in e.get("loc", ())) for e in errors]
+    lines = []
+    for err, loc in zip(errors, locs):
+        kind = err.get("type")
+        # pydantic also reports a container as too short when its items failed; the
+        # item errors are the useful ones.
+        if kind == "too_short" and any(o[: len(loc)] == loc and len(o) > len(loc) for o in locs):
+            continue
+        msg = str(err.get("msg", "")).removeprefix("Value error, ")
+        parts = list(loc)
+        if kind == "value_error":
+            # Our validators' messages start with the qualified field name
+            # ("PrefixAwareRoutingConfig.PrefixLength: ..."); keep only the path above it.
+            qualifier = msg.split(":", 1)[0].split(".") if ":" in msg else []
+            if qualifier and parts[-len(qualifier):] == qualifier:
+                parts = parts[: -len(qualifier)]
+            elif qualifier and parts and parts[-1] == qualifier[-1]:
+                parts = parts[:-1]
+        elif kind == "missing":
+            msg = "is required"
+        elif kind == "extra_forbidden":
+            msg = f"is not a known setting (value {err.get('input')!r})"
+        path = ".".join(p for p in (root, *parts) if p)
+        if kind == "value_error":
+            lines.append(f"{path}.{msg}" if path and ":" in msg else (f"{path}: {msg}" if path else msg))
+        else:
+            lines.append(f"{path}: {msg}" if path else msg)
+    return "; ".join(lines)
+
+
+def parse_model(cls: type[BaseModel], data: Any, root: str = "") -> Any:
+    """``cls.model_validate(data)`` with :class:`ConfigError` instead of pydantic's error."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, root)) from None
+
+
+class VariantConfig(BaseModel):
+    """A production variant: a pool of instances sharing one routing configuration.
+
+    Attributes:
+        name: the variant's name (``X-Amzn-SageMaker-Target-Variant`` selects it).
+        weight: relative share of the endpoint's traffic when no variant is targeted (> 0).
+        instances: base URLs of the engine instances, e.g. ``http://10.0.0.5:8000``.
+        routing: the ``RoutingConfig``.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    name: str = Field(alias="VariantName", min_length=1, max_length=63)
+    weight: float = Field(default=1.0, alias="InitialVariantWeight", gt=0)
+    instances: tuple[str, ...] = Field(alias="Instances", min_length=1)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig, alias="RoutingConfig")
+
+    @field_validator("instances", mode="after")
+    @classmethod
+    def _v_instances(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        out = []
+        for url in v:
+            u = url.strip().rstrip("/")
+            if not (u.startswith("http://") or u.startswith("https://")):
+                raise ValueError(f"Instances: {url!r} is not an http:// or https:// URL")
+            out.append(u)
+        if len(set(out)) != len(out):
+            raise ValueError(f"Instances: duplicate instance URL in {list(v)}")
+        return tuple(out)
+
+
+class EndpointConfig(BaseModel):
+    """A named endpoint with one or more production variants."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    name: str = Field(alias="EndpointName", min_length=1, max_length=63)
+    variants: tuple[VariantConfig, ...] = Field(alias="ProductionVariants", min_length=1)
+
+    @model_validator(mode="after")
+    def _v_unique(self) -> "EndpointConfig":
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"endpoint {self.name!r}: duplicate variant names {names}")
+        return self
+
+
+class FleetConfig(BaseModel):
+    """Every endpoint the router serves. The first endpoint also serves ``/v1/...``."""
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    endpoints: tuple[EndpointConfig, ...] = Field(alias="Endpoints", min_length=1)
+
+    @model_validator(mode="after")
+    def _v_unique(self) -> "FleetConfig":
+        names = [e.name for e in self.endpoints]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate endpoint names {names}")
+        return self
+
+    @classmethod
+    def from_mapping(cls, data: Any) -> "FleetConfig":
+        """Validate a parsed YAML/JSON document.
+
+        Raises:
+            ConfigError: any invalid field; the message gives its path.
+        """
+        return parse_model(cls, data)
+
+    @classmethod
+    def from_yaml(cls, text: str) -> "FleetConfig":
+        """Parse and validate YAML text.
+
+        Raises:
+            ConfigError: YAML syntax error or invalid field.
+        """
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"configuration is not valid YAML: {exc}") from None
+        return cls.from_mapping(data)
+
+    @classmethod
+    def single(
+        cls,
+        instances: "list[str] | tuple[str, ...]",
+        routing: RoutingConfig,
+        endpoint: str = "default",
+        variant: str = "AllTraffic",
+    ) -> "FleetConfig":
+        """One endpoint with one variant: what ``prefixroute serve --backend ...`` builds."""
+        return parse_model(
+            cls,
+            {"Endpoints": [{"EndpointName": endpoint, "ProductionVariants": [
+                {"VariantName": variant, "Instances": list(instances), "RoutingConfig": routing}]}]},
+        )
