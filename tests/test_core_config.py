@@ -1,0 +1,129 @@
+"""Configuration is validated at the edge; errors name the field, the value and the range."""
+
+import pytest
+
+from prefixroute.core.config import (
+    ConfigError,
+    FleetConfig,
+    PrefixAwareRoutingConfig,
+    RoutingConfig,
+    RoutingStrategy,
+    parse_model,
+)
+
+
+@pytest.mark.parametrize("spelling", ["PREFIX_AWARE", "prefix_aware", "prefix-aware", "Prefix-Aware", " prefix-aware "])
+def test_strategy_spellings(spelling):
+    assert RoutingStrategy.parse(spelling) is RoutingStrategy.PREFIX_AWARE
+
+
+def test_strategy_cli_name():
+    assert RoutingStrategy.LEAST_OUTSTANDING_REQUESTS.cli_name == "least-outstanding-requests"
+
+
+def test_unknown_strategy_lists_known():
+    with pytest.raises(ConfigError) as exc:
+        RoutingStrategy.parse("round-robin")
+    assert "round-robin" in str(exc.value)
+    assert "LEAST_OUTSTANDING_REQUESTS" in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    "prefix_length, threshold, needle",
+    [
+        (1023, 10, "PrefixLength: 1,023 is out of range (allowed 1,024-65,536)"),
+        (65537, 10, "PrefixLength: 65,537 is out of range (allowed 1,024-65,536)"),
+        (4096, 0, "ConcurrencyThreshold: 0 is out of range (allowed 1-1,024)"),
+        (4096, 1025, "ConcurrencyThreshold: 1,025 is out of range (allowed 1-1,024)"),
+    ],
+)
+def test_out_of_range_names_field_value_and_range(prefix_length, threshold, needle):
+    with pytest.raises(ConfigError) as exc:
+        RoutingConfig.build("prefix-aware", prefix_length, threshold)
+    assert needle in str(exc.value)
+
+
+@pytest.mark.parametrize("prefix_length, threshold", [(1024, 1), (65536, 1024), (4096, 10)])
+def test_bounds_inclusive(prefix_length, threshold):
+    cfg = RoutingConfig.build("prefix-aware", prefix_length, threshold)
+    assert cfg.prefix_aware == PrefixAwareRoutingConfig(prefix_length=prefix_length, concurrency_threshold=threshold)
+
+
+def test_prefix_aware_requires_both_settings():
+    with pytest.raises(ConfigError, match="required with RoutingStrategy PREFIX_AWARE"):
+        RoutingConfig.build("prefix-aware")
+    with pytest.raises(ConfigError, match="ConcurrencyThreshold: is required"):
+        RoutingConfig.build("prefix-aware", prefix_length=4096)
+
+
+def test_non_integer_rejected():
+    with pytest.raises(ConfigError, match="'4k' is not an integer"):
+        parse_model(RoutingConfig, {"RoutingStrategy": "PREFIX_AWARE",
+                                      "PrefixAwareRoutingConfig": {"PrefixLength": "4k", "ConcurrencyThreshold": 1}})
+    with pytest.raises(ConfigError, match="True is not an integer"):
+        RoutingConfig.build("prefix-aware", True, 3)
+
+
+def test_config_is_immutable():
+    cfg = RoutingConfig.build("prefix-aware", 4096, 8)
+    with pytest.raises(Exception):
+        cfg.strategy = RoutingStrategy.RANDOM  # type: ignore[misc]
+
+
+def test_default_strategy_is_random():
+    assert RoutingConfig().strategy is RoutingStrategy.RANDOM
+
+
+def test_api_shape_round_trip():
+    cfg = RoutingConfig.build("prefix-aware", 8192, 16)
+    assert cfg.to_api() == {"RoutingStrategy": "PREFIX_AWARE",
+                            "PrefixAwareRoutingConfig": {"PrefixLength": 8192, "ConcurrencyThreshold": 16}}
+    assert RoutingConfig.model_validate(cfg.to_api()) == cfg
+
+
+YAML = """
+Endpoints:
+  - EndpointName: chat
+    ProductionVariants:
+      - VariantName: blue
+        InitialVariantWeight: 3
+        Instances: ["http://127.0.0.1:8001/", "http://127.0.0.1:8002"]
+        RoutingConfig:
+          RoutingStrategy: PREFIX_AWARE
+          PrefixAwareRoutingConfig: {PrefixLength: 4096, ConcurrencyThreshold: 8}
+      - VariantName: green
+        Instances: ["http://127.0.0.1:8003"]
+"""
+
+
+def test_yaml_fleet():
+    fleet = FleetConfig.from_yaml(YAML)
+    ep = fleet.endpoints[0]
+    assert ep.name == "chat"
+    assert [v.name for v in ep.variants] == ["blue", "green"]
+    assert ep.variants[0].instances == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert ep.variants[0].weight == 3
+    assert ep.variants[0].routing.prefix_aware.concurrency_threshold == 8
+    assert ep.variants[1].routing.strategy is RoutingStrategy.RANDOM
+
+
+def test_yaml_errors_give_the_path():
+    bad = YAML.replace("PrefixLength: 4096", "PrefixLength: 10").replace("http://127.0.0.1:8003", "ftp://x")
+    with pytest.raises(ConfigError) as exc:
+        FleetConfig.from_yaml(bad)
+    msg = str(exc.value)
+    assert ("Endpoints.0.ProductionVariants.0.RoutingConfig.PrefixAwareRoutingConfig.PrefixLength: "
+            "10 is out of range (allowed 1,024-65,536)") in msg
+    assert "Endpoints.0.ProductionVariants.1.Instances: 'ftp://x' is not an http:// or https:// URL" in msg
+
+
+def test_yaml_unknown_setting_and_syntax():
+    with pytest.raises(ConfigError, match="Bogus: is not a known setting"):
+        FleetConfig.from_yaml(YAML.replace("InitialVariantWeight: 3", "Bogus: 3"))
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        FleetConfig.from_yaml("Endpoints: [")
+
+
+def test_duplicate_instances_rejected():
+    with pytest.raises(ConfigError, match="duplicate instance URL"):
+        FleetConfig.single(["http://a:1", "http://a:1/"], RoutingConfig())

@@ -1,0 +1,202 @@
+"""Routing keys: what takes part, what does not, and the rendering rule for chat."""
+
+import base64
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.core.keys import (
+    InvalidRequest,
+    completion_prompt,
+    native_routing_key,
+    openai_routing_key,
+    render_chat_text,
+    text_routing_key,
+    token_routing_key,
+    validate_tenant_id,
+)
+
+N = 1024
+
+
+@settings(max_examples=200)
+@given(head=st.binary(min_size=N, max_size=N + 64), tail_a=st.binary(max_size=64), tail_b=st.binary(max_size=64))
+def test_native_key_ignores_bytes_after_prefix_length(head, tail_a, tail_b):
+    prefix = head[:N]
+    assert native_routing_key(prefix + tail_a, N, "ep") == native_routing_key(prefix + tail_b, N, "ep")
+
+
+@settings(max_examples=200)
+@given(body=st.binary(min_size=1, max_size=2 * N), pos=st.integers(min_value=0, max_value=N - 1))
+def test_native_key_depends_on_every_byte_before_prefix_length(body, pos):
+    if pos >= len(body):
+        pos = len(body) - 1
+    flipped = bytearray(body)
+    flipped[pos] ^= 0xFF
+    assert native_routing_key(body, N, "ep") != native_routing_key(bytes(flipped), N, "ep")
+
+
+@settings(max_examples=200)
+@given(text=st.text(min_size=N, max_size=N + 50), a=st.text(max_size=30), b=st.text(max_size=30))
+def test_text_key_counts_characters_not_bytes(text, a, b):
+    prefix = text[:N]
+    assert text_routing_key(prefix + a, N, "m") == text_routing_key(prefix + b, N, "m")
+
+
+def test_short_body_uses_all_of_it():
+    assert native_routing_key(b"abc", N, "ep") != native_routing_key(b"abd", N, "ep")
+    assert native_routing_key(b"abc", N, "ep") == native_routing_key(b"abc", 2 * N, "ep")
+
+
+def test_key_is_deterministic_across_processes():
+    # A fixed value: the key never depends on PYTHONHASHSEED or the process.
+    assert native_routing_key(b'{"inputs": "hello"}', 4096, "default") == native_routing_key(
+        b'{"inputs": "hello"}', 4096, "default")
+    import subprocess, sys
+    code = ("from prefixroute.core.keys import native_routing_key as k;"
+            "print(k(b'{\"inputs\": \"hello\"}', 4096, 'default'))")
+    out = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={"PYTHONHASHSEED": str(s)}, check=True).stdout.strip() for s in (1, 2)}
+    assert out == {str(native_routing_key(b'{"inputs": "hello"}', 4096, "default"))}
+
+
+def test_scope_model_and_tenant_are_part_of_the_key():
+    body = b"x" * 2000
+    base = native_routing_key(body, N, "ep")
+    assert native_routing_key(body, N, "other") != base
+    assert native_routing_key(body, N, "ep", "tenant-a") != base
+    assert native_routing_key(body, N, "ep", "tenant-a") != native_routing_key(body, N, "ep", "tenant-b")
+    # the separator keeps (scope, tenant) pairs from colliding by concatenation
+    assert native_routing_key(body, N, "ab", "c") != native_routing_key(body, N, "a", "bc")
+
+
+@pytest.mark.parametrize("tenant", ["a", "x" * 64, "tenant 42 ~!", " "])
+def test_valid_tenants(tenant):
+    assert validate_tenant_id(tenant) == tenant
+
+
+@pytest.mark.parametrize("tenant, why", [("", "length 0"), ("x" * 65, "length 65"), ("caf\u00e9", "U+00E9"),
+                                        ("a\tb", "U+0009"), ("a\x7f", "U+007F")])
+def test_invalid_tenants(tenant, why):
+    with pytest.raises(InvalidRequest, match=re.escape(why)):
+        validate_tenant_id(tenant)
+
+
+def test_no_tenant_is_empty():
+    assert validate_tenant_id(None) == ""
+
+
+def chat(*messages, **extra):
+    return {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages], **extra}
+
+
+def test_chat_rendering_rule():
+    text = render_chat_text(chat(("system", "You are terse."), ("user", "Hi")))
+    assert text == "<|system|>\nYou are terse.\n<|user|>\nHi\n"
+
+
+def test_chat_sampling_fields_do_not_take_part():
+    a = chat(("system", "S" * 3000), ("user", "q"), temperature=0.1, max_tokens=5, stream=True)
+    b = chat(("system", "S" * 3000), ("user", "q"), temperature=0.9, top_p=0.5)
+    assert openai_routing_key(a, True, 2048) == openai_routing_key(b, True, 2048)
+
+
+def test_chat_history_growth_keeps_prefix():
+    turn1 = chat(("system", "sys"), ("user", "first question"))
+    turn2 = chat(("system", "sys"), ("user", "first question"), ("assistant", "answer"), ("user", "second"))
+    t1, t2 = render_chat_text(turn1), render_chat_text(turn2)
+    assert t2.startswith(t1)
+
+
+def test_chat_prompt_cache_key_is_the_tenant():
+    a = chat(("user", "same"))
+    b = dict(a, prompt_cache_key="tenant-b")
+    assert openai_routing_key(a, True, 1024) != openai_routing_key(b, True, 1024)
+    with pytest.raises(InvalidRequest):
+        openai_routing_key(dict(a, prompt_cache_key="x" * 65), True, 1024)
+
+
+def test_chat_model_is_part_of_the_key():
+    a = chat(("user", "same"))
+    assert openai_routing_key(a, True, 1024) != openai_routing_key(dict(a, model="other"), True, 1024)
+
+
+def test_multimodal_parts():
+    png = base64.b64encode(b"\x89PNG fake image bytes").decode()
+    msg = {"role": "user", "content": [
+        {"type": "text", "text": "What is in "},
+        {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}},
+        {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{png}"}},
+    ]}
+    text = render_chat_text({"messages": [msg]})
+    assert text.startswith("<|user|>\nWhat is in <image:https://example.com/cat.png><image:xxh3-")
+    assert png not in text  # inline data is digested, not copied
+    same = render_chat_text({"messages": [msg]})
+    other = dict(msg, content=msg["content"][:2] + [{"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}}])
+    assert text == same
+    assert render_chat_text({"messages": [other]}) != text
+
+
+def test_tools_rendered_first_and_canonically():
+    tools_a = [{"type": "function", "function": {"name": "f", "parameters": {"b": 1, "a": 2}}}]
+    tools_b = [{"function": {"parameters": {"a": 2, "b": 1}, "name": "f"}, "type": "function"}]
+    a = render_chat_text(chat(("user", "q"), tools=tools_a))
+    b = render_chat_text(chat(("user", "q"), tools=tools_b))
+    assert a == b
+    assert a.startswith("<|tools|>\n[{")
+    assert a.endswith("<|user|>\nq\n")
+
+
+def test_tool_calls_and_names():
+    msgs = {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "1", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "tool", "name": "f", "content": "42"},
+    ]}
+    text = render_chat_text(msgs)
+    assert '"name":"f"' in text
+    assert "<|tool|>\nname=f\n42\n" in text
+
+
+@pytest.mark.parametrize("payload, why", [
+    ({}, "'messages' must be a list"),
+    ({"messages": "hi"}, "'messages' must be a list"),
+    ({"messages": ["hi"]}, "each message must be an object"),
+    ({"messages": [{"content": "x"}]}, "string 'role'"),
+    ({"messages": [{"role": "user", "content": 5}]}, "'content' must be"),
+])
+def test_malformed_chat(payload, why):
+    with pytest.raises(InvalidRequest, match=why):
+        render_chat_text(payload)
+
+
+def test_completion_prompts():
+    assert completion_prompt({"prompt": "abc"}) == "abc"
+    assert completion_prompt({"prompt": ["abc", "def"]}) == "abc"
+    assert completion_prompt({"prompt": [1, 2, 3]}) == [1, 2, 3]
+    assert completion_prompt({"prompt": [[4, 5], [6]]}) == [4, 5]
+    for bad in ({}, {"prompt": 5}, {"prompt": []}, {"prompt": [1, "a"]}, {"prompt": [True]}):
+        with pytest.raises(InvalidRequest):
+            completion_prompt(bad)
+
+
+def test_token_prompt_counts_tokens():
+    toks = list(range(3000))
+    assert token_routing_key(toks, 1024, "m") == token_routing_key(toks[:1024] + [9, 9], 1024, "m")
+    assert token_routing_key(toks, 1024, "m") != token_routing_key(toks[:1023] + [7], 1024, "m")
+    key_tokens = openai_routing_key({"model": "m", "prompt": toks}, False, 1024)
+    key_text = openai_routing_key({"model": "m", "prompt": "x" * 3000}, False, 1024)
+    assert key_tokens != key_text
+
+
+def test_completion_string_uses_characters():
+    a = {"model": "m", "prompt": "é" * 1024 + "tail-a"}
+    b = {"model": "m", "prompt": "é" * 1024 + "tail-b"}
+    assert openai_routing_key(a, False, 1024) == openai_routing_key(b, False, 1024)
+
+
+def test_model_must_be_string():
+    with pytest.raises(InvalidRequest, match="'model' must be a string"):
+        openai_routing_key({"model": 3, "prompt": "x"}, False, 1024)

@@ -1,0 +1,188 @@
+"""Rendezvous assignment stability, strategies and in-flight accounting."""
+
+import random
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.core.config import RoutingConfig
+from prefixroute.core.hashing import instance_token, rendezvous_best, rendezvous_order, rendezvous_score
+from prefixroute.core.pool import NoHealthyInstance, VariantPool
+from prefixroute.core.strategies import DecisionKind
+
+KEYS = 100_000
+
+
+def _keys(seed: int, n: int = KEYS) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.getrandbits(64) for _ in range(n)]
+
+
+def _owners(keys, tokens):
+    """Owner index of each key among ``tokens`` (scores computed once per pair)."""
+    return [max(range(len(tokens)), key=lambda i, k=k: rendezvous_score(k, tokens[i])) for k in keys]
+
+
+def _check_add_and_remove(ids: list[str], keys: list[int]) -> None:
+    n = len(ids) - 1
+    tokens = [instance_token(i) for i in ids]
+    # Scores of the n old instances and of the added one, once per key.
+    moved = 0
+    removed_victim = 0
+    for k in keys:
+        scores = [rendezvous_score(k, t) for t in tokens]
+        old = max(range(n), key=scores.__getitem__)
+        new = max(range(n + 1), key=scores.__getitem__)
+        if new != old:
+            moved += 1
+            assert new == n, "a key moved to an instance other than the added one"
+        # Removing instance 0 from the n old ones: only its keys move.
+        if old != 0:
+            after = max(range(1, n), key=scores.__getitem__)
+            assert after == old, "removing an instance moved a key it did not hold"
+        else:
+            removed_victim += 1
+    assert moved / len(keys) <= 1 / (n + 1) + 0.02
+    assert moved / len(keys) >= 1 / (n + 1) - 0.02  # and the new instance does get its share
+    assert removed_victim / len(keys) <= 1 / n + 0.02
+
+
+@pytest.mark.parametrize("n", range(2, 17))
+def test_adding_one_instance_moves_about_one_over_n_plus_one(n):
+    ids = [f"http://10.0.0.{i}:8000" for i in range(n + 1)]
+    _check_add_and_remove(ids, _keys(n))
+
+
+@settings(max_examples=4, deadline=None)
+@given(
+    ids=st.lists(st.text(min_size=1, max_size=30), min_size=3, max_size=17, unique=True),
+    seed=st.integers(min_value=0, max_value=2**32),
+)
+def test_stability_property_for_any_instance_names(ids, seed):
+    _check_add_and_remove(ids, _keys(seed))
+
+
+def test_rendezvous_order_starts_with_best():
+    tokens = [instance_token(f"i{i}") for i in range(8)]
+    for k in _keys(1, 500):
+        order = rendezvous_order(k, tokens)
+        assert sorted(order) == list(range(8))
+        assert order[0] == rendezvous_best(k, tokens)
+
+
+def pa(threshold=2):
+    return RoutingConfig.build("prefix-aware", 4096, threshold)
+
+
+URLS = [f"http://127.0.0.1:{8000 + i}" for i in range(4)]
+
+
+def test_affinity_is_sticky_and_even_across_keys():
+    pool = VariantPool("v", URLS, pa(threshold=1_000))
+    keys = _keys(7, 4000)
+    first = {k: pool.choose(k).instance.instance_id for k in keys}
+    again = {k: pool.choose(k).instance.instance_id for k in keys}
+    assert {pool.choose(k).kind for k in keys} == {DecisionKind.AFFINITY}
+    assert first == again
+    share = Counter(first.values())
+    assert all(abs(c / len(keys) - 0.25) < 0.03 for c in share.values())
+
+
+def test_overflow_walks_the_key_order_at_the_threshold():
+    pool = VariantPool("v", URLS, pa(threshold=2))
+    key = 12345
+    order = [URLS[i] for i in rendezvous_order(key, [instance_token(u) for u in URLS])]
+    leases = [pool.acquire(key) for _ in range(9)]
+    got = [(l.decision.kind, l.instance.instance_id) for l in leases]
+    assert got[:2] == [(DecisionKind.AFFINITY, order[0])] * 2
+    assert got[2:4] == [(DecisionKind.OVERFLOW, order[1])] * 2
+    assert got[4:6] == [(DecisionKind.OVERFLOW, order[2])] * 2
+    assert got[6:8] == [(DecisionKind.OVERFLOW, order[3])] * 2
+    assert got[8][0] is DecisionKind.ALL_BUSY
+    assert all(i.in_flight in (2, 3) for i in pool.instances)
+    # Once the preferred instance drops below the threshold, affinity resumes.
+    leases[0].release()
+    nxt = pool.acquire(key)
+    assert (nxt.decision.kind, nxt.instance.instance_id) == (DecisionKind.AFFINITY, order[0])
+
+
+def test_fallback_without_key_is_least_outstanding():
+    pool = VariantPool("v", URLS, pa())
+    busy = [pool.acquire(None) for _ in range(3)]
+    assert {l.decision.kind for l in busy} == {DecisionKind.FALLBACK}
+    assert len({l.instance.instance_id for l in busy}) == 3
+
+
+def test_least_outstanding_spreads_load():
+    pool = VariantPool("v", URLS, RoutingConfig.build("least-outstanding-requests"), seed=3)
+    leases = [pool.acquire(None) for _ in range(8)]
+    assert sorted(i.in_flight for i in pool.instances) == [2, 2, 2, 2]
+    assert {l.decision.kind for l in leases} == {DecisionKind.LEAST_OUTSTANDING}
+
+
+def test_random_is_uniform():
+    pool = VariantPool("v", URLS, RoutingConfig(), seed=11)
+    counts = Counter()
+    for _ in range(20_000):
+        with pool.acquire(None) as lease:
+            counts[lease.instance.instance_id] += 1
+    assert all(abs(c / 20_000 - 0.25) < 0.02 for c in counts.values())
+    assert pool.total_in_flight() == 0
+
+
+def test_lease_release_is_idempotent():
+    pool = VariantPool("v", URLS, RoutingConfig())
+    lease = pool.acquire(None)
+    lease.release()
+    lease.release()
+    assert pool.total_in_flight() == 0
+    assert lease.released
+
+
+def test_switching_strategy_keeps_in_flight():
+    pool = VariantPool("v", URLS, RoutingConfig())
+    leases = [pool.acquire(None) for _ in range(5)]
+    pool.set_routing(pa())
+    assert pool.total_in_flight() == 5
+    assert pool.acquire(99).decision.kind in (DecisionKind.AFFINITY, DecisionKind.OVERFLOW)
+    for l in leases:
+        l.release()
+    assert pool.total_in_flight() == 1
+
+
+def test_membership_change_keeps_state_and_removed_leases_release():
+    pool = VariantPool("v", URLS, pa(threshold=100))
+    keys = _keys(5, 2000)
+    before = {k: pool.choose(k).instance.instance_id for k in keys}
+    lease = pool.acquire(keys[0])
+    victim = lease.instance.instance_id
+    pool.set_instances([u for u in URLS if u != victim])
+    after = {k: pool.choose(k).instance.instance_id for k in keys}
+    assert all(after[k] == before[k] for k in keys if before[k] != victim)
+    lease.release()
+    assert lease.instance.in_flight == 0
+    assert pool.total_in_flight() == 0
+
+
+def test_unhealthy_instances_are_skipped_and_none_raises():
+    pool = VariantPool("v", URLS[:2], pa())
+    pool.set_healthy(URLS[0], False)
+    assert {pool.choose(k).instance.instance_id for k in _keys(2, 50)} == {URLS[1]}
+    pool.set_healthy(URLS[1], False)
+    with pytest.raises(NoHealthyInstance, match="no healthy instance"):
+        pool.acquire(1)
+    assert pool.total_in_flight() == 0
+
+
+def test_exclude():
+    pool = VariantPool("v", URLS, pa())
+    for k in _keys(3, 50):
+        first = pool.choose(k).instance.instance_id
+        assert pool.choose(k, exclude={first}).instance.instance_id != first
+
+
+def test_duplicate_instances_rejected():
+    with pytest.raises(ValueError, match="duplicate"):
+        VariantPool("v", ["http://a", "http://a"], RoutingConfig())
