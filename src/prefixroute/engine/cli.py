@@ -1,0 +1,129 @@
+"""``prefixroute emulate``: run one emulated vLLM instance (no GPU needed).
+
+The lead's top-level CLI calls :func:`configure_parser` on the subcommand's parser and
+:func:`run` with the parsed arguments. On startup one line goes to stdout::
+
+    prefixroute-emulate listening on http://HOST:PORT
+
+so a launcher can read the port (useful with ``--port 0``). SIGTERM and SIGINT stop
+the server cleanly (open requests get a few seconds, then are aborted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import math
+import signal
+import sys
+from collections.abc import Callable
+
+from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
+from prefixroute.engine.server import start_engine_server
+
+__all__ = ["configure_parser", "run", "config_from_args"]
+
+_DEFAULTS = EngineConfig()
+
+
+#: Engine flags: (flag, type, unit and meaning). Unset flags keep EngineConfig's default.
+_ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--kv-capacity-tokens", int, "KV cache size in tokens, shared by running and cached blocks"),
+    ("--max-num-seqs", int, "most requests running (admitted) at once"),
+    ("--max-num-batched-tokens", int, "token budget per step: prefill chunks plus one token per decode"),
+    ("--block-size", int, "tokens per KV block, the prefix-cache granularity"),
+    ("--prefill-s-per-token", float, "modelled seconds per prompt token prefilled"),
+    ("--decode-s-per-seq", float, "modelled seconds per sequence decoding one token in a step"),
+    ("--step-overhead-s", float, "modelled fixed seconds per step"),
+    ("--max-model-len", int, "most tokens (prompt + output) per request; longer ones get 400"),
+)
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add the ``emulate`` flags to ``p`` (defaults: Llama-3.1-70B on 8×H100, see
+    :mod:`prefixroute.engine.model`)."""
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument(
+        "--port", type=int, default=8000, help="TCP port; 0 picks a free port and prints it (default: %(default)s)"
+    )
+    p.add_argument(
+        "--model", default=DEFAULT_MODEL, help="served model name, in /v1/models and metrics (default: %(default)s)"
+    )
+    p.add_argument(
+        "--instance-id", default=None, help="name sent in the X-Emulated-Instance header and /info (default: random)"
+    )
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="wall-clock seconds per modelled second: 1.0 real time, 0.1 ten times faster, "
+        "0 no sleeping at all (default: %(default)s)",
+    )
+    for flag, kind, meaning in _ENGINE_FLAGS:
+        default = getattr(_DEFAULTS, flag[2:].replace("-", "_"))
+        p.add_argument(flag, type=kind, default=None, help=f"{meaning} (default: {default})")
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity; prompt text is never logged (default: %(default)s)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Build the :class:`EngineConfig` from parsed flags (unset ones keep defaults).
+
+    Raises:
+        ValueError: a value is out of range (see :class:`EngineConfig`).
+    """
+    names = (flag[2:].replace("-", "_") for flag, _, _ in _ENGINE_FLAGS)
+    overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
+    return EngineConfig(model=args.model, **overrides)
+
+
+async def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
+    runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # Windows, or not the main thread
+            pass
+    print(f"prefixroute-emulate listening on http://{args.host}:{port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        logging.getLogger(__name__).info("shutting down")
+        await runner.cleanup()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the emulated engine until SIGTERM/SIGINT. Returns the process exit code:
+    0 after a clean stop, 2 for an invalid configuration, 1 if the port cannot be bound."""
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+        if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
+            raise ValueError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
+    except ValueError as exc:
+        print(f"prefixroute emulate: {exc}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(_serve(args, config))
+    except OSError as exc:
+        print(f"prefixroute emulate: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0

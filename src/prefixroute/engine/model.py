@@ -1,0 +1,121 @@
+"""Configuration and cost model of one emulated vLLM instance.
+
+Step time (seconds) of one continuous-batching step::
+
+    step_overhead_s
+      + prefill_s_per_token * (prompt tokens prefilled in the step)
+      + decode_s_per_seq    * (sequences decoding one token in the step)
+
+Defaults are calibrated for **Llama-3.1-70B-Instruct, bf16, one 8×H100-SXM instance with
+tensor parallelism 8**, vLLM with prefix caching (the SPEC's reference benchmark):
+
+* **Prefill** is compute-bound: ``2 × 70.6e9`` FLOPs per token (2 FLOPs per parameter
+  per token; attention's context-dependent FLOPs, about +7 % at 8k tokens, ignored)
+  over ``8 × 989 TFLOP/s`` (H100 SXM dense bf16 peak, NVIDIA H100 datasheet) at about
+  50 % model-FLOPs utilisation ⇒ 1.41e11 / 3.96e15 ≈ **35 µs per token**. An
+  8,000-token cold prefill then takes ≈ 0.28 s, the ~280 ms cold TTFT of the
+  reference benchmark (SPEC §1).
+* **Decode** is memory-bound. Every step reads all weights: 141 GB (70.6e9 × 2 bytes)
+  over ``8 × 3.35 TB/s`` (H100 SXM HBM3) at about 60 % of peak bandwidth ⇒
+  5.3 ms / 0.6 ≈ **9 ms fixed per step** (``step_overhead_s``, which also stands for
+  the scheduler's CPU time). Each running sequence also reads its KV cache: Llama-70B
+  uses grouped-query attention, ``2 (K, V) × 80 layers × 8 KV heads × 128 dims ×
+  2 bytes = 320 KiB per token``. For a typical 4–5k-token context that is ~1.5 GB per
+  sequence per step ⇒ at 16 TB/s effective ≈ **0.1 ms per decoding sequence**
+  (``decode_s_per_seq``; ShareGPT-like 1–2k contexts would be ~0.03 ms, 8k-token
+  prefixes ~0.16 ms).
+* **KV capacity**: ``8 × 80 GB × 0.9`` (vLLM's default ``gpu_memory_utilization``)
+  − 141 GB weights − ~40 GB activations, CUDA graphs and NCCL buffers ≈ 395 GB,
+  / 320 KiB per token ≈ **1.2 million tokens** (75,000 blocks of 16).
+* **Scheduler limits**: ``max_num_seqs = 256`` (vLLM's long-standing default; recent
+  releases raise it to 1024 on ≥70 GiB GPUs, but with 8k-token prompts the KV cache,
+  ~146 such sequences, binds first) and ``max_num_batched_tokens = 8192`` (vLLM V1's
+  default for the OpenAI server on ≥70 GiB GPUs such as H100: the per-step token
+  budget of chunked prefill). ``block_size = 16`` and ``max_model_len = 131072``
+  (Llama-3.1's context) are vLLM's and the model's defaults.
+
+Every constant can be overridden (``prefixroute emulate --help``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["DEFAULT_MODEL", "EngineConfig", "step_duration"]
+
+DEFAULT_MODEL = "meta-llama/Llama-3.1-70B-Instruct"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Immutable, validated configuration of one emulated engine (see module docstring).
+
+    Attributes:
+        model: served model name (``/v1/models``, metrics label ``model_name``).
+        block_size: tokens per KV block.
+        kv_capacity_tokens: KV cache size in tokens; ``// block_size`` blocks.
+        max_num_seqs: most sequences running (admitted) at once.
+        max_num_batched_tokens: token budget of one step (prefill chunks + decodes).
+        max_model_len: most tokens (prompt + output) of one request.
+        step_overhead_s: fixed seconds per step (weights read, scheduling).
+        prefill_s_per_token: seconds per prompt token prefilled.
+        decode_s_per_seq: seconds per sequence decoding one token in a step.
+
+    Raises:
+        ValueError: on construction, for a non-positive size, a negative time, a KV
+            cache smaller than one block, or ``max_num_batched_tokens < max_num_seqs``
+            (vLLM refuses that too: running sequences could not all decode).
+    """
+
+    model: str = DEFAULT_MODEL
+    block_size: int = 16
+    kv_capacity_tokens: int = 1_200_000
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 131_072
+    step_overhead_s: float = 0.009
+    prefill_s_per_token: float = 35e-6
+    decode_s_per_seq: float = 1e-4
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0 seconds, got {value!r}")
+        if not self.model:
+            raise ValueError("model name must not be empty")
+        if self.kv_capacity_tokens < self.block_size:
+            raise ValueError(
+                f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one block of {self.block_size}"
+            )
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}) so every running sequence can decode in one step"
+            )
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV cache size in blocks: ``kv_capacity_tokens // block_size``."""
+        return self.kv_capacity_tokens // self.block_size
+
+
+def step_duration(config: EngineConfig, prefill_tokens: int, decode_seqs: int) -> float:
+    """Modelled seconds of one step; 0.0 for an empty step (nothing scheduled).
+
+    Args:
+        config: the engine's cost constants.
+        prefill_tokens: prompt tokens computed in the step (cache hits excluded).
+        decode_seqs: sequences that decode one token in the step.
+    """
+    if prefill_tokens == 0 and decode_seqs == 0:
+        return 0.0
+    return (
+        config.step_overhead_s
+        + config.prefill_s_per_token * prefill_tokens
+        + config.decode_s_per_seq * decode_seqs
+    )
