@@ -1,0 +1,156 @@
+"""The admin API, on its own listener: inspect and change routing without a restart.
+
+Routes (JSON in and out; errors are ``{"message": ...}``):
+
+* ``GET /admin/config``: the configuration in force, SageMaker-shaped, with each
+  instance's live state under ``InstanceStates`` (``InFlight``, ``Healthy``, ``Served``).
+* ``PUT /admin/config``: replace the whole fleet configuration (a ``FleetConfig``
+  document, ``{"Endpoints": [...]}``; what ``GET`` returned, edited, is accepted).
+* ``PUT /admin/endpoints/{endpoint}/variants/{variant}/routing``: a ``RoutingConfig``,
+  e.g. ``{"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig":
+  {"PrefixLength": 4096, "ConcurrencyThreshold": 8}}``.
+* ``POST /admin/reload``: re-read the ``--config`` file (what SIGHUP does).
+
+An invalid configuration is answered 400 with the validation message and the running
+configuration is kept. If a token is set, every request needs
+``Authorization: Bearer <token>`` (compared in constant time).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Awaitable, Callable
+
+import orjson
+from aiohttp import web
+
+from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
+from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
+from prefixroute.server.errors import json_response
+from prefixroute.server.state import RouterState
+
+__all__ = ["build_admin_app", "config_document"]
+
+_STATE = web.AppKey("prefixroute_admin_state", RouterState)
+
+
+def config_document(state: RouterState) -> dict[str, Any]:
+    """The configuration in force as a SageMaker-shaped dict, with live instance state.
+
+    Shape: ``{"DefaultEndpoint": str, "Endpoints": [{"EndpointName", "ProductionVariants":
+    [{"VariantName", "InitialVariantWeight", "RoutingConfig", "Instances": [url, ...],
+    "InstanceStates": [{"Instance", "InFlight", "Healthy", "Served"}, ...]}]}]}``.
+    Dropping ``DefaultEndpoint`` and ``InstanceStates`` gives a valid ``FleetConfig``.
+    """
+    fleet = state.fleet
+    endpoints = []
+    for e in fleet.config.endpoints:
+        variants = []
+        for v in e.variants:
+            pool = fleet.endpoints[e.name].pools[v.name]
+            variants.append({
+                "VariantName": v.name,
+                "InitialVariantWeight": v.weight,
+                "RoutingConfig": pool.routing.to_api(),
+                "Instances": list(v.instances),
+                "InstanceStates": [
+                    {"Instance": i.instance_id, "InFlight": i.in_flight, "Healthy": i.healthy, "Served": i.served}
+                    for i in pool.instances
+                ],
+            })
+        endpoints.append({"EndpointName": e.name, "ProductionVariants": variants})
+    return {"DefaultEndpoint": fleet.default_name, "Endpoints": endpoints}
+
+
+def _error(status: int, message: str) -> web.Response:
+    return json_response(status, {"message": message})
+
+
+async def _json_body(request: web.Request) -> Any:
+    try:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"request body is not valid JSON ({exc})") from None
+
+
+def _strip_live_state(doc: Any) -> Any:
+    """Let a client PUT back what it GOT: drop the read-only parts of :func:`config_document`."""
+    if not isinstance(doc, dict):
+        return doc
+    doc.pop("DefaultEndpoint", None)
+    for ep in doc.get("Endpoints") or ():
+        for v in (ep.get("ProductionVariants") or ()) if isinstance(ep, dict) else ():
+            if isinstance(v, dict):
+                v.pop("InstanceStates", None)
+    return doc
+
+
+async def get_config(request: web.Request) -> web.Response:
+    """``GET /admin/config``."""
+    return json_response(200, config_document(request.app[_STATE]))
+
+
+async def put_config(request: web.Request) -> web.Response:
+    """``PUT /admin/config``: replace the fleet configuration."""
+    state = request.app[_STATE]
+    try:
+        config = FleetConfig.from_mapping(_strip_live_state(await _json_body(request)))
+    except ConfigError as exc:
+        return _error(400, str(exc))
+    state.apply_config(config)
+    return json_response(200, config_document(state))
+
+
+async def put_routing(request: web.Request) -> web.Response:
+    """``PUT /admin/endpoints/{endpoint}/variants/{variant}/routing``."""
+    state = request.app[_STATE]
+    endpoint, variant = request.match_info["endpoint"], request.match_info["variant"]
+    try:
+        routing = parse_model(RoutingConfig, await _json_body(request), "RoutingConfig")
+    except ConfigError as exc:
+        return _error(400, str(exc))
+    try:
+        state.set_routing(endpoint, variant, routing)
+    except (UnknownEndpoint, UnknownVariant) as exc:
+        return _error(404, str(exc.args[0]))
+    return json_response(200, {"EndpointName": endpoint, "VariantName": variant, "RoutingConfig": routing.to_api()})
+
+
+async def reload(request: web.Request) -> web.Response:
+    """``POST /admin/reload``: re-read the configuration file."""
+    state = request.app[_STATE]
+    try:
+        state.reload_config_file()
+    except ConfigError as exc:
+        return _error(400, str(exc))
+    return json_response(200, config_document(state))
+
+
+def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
+    expected = token.encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                    ) -> web.StreamResponse:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        # The scheme is case-insensitive (RFC 9110 §11.1); the token is compared in constant time.
+        ok = hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected)
+        if not (ok and scheme.lower() == "bearer"):
+            resp = _error(401, "missing or wrong admin token (Authorization: Bearer <token>)")
+            resp.headers["WWW-Authenticate"] = "Bearer"
+            return resp
+        return await handler(request)
+
+    return check
+
+
+def build_admin_app(state: RouterState) -> web.Application:
+    """The admin application for ``state``; requires ``settings.admin_token`` if set."""
+    token = state.settings.admin_token
+    app = web.Application(middlewares=[_auth_middleware(token)] if token else [])
+    app[_STATE] = state
+    app.router.add_get("/admin/config", get_config, allow_head=False)
+    app.router.add_put("/admin/config", put_config)
+    app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", put_routing)
+    app.router.add_post("/admin/reload", reload)
+    return app

@@ -1,0 +1,108 @@
+"""Prometheus metrics of the router (prefix ``prefixroute_``), in their own registry.
+
+Labels never carry request content: only endpoint, variant and instance names from the
+configuration, decision kinds, status codes and error kinds. An endpoint name taken
+from a URL that is not configured is reported as ``unknown`` (no label explosion).
+
+The in-flight gauge is not updated per request: a collector reads the pools at scrape
+time, so it is exactly the pools' counts.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from prefixroute.core.endpoint import Fleet
+
+__all__ = ["RouterMetrics", "CONTENT_TYPE", "METRIC_NAMES"]
+
+#: Content type of ``GET /metrics``.
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
+
+#: Every metric family the router exports (histograms add _bucket/_sum/_count).
+METRIC_NAMES = (
+    "prefixroute_requests_total",
+    "prefixroute_responses_total",
+    "prefixroute_upstream_errors_total",
+    "prefixroute_in_flight",
+    "prefixroute_instance_healthy",
+    "prefixroute_routing_decision_seconds",
+    "prefixroute_ttft_seconds",
+    "prefixroute_request_duration_seconds",
+    "prefixroute_router_overhead_seconds",
+)
+
+# A routing decision takes microseconds; start at 1 µs.
+_DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 1e-2, 0.1)
+_OVERHEAD_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                 7.5, 10.0, 20.0, 30.0, 60.0)
+_DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _PoolCollector(Collector):
+    """In-flight and health per instance, read from the live pools at scrape time."""
+
+    def __init__(self, fleet: Callable[[], Fleet]) -> None:
+        self._fleet = fleet
+
+    def collect(self) -> Iterable[Metric]:
+        in_flight = GaugeMetricFamily(
+            "prefixroute_in_flight", "Requests in flight per instance (sent, not yet finished).",
+            labels=("endpoint", "variant", "instance"))
+        healthy = GaugeMetricFamily(
+            "prefixroute_instance_healthy", "1 if the instance takes requests, 0 if out of rotation.",
+            labels=("endpoint", "variant", "instance"))
+        for endpoint, pool in self._fleet().all_pools():
+            for inst in pool.instances:
+                labels = (endpoint, pool.name, inst.instance_id)
+                in_flight.add_metric(labels, inst.in_flight)
+                healthy.add_metric(labels, 1.0 if inst.healthy else 0.0)
+        return [in_flight, healthy]
+
+
+class RouterMetrics:
+    """The router's metrics and the registry that exports them.
+
+    Args:
+        fleet: returns the current :class:`Fleet` (it changes on reconfiguration).
+    """
+
+    def __init__(self, fleet: Callable[[], Fleet]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "prefixroute_requests", "Requests routed, per instance and decision kind.",
+            ("endpoint", "variant", "instance", "decision"), registry=r)
+        self.responses = Counter(
+            "prefixroute_responses", "Responses sent, per status code (499 = client went away).",
+            ("endpoint", "variant", "code"), registry=r)
+        self.upstream_errors = Counter(
+            "prefixroute_upstream_errors",
+            "Failures talking to an instance: connect, timeout, disconnect, http_5xx.",
+            ("instance", "kind"), registry=r)
+        self.decision_seconds = Histogram(
+            "prefixroute_routing_decision_seconds", "Time of one routing decision, seconds.",
+            ("endpoint", "variant"), buckets=_DECISION_BUCKETS, registry=r)
+        self.ttft_seconds = Histogram(
+            "prefixroute_ttft_seconds",
+            "Router-observed time to first token: request received to first response body byte "
+            "from the instance, seconds.",
+            ("endpoint", "variant"), buckets=_TTFT_BUCKETS, registry=r)
+        self.duration_seconds = Histogram(
+            "prefixroute_request_duration_seconds", "End-to-end request duration at the router, seconds.",
+            ("endpoint", "variant"), buckets=_DURATION_BUCKETS, registry=r)
+        self.overhead_seconds = Histogram(
+            "prefixroute_router_overhead_seconds",
+            "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
+            ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r)
+        r.register(_PoolCollector(fleet))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

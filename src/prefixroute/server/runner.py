@@ -1,0 +1,127 @@
+"""Start and stop a router in the running event loop (tests, the demo, the CLI).
+
+>>> handle = await start_router(FleetConfig.single([...], RoutingConfig.build("prefix-aware", 4096, 8)),
+...                             ServerSettings(port=0))
+>>> handle.url          # 'http://127.0.0.1:54321'
+>>> await handle.close()
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
+from prefixroute.core.endpoint import Fleet
+from prefixroute.server.admin import build_admin_app
+from prefixroute.server.app import build_app
+from prefixroute.server.settings import ServerSettings
+from prefixroute.server.state import RouterState
+
+__all__ = ["RouterHandle", "start_router", "reload_logged"]
+
+log = logging.getLogger("prefixroute.server")
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@dataclass
+class RouterHandle:
+    """A running router.
+
+    Attributes:
+        url: base URL of the router, e.g. ``http://127.0.0.1:8080`` (no trailing slash).
+        admin_url: base URL of the admin API, or ``None`` if disabled.
+        state: the live :class:`RouterState` (``state.fleet``, ``state.metrics``...).
+    """
+
+    url: str
+    admin_url: str | None
+    state: RouterState
+    _runners: list[web.AppRunner] = field(default_factory=list, repr=False)
+
+    @property
+    def fleet(self) -> Fleet:
+        """The live fleet: endpoints, variant pools, per-instance in-flight counts."""
+        return self.state.fleet
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def apply_config(self, config: FleetConfig) -> None:
+        """Adopt a validated configuration (what ``PUT /admin/config`` does)."""
+        self.state.apply_config(config)
+
+    def set_routing(self, endpoint: str, variant: str, routing: RoutingConfig) -> FleetConfig:
+        """Switch one variant's routing. Raises ``UnknownEndpoint``/``UnknownVariant``."""
+        return self.state.set_routing(endpoint, variant, routing)
+
+    def reload_config(self) -> FleetConfig:
+        """Re-read ``settings.config_path`` (what SIGHUP does). Raises ``ConfigError``."""
+        return self.state.reload_config_file()
+
+    async def close(self) -> None:
+        """Stop listening, let requests in flight finish (up to
+        ``settings.shutdown_timeout_s``), then close the upstream client."""
+        runners, self._runners = self._runners, []
+        for runner in reversed(runners):
+            await runner.cleanup()
+
+
+def reload_logged(state: RouterState) -> bool:
+    """SIGHUP's action: re-read the config file; on error log it and keep the running
+    configuration. Returns True if the new configuration is in force."""
+    try:
+        state.reload_config_file()
+    except ConfigError as exc:
+        log.error("configuration reload failed, keeping the running configuration: %s", exc)
+        return False
+    return True
+
+
+async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])
+
+
+async def start_router(config: FleetConfig, settings: ServerSettings | None = None) -> RouterHandle:
+    """Start the router (and its admin API) on the running event loop.
+
+    Args:
+        config: the validated fleet configuration.
+        settings: process settings; default ``ServerSettings()`` (port 8080).
+
+    Returns:
+        A :class:`RouterHandle`; ``await handle.close()`` to stop.
+
+    Raises:
+        OSError: a port is in use or the address cannot be bound.
+    """
+    settings = settings or ServerSettings()
+    state = RouterState(config, settings)
+    runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s)
+    handle = RouterHandle(_url(settings.host, port), None, state, [runner])
+    if settings.admin_enabled:
+        admin_port = settings.admin_port
+        if admin_port is None:
+            admin_port = port + 1 if settings.port else 0
+        try:
+            admin_runner, admin_port = await _start(build_admin_app(state), settings.admin_host, admin_port, 1.0)
+        except BaseException:
+            await handle.close()
+            raise
+        handle._runners.append(admin_runner)
+        handle.admin_url = _url(settings.admin_host, admin_port)
+    return handle

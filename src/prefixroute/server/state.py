@@ -1,0 +1,141 @@
+"""The router's live state: the fleet, its configuration, metrics and the upstream client.
+
+One :class:`RouterState` per router process, shared by the serving app, the admin app,
+the health checker and the signal handlers. Reconfiguration goes through
+:meth:`RouterState.apply_config` (whole fleet) or :meth:`RouterState.set_routing`
+(one variant); both keep the in-flight state of what stays (``Fleet.apply``), so
+requests in flight are not disturbed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import aiohttp
+
+from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
+from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
+from prefixroute.server.metrics import RouterMetrics
+from prefixroute.server.settings import ServerSettings
+
+__all__ = ["RouterState"]
+
+log = logging.getLogger("prefixroute.server")
+
+
+class RouterState:
+    """Everything a request handler needs.
+
+    Args:
+        config: the validated fleet configuration to start with.
+        settings: process settings.
+
+    Attributes:
+        fleet: the live :class:`Fleet` (endpoints, variant pools, in-flight counts).
+        settings: the :class:`ServerSettings`.
+        metrics: the :class:`RouterMetrics`.
+        session: the pooled upstream ``aiohttp.ClientSession``; set while the app runs.
+    """
+
+    def __init__(self, config: FleetConfig, settings: ServerSettings) -> None:
+        self.settings = settings
+        self.fleet = Fleet(config, settings.seed)
+        self.metrics = RouterMetrics(lambda: self.fleet)
+        self.session: aiohttp.ClientSession | None = None
+
+    @property
+    def config(self) -> FleetConfig:
+        """The configuration currently in force."""
+        return self.fleet.config
+
+    # -- reconfiguration ----------------------------------------------------------
+
+    def apply_config(self, config: FleetConfig) -> None:
+        """Adopt a validated configuration without a restart.
+
+        Variants and instances that stay keep their in-flight counts, health and
+        leases; removed instances get no new requests and their leases still release.
+        """
+        self.fleet.apply(config, self.settings.seed)
+        log.info("configuration applied: %s", _summary(config))
+
+    def set_routing(self, endpoint: str, variant: str, routing: RoutingConfig) -> FleetConfig:
+        """Switch one production variant's routing; returns the new configuration.
+
+        Raises:
+            UnknownEndpoint: no such endpoint.
+            UnknownVariant: the endpoint has no such variant.
+        """
+        cfg = self.config
+        ep_cfg = next((e for e in cfg.endpoints if e.name == endpoint), None)
+        if ep_cfg is None:
+            raise UnknownEndpoint(f"endpoint {endpoint!r} not found (endpoints: {', '.join(self.fleet.endpoints)})")
+        if all(v.name != variant for v in ep_cfg.variants):
+            raise UnknownVariant(
+                f"endpoint {endpoint!r} has no production variant {variant!r} "
+                f"(variants: {', '.join(v.name for v in ep_cfg.variants)})"
+            )
+        variants = tuple(v.model_copy(update={"routing": routing}) if v.name == variant else v
+                         for v in ep_cfg.variants)
+        new_ep = ep_cfg.model_copy(update={"variants": variants})
+        new = cfg.model_copy(update={"endpoints": tuple(new_ep if e.name == endpoint else e for e in cfg.endpoints)})
+        self.apply_config(new)
+        return new
+
+    def reload_config_file(self) -> FleetConfig:
+        """Re-read ``settings.config_path`` and apply it (what SIGHUP does).
+
+        Raises:
+            ConfigError: no configuration file was given, it cannot be read, or it is
+                invalid. The running configuration is then kept unchanged.
+        """
+        path = self.settings.config_path
+        if not path:
+            raise ConfigError("no configuration file to reload (the router was started without --config)")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
+        config = FleetConfig.from_yaml(text)
+        self.apply_config(config)
+        return config
+
+    # -- health -------------------------------------------------------------------
+
+    def set_healthy(self, instance_id: str, healthy: bool) -> None:
+        """Mark an instance (in every variant that has it) in or out of rotation."""
+        changed = False
+        for _, pool in self.fleet.all_pools():
+            inst = pool.get(instance_id)
+            if inst is not None and inst.healthy != healthy:
+                pool.set_healthy(instance_id, healthy)
+                changed = True
+        if changed:
+            log.log(logging.INFO if healthy else logging.WARNING, "instance %s is now %s",
+                    instance_id, "healthy" if healthy else "unhealthy")
+
+    def instance_ids(self) -> list[str]:
+        """Every configured instance URL, once."""
+        seen: dict[str, None] = {}
+        for _, pool in self.fleet.all_pools():
+            for inst in pool.instances:
+                seen.setdefault(inst.instance_id, None)
+        return list(seen)
+
+    def healthy_counts(self) -> tuple[int, int]:
+        """``(healthy, total)`` instances over the fleet (an instance in two variants counts twice)."""
+        healthy = total = 0
+        for _, pool in self.fleet.all_pools():
+            for inst in pool.instances:
+                total += 1
+                healthy += inst.healthy
+        return healthy, total
+
+
+def _summary(config: FleetConfig) -> str:
+    parts = []
+    for e in config.endpoints:
+        for v in e.variants:
+            parts.append(f"{e.name}/{v.name}: {v.routing.strategy.value}, {len(v.instances)} instance(s)")
+    return "; ".join(parts)

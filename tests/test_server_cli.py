@@ -1,0 +1,144 @@
+"""``prefixroute serve``: flags, configuration errors, the listening line, signals."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import yaml
+
+from prefixroute.core.config import RoutingStrategy
+from prefixroute.server.cli import build_config, build_settings, configure_parser, run
+
+
+def _parse(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    return p.parse_args(list(argv))
+
+
+def test_every_flag_has_help():
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    for action in p._actions:
+        if action.dest != "help":
+            assert action.help and len(action.help) > 20, action.dest
+
+
+@pytest.mark.parametrize("spelling,expected", [
+    ("RANDOM", RoutingStrategy.RANDOM), ("random", RoutingStrategy.RANDOM),
+    ("least-outstanding-requests", RoutingStrategy.LEAST_OUTSTANDING_REQUESTS),
+    ("LEAST_OUTSTANDING_REQUESTS", RoutingStrategy.LEAST_OUTSTANDING_REQUESTS),
+    ("prefix-aware", RoutingStrategy.PREFIX_AWARE), ("PREFIX_AWARE", RoutingStrategy.PREFIX_AWARE),
+])
+def test_strategy_spellings(spelling, expected):
+    args = _parse("--backend", "http://127.0.0.1:8001", "--backend", "http://127.0.0.1:8002/",
+                  "--strategy", spelling, "--prefix-length", "4096", "--concurrency-threshold", "10",
+                  "--endpoint-name", "ep", "--variant-name", "Blue")
+    cfg = build_config(args)
+    ep = cfg.endpoints[0]
+    assert (ep.name, ep.variants[0].name) == ("ep", "Blue")
+    assert ep.variants[0].instances == ("http://127.0.0.1:8001", "http://127.0.0.1:8002")
+    assert ep.variants[0].routing.strategy is expected
+
+
+def test_settings_defaults():
+    s = build_settings(_parse("--backend", "http://h:1"))
+    assert (s.host, s.port, s.admin_host, s.admin_port) == ("127.0.0.1", 8080, "127.0.0.1", None)
+    assert s.health_check_interval_s == 5.0 and s.health_check_path == "/health"
+    assert s.shutdown_timeout_s == 30.0 and s.log_prompts is False
+
+
+def test_admin_token_from_env(monkeypatch):
+    monkeypatch.setenv("PREFIXROUTE_ADMIN_TOKEN", "tok")
+    assert build_settings(_parse("--backend", "http://h:1")).admin_token == "tok"
+
+
+@pytest.mark.parametrize("argv,needle", [
+    ([], "no instances"),
+    (["--backend", "http://h:1", "--strategy", "prefix-aware"], "PrefixAwareRoutingConfig"),
+    (["--backend", "http://h:1", "--strategy", "prefix-aware", "--prefix-length", "100",
+      "--concurrency-threshold", "4"], "PrefixLength: 100 is out of range (allowed 1,024-65,536)"),
+    (["--backend", "http://h:1", "--strategy", "fastest"], "unknown strategy 'fastest'"),
+    (["--backend", "ftp://h:1"], "is not an http:// or https:// URL"),
+    (["--backend", "http://h:1", "--config", "x.yaml"], "either --config or --backend"),
+    (["--config", "/nonexistent/fleet.yaml"], "cannot read configuration file"),
+    (["--backend", "http://h:1", "--admin-host", "0.0.0.0"], "admin token is required"),
+])
+def test_config_errors_exit_2(argv, needle, capsys, monkeypatch):
+    monkeypatch.delenv("PREFIXROUTE_ADMIN_TOKEN", raising=False)
+    assert run(_parse(*argv)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and needle in err
+
+
+def _write(path, backend: str, routing: dict) -> None:
+    path.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [
+        {"VariantName": "AllTraffic", "Instances": [backend], "RoutingConfig": routing}]}]}))
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_serve_process_lines_sighup_and_sigterm(tmp_path):
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with subprocess.Popen(
+        [sys.executable, "-m", "prefixroute.server.cli", "--config", str(cfg), "--port", "0",
+         "--health-check-interval", "0", "--log-level", "info"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    ) as proc:
+        _drive(proc, cfg)
+
+
+def _drive(proc: subprocess.Popen, cfg) -> None:
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:(\d+))\n", line)
+        assert m, line
+        url = m.group(1)
+        admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
+                             proc.stdout.readline())
+        assert admin
+        admin_url = admin.group(1)
+        assert _get(url + "/health") == (200, {"status": "ok", "healthy_instances": 1, "instances": 1})
+
+        def strategy() -> str:
+            return _get(admin_url + "/admin/config")[1]["Endpoints"][0]["ProductionVariants"][0][
+                "RoutingConfig"]["RoutingStrategy"]
+
+        _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
+        proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 5
+        while strategy() != "LEAST_OUTSTANDING_REQUESTS" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert strategy() == "LEAST_OUTSTANDING_REQUESTS"
+
+        cfg.write_text("Endpoints: [oops")  # invalid: logged, running config kept
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.2)
+        assert strategy() == "LEAST_OUTSTANDING_REQUESTS"
+
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0
+        assert proc.stdout.read() == ""  # nothing else on stdout
+        err = proc.stderr.read() if proc.stderr else ""
+        assert "configuration reload failed" in err and "not valid YAML" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

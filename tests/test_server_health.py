@@ -1,0 +1,63 @@
+"""Active and passive health checking."""
+
+from __future__ import annotations
+
+import aiohttp
+import pytest
+
+from prefixroute.server.health import check_all
+from test_server_helpers import FakeInstance, closed_port_url, eventually, router_for
+
+
+@pytest.fixture
+async def backends():
+    insts = [await FakeInstance().start() for _ in range(2)]
+    yield insts
+    for b in insts:
+        await b.stop()
+
+
+def _healthy(handle, url):
+    return handle.fleet.endpoint().variant().get(url).healthy
+
+
+async def test_check_all_marks_instances(backends):
+    dead = closed_port_url()
+    handle = await router_for([backends[0].url, backends[1].url, dead])
+    try:
+        backends[1].health_status = 503
+        result = await check_all(handle.state)
+        assert result == {backends[0].url: True, backends[1].url: False, dead: False}
+        assert [_healthy(handle, u) for u in (backends[0].url, backends[1].url, dead)] == [True, False, False]
+        async with aiohttp.ClientSession() as http:
+            for _ in range(5):  # only the healthy instance is used
+                async with http.post(handle.url + "/v1/completions", json={"model": "m", "prompt": "p"}) as r:
+                    assert r.headers["X-Prefixroute-Instance"] == backends[0].url
+            async with http.get(handle.url + "/health") as r:
+                assert (await r.json())["healthy_instances"] == 1
+        backends[1].health_status = 200
+        await check_all(handle.state)
+        assert _healthy(handle, backends[1].url)
+    finally:
+        await handle.close()
+
+
+async def test_periodic_checks_restore_an_instance(backends):
+    handle = await router_for([b.url for b in backends], health_check_interval_s=0.05,
+                              health_check_path="/health")
+    try:
+        pool = handle.fleet.endpoint().variant()
+        pool.set_healthy(backends[0].url, False)  # e.g. after a refused connection
+        assert await eventually(lambda: _healthy(handle, backends[0].url), timeout=2)
+        backends[1].health_status = 500
+        assert await eventually(lambda: not _healthy(handle, backends[1].url), timeout=2)
+    finally:
+        await handle.close()
+
+
+async def test_health_path_setting(backends):
+    handle = await router_for([backends[0].url], health_check_path="/missing")
+    try:
+        assert await check_all(handle.state) == {backends[0].url: False}  # 404 is not healthy
+    finally:
+        await handle.close()
