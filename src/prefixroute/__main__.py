@@ -1,0 +1,7 @@
+"""``python -m prefixroute`` runs the ``prefixroute`` command."""
+
+import sys
+
+from prefixroute.cli import main
+
+sys.exit(main())

@@ -1,0 +1,46 @@
+"""The ``prefixroute`` command: ``serve``, ``emulate`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+from prefixroute import __version__
+
+__all__ = ["main", "build_parser"]
+
+#: subcommand -> (module with configure_parser/run, one-line help)
+SUBCOMMANDS = {
+    "serve": ("prefixroute.server.cli", "run the router in front of engine instances"),
+    "emulate": ("prefixroute.engine.cli", "run one emulated vLLM engine with a prefix cache"),
+    "demo": ("prefixroute.demo.cli", "measure every strategy on an emulated fleet (the main job)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with one subparser per subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="prefixroute",
+        description="Prefix-aware (KV-cache-aware) request router for LLM inference fleets.",
+    )
+    parser.add_argument("--version", action="version", version=f"prefixroute {__version__}")
+    subs = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        mod = importlib.import_module(module)
+        sp = subs.add_parser(name, help=help_text)
+        mod.configure_parser(sp)
+        sp.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

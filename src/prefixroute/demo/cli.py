@@ -1,0 +1,172 @@
+"""``prefixroute demo``: an emulated vLLM fleet, the router, and one run per strategy.
+
+For each strategy it starts a fresh fleet of emulated engines (cold caches) and the
+router in front of them, all as separate processes on loopback ports they pick,
+drives the same seeded shared-prefix workload through real HTTP, reads the engines'
+prefix-cache counters from their ``/metrics``, stops everything, and finally prints
+the reference-style table, writes plots and (with ``--json``) SPEC §7's JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import sys
+import time
+from pathlib import Path
+
+from prefixroute.core.config import ConfigError, RoutingConfig, RoutingStrategy
+
+__all__ = ["configure_parser", "run"]
+
+DEFAULT_STRATEGIES = "random,least-outstanding-requests,prefix-aware"
+
+
+def configure_parser(p: argparse.ArgumentParser) -> None:
+    """Add the ``demo`` flags to ``p``."""
+    p.description = (
+        "Start an emulated vLLM fleet (Llama-3.1-70B on 8xH100 per instance, run faster than real "
+        "time) and the router, drive a shared-prefix workload once per routing strategy, and print "
+        "P50/P90 TTFT, cache-hit rate, throughput, per-instance share and router overhead."
+    )
+    g = p.add_argument_group("fleet")
+    g.add_argument("--instances", type=int, default=5, help="emulated engine instances (default: 5)")
+    g.add_argument("--time-scale", type=float, default=0.25,
+                   help="engine speed: 0.25 runs the model four times faster than real time; reported "
+                        "times are converted back to model seconds (default: 0.25)")
+    g.add_argument("--kv-capacity-tokens", type=int, default=120_000,
+                   help="KV-cache capacity of each instance, tokens. The default keeps the workload's "
+                        "prefixes larger than one instance's cache but smaller than the fleet's "
+                        "(default: 120000)")
+    g = p.add_argument_group("routing")
+    g.add_argument("--strategies", default=DEFAULT_STRATEGIES,
+                   help=f"comma-separated strategies to run, first is the baseline (default: {DEFAULT_STRATEGIES})")
+    g.add_argument("--prefix-length", type=int, default=4096,
+                   help="PrefixLength for PREFIX_AWARE, characters of the chat text (default: 4096)")
+    g.add_argument("--concurrency-threshold", type=int, default=8,
+                   help="ConcurrencyThreshold for PREFIX_AWARE, requests in flight per instance (default: 8)")
+    g = p.add_argument_group("workload")
+    g.add_argument("--groups", type=int, default=40, help="prefix groups (documents) (default: 40)")
+    g.add_argument("--prefix-tokens", type=int, default=8000, help="tokens per shared prefix (default: 8000)")
+    g.add_argument("--question-tokens", type=int, default=64, help="tokens per unique question (default: 64)")
+    g.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
+    g.add_argument("--users", type=int, default=40,
+                   help="concurrent users of the closed-loop client; each sends its next request when "
+                        "the previous one ends (default: 40)")
+    g.add_argument("--duration", type=float, default=40.0,
+                   help="real seconds of traffic per strategy (default: 40)")
+    g.add_argument("--seed", type=int, default=0, help="workload and router seed (default: 0)")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", metavar="PATH", help="also write the results as SPEC section 7 JSON to PATH")
+    g.add_argument("--out-dir", default="prefixroute-demo", help="where plots go (default: ./prefixroute-demo)")
+    g.add_argument("--no-plots", action="store_true", help="do not write plots")
+
+
+def _strategies(text: str) -> list[RoutingStrategy]:
+    return [RoutingStrategy.parse(s) for s in text.split(",") if s.strip()]
+
+
+async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_procs, progress, task):
+    from prefixroute.demo.loadgen import run_closed_loop
+    from prefixroute.demo.report import scrape_counters, summarize
+    from prefixroute.workloads.shared_prefix import SharedPrefixWorkload
+
+    engines = []
+    for i in range(args.instances):
+        engines.append(await asyncio.to_thread(group_procs.start, f"engine-{i}", [
+            "emulate", "--port", "0", "--instance-id", f"instance-{i}",
+            "--time-scale", str(args.time_scale), "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+        ]))
+    urls = [e.url for e in engines]
+    serve = ["serve", "--port", "0", "--admin-port", "0", "--strategy", strategy.cli_name, "--seed", str(args.seed)]
+    if strategy is RoutingStrategy.PREFIX_AWARE:
+        serve += ["--prefix-length", str(args.prefix_length), "--concurrency-threshold", str(args.concurrency_threshold)]
+    for u in urls:
+        serve += ["--backend", u]
+    router = await asyncio.to_thread(group_procs.start, "router", serve)
+
+    workload = SharedPrefixWorkload(
+        groups=args.groups, prefix_tokens=args.prefix_tokens, question_tokens=args.question_tokens,
+        output_tokens=args.output_tokens, seed=args.seed,
+    )
+    done = itertools.count(1)
+
+    def on_done(_r):
+        progress.update(task, completed=next(done))
+
+    results, wall = await run_closed_loop(
+        router.url + "/v1/chat/completions", workload.requests(10**9), args.users, args.duration, on_done
+    )
+    counters = await scrape_counters(urls, ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"])
+    summary = summarize(
+        strategy.value, results, wall, args.time_scale, urls,
+        counters["vllm:prefix_cache_hits_total"], counters["vllm:prefix_cache_queries_total"],
+    )
+    group_procs.stop_all()
+    return workload, results, summary
+
+
+async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from prefixroute.demo.processes import ProcessGroup
+    from prefixroute.demo.report import render_table, write_json, write_plots
+
+    console = Console()
+    console.print(
+        f"[bold]prefixroute demo[/bold]: {args.instances} emulated Llama-3.1-70B/8xH100 instances "
+        f"(time scale {args.time_scale}), {args.groups} groups x {args.prefix_tokens}-token prefixes, "
+        f"{args.users} users, {args.duration:.0f} s per strategy"
+    )
+    summaries = []
+    runs = {}
+    workload_desc = ""
+    with ProcessGroup() as procs, Progress(
+        TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"),
+        TimeElapsedColumn(), console=console, transient=False,
+    ) as progress:
+        for strategy in strategies:
+            task = progress.add_task(f"{strategy.value:<27}", total=None)
+            workload, results, summary = await _run_one(args, strategy, procs, progress, task)
+            progress.update(task, total=len(results), completed=len(results))
+            workload_desc = workload.describe()
+            summaries.append(summary)
+            runs[strategy.value] = results
+
+    console.print(render_table(summaries, "Shared-prefix workload; times in model seconds, "
+                                          "overhead in real milliseconds"))
+    errors = sum(s.errors for s in summaries)
+    if errors:
+        console.print(f"[red]{errors} request(s) failed[/red]")
+    if not args.no_plots:
+        paths = write_plots(args.out_dir, runs, summaries)
+        console.print("plots: " + ", ".join(str(p) for p in paths))
+    if args.json:
+        write_json(args.json, workload_desc + f" instances={args.instances} users={args.users}", summaries)
+        console.print(f"results: {args.json}")
+    return 0 if errors == 0 else 1
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the process exit code (1 if any request failed)."""
+    try:
+        strategies = _strategies(args.strategies)
+        if RoutingStrategy.PREFIX_AWARE in strategies:
+            RoutingConfig.build("prefix-aware", args.prefix_length, args.concurrency_threshold)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for name in ("instances", "users", "groups"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name} must be at least 1", file=sys.stderr)
+            return 2
+    if not 0 < args.time_scale <= 10:
+        print("error: --time-scale must be in (0, 10]", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(_main(args, strategies))
+    except KeyboardInterrupt:
+        print("interrupted; every process the demo started has been stopped", file=sys.stderr)
+        return 130

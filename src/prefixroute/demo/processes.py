@@ -1,0 +1,150 @@
+"""Start and stop local ``prefixroute emulate`` / ``prefixroute serve`` processes.
+
+Each child prints one line ``prefixroute-<what> listening on http://HOST:PORT`` when
+ready (``--port 0`` lets it pick a free port). :class:`ProcessGroup` owns every child
+it started and stops them all on exit, on error and on Ctrl-C (SIGTERM, then SIGKILL
+after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+__all__ = ["Child", "ProcessGroup", "StartupError"]
+
+_READY = re.compile(r"prefixroute-(\w+) listening on (http://\S+)")
+
+
+class StartupError(RuntimeError):
+    """A child exited or did not report ready in time; the message has its last output."""
+
+
+@dataclass
+class Child:
+    """A started child process and the URL it reported."""
+
+    name: str
+    proc: subprocess.Popen[str]
+    url: str
+    extra_urls: dict[str, str] = field(default_factory=dict)
+
+
+class ProcessGroup:
+    """Owns child processes; a context manager that stops them all on exit."""
+
+    def __init__(self) -> None:
+        self.children: list[Child] = []
+
+    def start(self, name: str, args: Sequence[str], ready_timeout_s: float = 30.0, ready_lines: int = 1) -> Child:
+        """Run ``python -m prefixroute ARGS`` and wait for its ``listening on`` line(s).
+
+        Args:
+            name: a label for errors.
+            args: the subcommand and its flags.
+            ready_timeout_s: how long to wait for readiness, seconds.
+            ready_lines: how many ``listening on`` lines to wait for (the router prints
+                one for traffic and one for its admin listener).
+
+        Raises:
+            StartupError: the child exited or was not ready within the timeout.
+        """
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "prefixroute", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+            start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
+        )
+        child = Child(name, proc, "")
+        self.children.append(child)
+        assert proc.stdout is not None
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + ready_timeout_s
+        seen: list[str] = []
+        found = 0
+        try:
+            while found < ready_lines:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise StartupError(f"{name} not ready after {ready_timeout_s:.0f} s; output:\n" + "".join(seen[-20:]))
+                if not sel.select(timeout=min(left, 0.5)):
+                    if proc.poll() is not None:
+                        break
+                    continue
+                line = proc.stdout.readline()
+                if not line:
+                    break
+                seen.append(line)
+                m = _READY.search(line)
+                if m:
+                    if not child.url:
+                        child.url = m.group(2)
+                    else:
+                        child.extra_urls[m.group(1) + str(found)] = m.group(2)
+                    found += 1
+            if found < ready_lines:
+                proc.wait(timeout=5)
+                raise StartupError(f"{name} exited with code {proc.returncode}; output:\n" + "".join(seen[-20:]))
+        finally:
+            sel.close()
+        # Keep draining output so a chatty child never blocks on a full pipe.
+        _drain(proc)
+        return child
+
+    def stop(self, child: Child, grace_s: float = 5.0) -> None:
+        """Stop one child: SIGTERM, then SIGKILL after ``grace_s`` seconds."""
+        proc = child.proc
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait(timeout=5)
+        if child in self.children:
+            self.children.remove(child)
+
+    def stop_all(self) -> None:
+        """Stop every child still running (in parallel: SIGTERM all, then wait)."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                try:
+                    os.killpg(c.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        for c in list(self.children):
+            self.stop(c)
+
+    def __enter__(self) -> "ProcessGroup":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all()
+
+
+def _drain(proc: subprocess.Popen[str]) -> None:
+    import threading
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for _ in proc.stdout:
+            pass
+
+    threading.Thread(target=pump, daemon=True).start()
