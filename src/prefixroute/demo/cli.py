@@ -35,25 +35,25 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-scale", type=float, default=0.25,
                    help="engine speed: 0.25 runs the model four times faster than real time; reported "
                         "times are converted back to model seconds (default: 0.25)")
-    g.add_argument("--kv-capacity-tokens", type=int, default=120_000,
+    g.add_argument("--kv-capacity-tokens", type=int, default=400_000,
                    help="KV-cache capacity of each instance, tokens. The default keeps the workload's "
                         "prefixes larger than one instance's cache but smaller than the fleet's "
-                        "(default: 120000)")
+                        "(default: 400000)")
     g = p.add_argument_group("routing")
     g.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated strategies to run, first is the baseline (default: {DEFAULT_STRATEGIES})")
     g.add_argument("--prefix-length", type=int, default=4096,
                    help="PrefixLength for PREFIX_AWARE, characters of the chat text (default: 4096)")
-    g.add_argument("--concurrency-threshold", type=int, default=8,
-                   help="ConcurrencyThreshold for PREFIX_AWARE, requests in flight per instance (default: 8)")
+    g.add_argument("--concurrency-threshold", type=int, default=12,
+                   help="ConcurrencyThreshold for PREFIX_AWARE, requests in flight per instance (default: 12)")
     g = p.add_argument_group("workload")
-    g.add_argument("--groups", type=int, default=40, help="prefix groups (documents) (default: 40)")
+    g.add_argument("--groups", type=int, default=200, help="prefix groups (documents) (default: 200)")
     g.add_argument("--prefix-tokens", type=int, default=8000, help="tokens per shared prefix (default: 8000)")
     g.add_argument("--question-tokens", type=int, default=64, help="tokens per unique question (default: 64)")
     g.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
-    g.add_argument("--users", type=int, default=40,
+    g.add_argument("--users", type=int, default=30,
                    help="concurrent users of the closed-loop client; each sends its next request when "
-                        "the previous one ends (default: 40)")
+                        "the previous one ends (default: 30)")
     g.add_argument("--duration", type=float, default=40.0,
                    help="real seconds of traffic per strategy (default: 40)")
     g.add_argument("--seed", type=int, default=0, help="workload and router seed (default: 0)")
@@ -115,6 +115,8 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
     from prefixroute.demo.report import render_table, write_json, write_plots
 
     console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)  # a log file or pipe: never wrap the table
     console.print(
         f"[bold]prefixroute demo[/bold]: {args.instances} emulated Llama-3.1-70B/8xH100 instances "
         f"(time scale {args.time_scale}), {args.groups} groups x {args.prefix_tokens}-token prefixes, "

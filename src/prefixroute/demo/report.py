@@ -130,8 +130,9 @@ def render_table(summaries: Sequence[RunSummary], title: str) -> Any:
 
     table = Table(title=title, title_justify="left")
     for col in ("strategy", "P50 TTFT", "P90 TTFT", "P50 latency", "cache hit", "throughput",
-                "instance share", "overflow", "errors", "router overhead p50/p99"):
-        table.add_column(col, justify="left" if col in ("strategy", "instance share") else "right")
+                "share per instance %", "overflow", "errors", "overhead p50/p99"):
+        table.add_column(col, justify="left" if col in ("strategy", "share per instance %") else "right",
+                         no_wrap=True)
     base = summaries[0] if summaries else None
 
     def delta(v: float, b: float) -> str:
@@ -147,7 +148,7 @@ def render_table(summaries: Sequence[RunSummary], title: str) -> Any:
             f"{s.p90_ttft_s * 1000:.0f} ms" + ("" if is_base else delta(s.p90_ttft_s, base.p90_ttft_s)),
             f"{s.p50_latency_s:.2f} s",
             f"{s.cache_hit_rate * 100:.1f} %",
-            f"{s.throughput_rps:.2f} req/s" + ("" if is_base else delta(s.throughput_rps, base.throughput_rps)),
+            f"{s.throughput_rps:.1f} rps" + ("" if is_base else delta(s.throughput_rps, base.throughput_rps)),
             " ".join(f"{x * 100:.1f}" for x in s.instance_share),
             f"{s.overflow_rate * 100:.1f} %",
             str(s.errors),
