@@ -127,3 +127,15 @@ def test_yaml_unknown_setting_and_syntax():
 def test_duplicate_instances_rejected():
     with pytest.raises(ConfigError, match="duplicate instance URL"):
         FleetConfig.single(["http://a:1", "http://a:1/"], RoutingConfig())
+
+
+@pytest.mark.parametrize("doc, needle", [
+    ("", "must be a mapping with an 'Endpoints' list (got an empty document)"),
+    ("[1, 2]", "(got list [1, 2])"),
+    ("Endpoints: 5", "Endpoints: must be a list (got int 5)"),
+    (YAML.replace("InitialVariantWeight: 3", "InitialVariantWeight: 0"), "greater than 0 (got 0)"),
+])
+def test_document_shape_errors(doc, needle):
+    with pytest.raises(ConfigError) as exc:
+        FleetConfig.from_yaml(doc)
+    assert needle in str(exc.value)

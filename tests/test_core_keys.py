@@ -200,3 +200,18 @@ def test_completion_string_uses_characters():
 def test_model_must_be_string():
     with pytest.raises(InvalidRequest, match="'model' must be a string"):
         openai_routing_key({"model": 3, "prompt": "x"}, False, 1024)
+
+
+def test_render_limit_keeps_the_prefix_and_stops_early():
+    msgs = {"messages": [{"role": "user", "content": f"message {i} " + "x" * 50} for i in range(10_000)]}
+    full = render_chat_text(msgs)
+    short = render_chat_text(msgs, limit=1024)
+    assert 1024 <= len(short) < 1200
+    assert full.startswith(short)
+    assert openai_routing_key(dict(msgs, model="m"), True, 1024) == text_routing_key(full, 1024, "m")
+
+
+def test_render_limit_with_large_tools():
+    payload = {"tools": [{"name": "t" * 5000}], "messages": [{"role": "user", "content": "q"}]}
+    assert render_chat_text(payload, limit=1024) == render_chat_text(payload)[: len(render_chat_text(payload, 1024))]
+    assert render_chat_text(payload, limit=1024).endswith("\n")

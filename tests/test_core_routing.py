@@ -103,6 +103,7 @@ def test_overflow_walks_the_key_order_at_the_threshold():
     assert got[8][0] is DecisionKind.ALL_BUSY
     assert all(i.in_flight in (2, 3) for i in pool.instances)
     # Once the preferred instance drops below the threshold, affinity resumes.
+    leases[8].release()  # the all_busy one may have landed on the preferred instance
     leases[0].release()
     nxt = pool.acquire(key)
     assert (nxt.decision.kind, nxt.instance.instance_id) == (DecisionKind.AFFINITY, order[0])
@@ -186,3 +187,29 @@ def test_exclude():
 def test_duplicate_instances_rejected():
     with pytest.raises(ValueError, match="duplicate"):
         VariantPool("v", ["http://a", "http://a"], RoutingConfig())
+
+
+def test_instance_removed_and_added_back_keeps_its_in_flight():
+    pool = VariantPool("v", URLS, RoutingConfig.build("least-outstanding-requests"))
+    leases = [pool.acquire(None) for _ in range(8)]
+    victim = leases[0].instance.instance_id
+    held = pool.get(victim).in_flight
+    pool.set_instances([u for u in URLS if u != victim])
+    pool.set_instances(URLS)
+    assert pool.get(victim).in_flight == held == 2
+    for lease in leases:
+        lease.release()
+    assert [i.in_flight for i in pool.instances] == [0, 0, 0, 0]
+    # once drained, a removed instance is forgotten
+    pool.set_instances(URLS[1:])
+    pool.set_instances(URLS)
+    assert pool.get(URLS[0]).served == 0
+
+
+def test_invalid_instance_urls_are_rejected():
+    from prefixroute.core.config import ConfigError, FleetConfig
+    for bad, why in [("http://127.0.0.1:99999", "not a valid URL"), ("http://[::1", "not a valid URL"),
+                     ("http://exa mple:80", "no valid host"), ("http://:80", "no valid host"),
+                     ("http://a:80/?q=1", "query or fragment"), ("http://a:0", "port 0")]:
+        with pytest.raises(ConfigError, match=why):
+            FleetConfig.single([bad], RoutingConfig())

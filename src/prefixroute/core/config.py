@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 from typing import Any
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -190,6 +191,11 @@ def format_validation_error(exc: ValidationError, root: str = "") -> str:
                 parts = parts[:-1]
         elif kind == "missing":
             msg = "is required"
+        elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long"):
+            msg = f"{msg} (got {err.get('input')!r:.60})"
+        elif kind in ("model_type", "dict_type", "model_attributes_type", "tuple_type", "list_type"):
+            expected = "a list" if kind in ("tuple_type", "list_type") else "a mapping"
+            msg = f"must be {expected} (got {type(err.get('input')).__name__} {err.get('input')!r:.60})"
         elif kind == "extra_forbidden":
             msg = f"is not a known setting (value {err.get('input')!r})"
         path = ".".join(p for p in (root, *parts) if p)
@@ -228,15 +234,29 @@ class VariantConfig(BaseModel):
     @field_validator("instances", mode="after")
     @classmethod
     def _v_instances(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        out = []
-        for url in v:
-            u = url.strip().rstrip("/")
-            if not (u.startswith("http://") or u.startswith("https://")):
-                raise ValueError(f"Instances: {url!r} is not an http:// or https:// URL")
-            out.append(u)
+        out = [_instance_url(url) for url in v]
         if len(set(out)) != len(out):
             raise ValueError(f"Instances: duplicate instance URL in {list(v)}")
         return tuple(out)
+
+
+def _instance_url(url: str) -> str:
+    """Normalise an instance base URL (no trailing slash) or raise ``ValueError`` naming it."""
+    u = url.strip().rstrip("/")
+    if not (u.startswith("http://") or u.startswith("https://")):
+        raise ValueError(f"Instances: {url!r} is not an http:// or https:// URL")
+    try:
+        parts = urlsplit(u)
+        port = parts.port  # raises ValueError when out of 0-65535 or not a number
+    except ValueError as exc:
+        raise ValueError(f"Instances: {url!r} is not a valid URL ({exc})") from None
+    if not parts.hostname or any(c.isspace() for c in u):
+        raise ValueError(f"Instances: {url!r} has no valid host")
+    if port == 0:
+        raise ValueError(f"Instances: {url!r} has port 0")
+    if parts.query or parts.fragment:
+        raise ValueError(f"Instances: {url!r} must not have a query or fragment")
+    return u
 
 
 class EndpointConfig(BaseModel):
@@ -276,6 +296,9 @@ class FleetConfig(BaseModel):
         Raises:
             ConfigError: any invalid field; the message gives its path.
         """
+        if not isinstance(data, dict):
+            shown = "an empty document" if data is None else f"{type(data).__name__} {data!r:.60}"
+            raise ConfigError(f"the configuration must be a mapping with an 'Endpoints' list (got {shown})")
         return parse_model(cls, data)
 
     @classmethod

@@ -134,7 +134,7 @@ def _content_text(content: Any) -> str:
     raise InvalidRequest("message 'content' must be a string, a list of parts or null")
 
 
-def render_chat_text(payload: Mapping[str, Any]) -> str:
+def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> str:
     """Render an OpenAI chat request into the text whose prefix is routed on.
 
     The rule (documented in docs/ROUTING_KEYS.md), chosen so that two requests whose
@@ -154,6 +154,10 @@ def render_chat_text(payload: Mapping[str, Any]) -> str:
 
     Args:
         payload: the parsed JSON body of ``POST /v1/chat/completions``.
+        limit: stop rendering once at least this many characters are out (the
+            result's first ``limit`` characters are the same as without a limit). The
+            router passes PrefixLength, so a huge conversation costs no more than its
+            first messages; messages after that point are not validated.
 
     Returns:
         The rendered text (``str``; PrefixLength counts its characters).
@@ -165,12 +169,17 @@ def render_chat_text(payload: Mapping[str, Any]) -> str:
     if not isinstance(messages, list):
         raise InvalidRequest("'messages' must be a list of message objects")
     out: list[str] = []
+    size = 0
     tools = payload.get("tools")
     if tools:
         out.append("<|tools|>\n")
         out.append(_canonical_json(tools))
         out.append("\n")
+        size = sum(len(x) for x in out)
     for msg in messages:
+        if limit is not None and size >= limit:
+            break
+        start = len(out)
         if not isinstance(msg, Mapping):
             raise InvalidRequest("each message must be an object with 'role' and 'content'")
         role = msg.get("role")
@@ -185,6 +194,8 @@ def render_chat_text(payload: Mapping[str, Any]) -> str:
         if calls:
             out.append(_canonical_json(calls))
         out.append("\n")
+        if limit is not None:
+            size += sum(len(x) for x in out[start:])
     return "".join(out)
 
 
@@ -266,7 +277,7 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
         raise InvalidRequest("'model' must be a string")
     tenant = validate_tenant_id(payload.get("prompt_cache_key"))
     if chat:
-        return text_routing_key(render_chat_text(payload), prefix_length, model, tenant)
+        return text_routing_key(render_chat_text(payload, prefix_length), prefix_length, model, tenant)
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
         return text_routing_key(prompt, prefix_length, model, tenant)

@@ -97,6 +97,9 @@ class VariantPool:
         self._rng = random.Random(seed)
         self._instances: list[InstanceState] = []
         self._by_id: dict[str, InstanceState] = {}
+        # Removed instances that still have requests in flight: if one is added back
+        # before they finish, its count must include them.
+        self._retired: dict[str, InstanceState] = {}
         self._routing = routing
         self._strategy: Strategy = make_strategy(routing, self._rng)
         self.set_instances(instance_ids)
@@ -134,8 +137,10 @@ class VariantPool:
         ids = list(instance_ids)
         if len(set(ids)) != len(ids):
             raise ValueError(f"variant {self.name!r}: duplicate instance ids in {ids}")
-        self._instances = [self._by_id.get(i) or InstanceState(i) for i in ids]
+        known = {**self._retired, **self._by_id}
+        self._instances = [known.get(i) or InstanceState(i) for i in ids]
         self._by_id = {s.instance_id: s for s in self._instances}
+        self._retired = {i: s for i, s in known.items() if i not in self._by_id and s.in_flight > 0}
         self._strategy.on_membership_change(self._instances)
 
     def set_healthy(self, instance_id: str, healthy: bool) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import signal
 import sys
 import time
 from pathlib import Path
@@ -43,9 +44,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated strategies to run, first is the baseline (default: {DEFAULT_STRATEGIES})")
     g.add_argument("--prefix-length", type=int, default=4096,
-                   help="PrefixLength for PREFIX_AWARE, characters of the chat text (default: 4096)")
+                   help="PrefixLength for PREFIX_AWARE, 1024-65536 characters of the chat text (default: 4096)")
     g.add_argument("--concurrency-threshold", type=int, default=12,
-                   help="ConcurrencyThreshold for PREFIX_AWARE, requests in flight per instance (default: 12)")
+                   help="ConcurrencyThreshold for PREFIX_AWARE, 1-1024 requests in flight on the preferred "
+                        "instance before overflow (default: 12)")
     g = p.add_argument_group("workload")
     g.add_argument("--groups", type=int, default=200, help="prefix groups (documents) (default: 200)")
     g.add_argument("--prefix-tokens", type=int, default=8000, help="tokens per shared prefix (default: 8000)")
@@ -58,7 +60,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="real seconds of traffic per strategy (default: 40)")
     g.add_argument("--seed", type=int, default=0, help="workload and router seed (default: 0)")
     g = p.add_argument_group("output")
-    g.add_argument("--json", metavar="PATH", help="also write the results as SPEC section 7 JSON to PATH")
+    g.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ({\"workload\": ..., \"runs\": [...]}, see README)")
     g.add_argument("--out-dir", default="prefixroute-demo", help="where plots go (default: ./prefixroute-demo)")
     g.add_argument("--no-plots", action="store_true", help="do not write plots")
 
@@ -112,7 +114,7 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     from prefixroute.demo.processes import ProcessGroup
-    from prefixroute.demo.report import render_table, write_json, write_plots
+    from prefixroute.demo.report import render_narrow_table, render_table, write_json, write_plots
 
     console = Console()
     if not console.is_terminal:
@@ -137,8 +139,9 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
             summaries.append(summary)
             runs[strategy.value] = results
 
-    console.print(render_table(summaries, "Shared-prefix workload; times in model seconds, "
-                                          "overhead in real milliseconds"))
+    title = "Shared-prefix workload; times in model seconds, overhead in real milliseconds"
+    wide = render_table(summaries, title)
+    console.print(wide if console.width >= 180 else render_narrow_table(summaries, title))
     errors = sum(s.errors for s in summaries)
     if errors:
         console.print(f"[red]{errors} request(s) failed[/red]")
@@ -151,22 +154,49 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
     return 0 if errors == 0 else 1
 
 
+def _check(args: argparse.Namespace) -> list[RoutingStrategy]:
+    """Validate every flag before anything starts; raises ConfigError with the flag's name."""
+    strategies = _strategies(args.strategies)
+    if not strategies:
+        raise ConfigError("--strategies: name at least one strategy")
+    if RoutingStrategy.PREFIX_AWARE in strategies:
+        RoutingConfig.build("prefix-aware", args.prefix_length, args.concurrency_threshold)
+    for name in ("instances", "users", "groups", "prefix_tokens", "question_tokens", "output_tokens"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    if args.kv_capacity_tokens < 16:
+        raise ConfigError(f"--kv-capacity-tokens must be at least one 16-token block, got {args.kv_capacity_tokens}")
+    if not args.duration > 0 or args.duration == float("inf"):
+        raise ConfigError(f"--duration must be a positive number of seconds, got {args.duration}")
+    if not 0 < args.time_scale <= 10:
+        raise ConfigError(f"--time-scale must be in (0, 10], got {args.time_scale}")
+    if args.json:
+        path = Path(args.json)
+        if path.is_dir():
+            raise ConfigError(f"--json {args.json}: is a directory; give a file path")
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ConfigError(f"--json {args.json}: {path.parent} is not a directory")
+    if not args.no_plots and Path(args.out_dir).exists() and not Path(args.out_dir).is_dir():
+        raise ConfigError(f"--out-dir {args.out_dir}: exists and is not a directory")
+    return strategies
+
+
+def _stop_on_signal(signum: int, _frame: object) -> None:
+    # SIGTERM/SIGHUP (terminal closed, `timeout`, a CI job killed) unwind like Ctrl-C, so
+    # every child process is stopped by the ProcessGroup on the way out.
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the process exit code (1 if any request failed)."""
+    """Run the demo; returns the process exit code (1 if any request failed, 2 for bad
+    flags, 130 when interrupted)."""
     try:
-        strategies = _strategies(args.strategies)
-        if RoutingStrategy.PREFIX_AWARE in strategies:
-            RoutingConfig.build("prefix-aware", args.prefix_length, args.concurrency_threshold)
+        strategies = _check(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for name in ("instances", "users", "groups"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name} must be at least 1", file=sys.stderr)
-            return 2
-    if not 0 < args.time_scale <= 10:
-        print("error: --time-scale must be in (0, 10]", file=sys.stderr)
-        return 2
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _stop_on_signal)
     try:
         return asyncio.run(_main(args, strategies))
     except KeyboardInterrupt:

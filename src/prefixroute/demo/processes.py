@@ -8,6 +8,7 @@ after a grace period).
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import selectors
@@ -15,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -42,6 +44,8 @@ class ProcessGroup:
 
     def __init__(self) -> None:
         self.children: list[Child] = []
+        self._closed = False
+        _LIVE.add(self)
 
     def start(self, name: str, args: Sequence[str], ready_timeout_s: float = 30.0, ready_lines: int = 1) -> Child:
         """Run ``python -m prefixroute ARGS`` and wait for its ``listening on`` line(s).
@@ -67,6 +71,9 @@ class ProcessGroup:
         )
         child = Child(name, proc, "")
         self.children.append(child)
+        if self._closed:  # closed while this thread was starting the child
+            self.stop(child)
+            raise StartupError(f"{name}: the process group was closed")
         assert proc.stdout is not None
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -132,11 +139,27 @@ class ProcessGroup:
         for c in list(self.children):
             self.stop(c)
 
+    def close(self) -> None:
+        """Stop every child and refuse to start new ones."""
+        self._closed = True
+        self.stop_all()
+        _LIVE.discard(self)
+
     def __enter__(self) -> "ProcessGroup":
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop_all()
+        self.close()
+
+
+_LIVE: "weakref.WeakSet[ProcessGroup]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    # Last resort: whatever way the interpreter exits, no child outlives it.
+    for group in list(_LIVE):
+        group.close()
 
 
 def _drain(proc: subprocess.Popen[str]) -> None:

@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefixroute.demo.loadgen import RequestResult
 
-__all__ = ["RunSummary", "summarize", "scrape_counters", "render_table", "write_json", "write_plots", "percentile"]
+__all__ = ["RunSummary", "summarize", "scrape_counters", "render_table", "render_narrow_table", "write_json", "write_plots", "percentile"]
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -124,6 +124,45 @@ def summarize(
     )
 
 
+def _delta(v: float, b: float) -> str:
+    if not b or b != b or v != v:
+        return ""
+    return f" ({(v - b) / b * 100:+.0f}%)"
+
+
+def render_narrow_table(summaries: Sequence[RunSummary], title: str) -> Any:
+    """The same figures as :func:`render_table`, one column per strategy (fits 80 columns)."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    table.add_column("", no_wrap=True)
+    for s in summaries:
+        table.add_column(s.strategy.replace("_REQUESTS", ""), justify="right", no_wrap=True)
+    base = summaries[0]
+
+    def row(label: str, fmt, rel: str | None = None) -> None:
+        cells = []
+        for s in summaries:
+            text = fmt(s)
+            if rel and s is not base:
+                text += _delta(getattr(s, rel), getattr(base, rel))
+            cells.append(text)
+        table.add_row(label, *cells)
+
+    row("P50 TTFT", lambda s: f"{s.p50_ttft_s * 1000:.0f} ms", "p50_ttft_s")
+    row("P90 TTFT", lambda s: f"{s.p90_ttft_s * 1000:.0f} ms", "p90_ttft_s")
+    row("P50 latency", lambda s: f"{s.p50_latency_s:.2f} s")
+    row("cache hit", lambda s: f"{s.cache_hit_rate * 100:.1f} %")
+    row("throughput", lambda s: f"{s.throughput_rps:.1f} rps", "throughput_rps")
+    row("overflow", lambda s: f"{s.overflow_rate * 100:.1f} %")
+    row("errors", lambda s: str(s.errors))
+    row("overhead p50/p99", lambda s: f"{s.router_overhead_p50_ms:.2f}/{s.router_overhead_p99_ms:.2f} ms")
+    for i in range(max(len(s.instance_share) for s in summaries)):
+        row(f"share instance {i}",
+            lambda s, i=i: f"{s.instance_share[i] * 100:.1f} %" if i < len(s.instance_share) else "")
+    return table
+
+
 def render_table(summaries: Sequence[RunSummary], title: str) -> Any:
     """A ``rich`` table: one row per strategy, with changes against the first (baseline) row."""
     from rich.table import Table
@@ -134,12 +173,7 @@ def render_table(summaries: Sequence[RunSummary], title: str) -> Any:
         table.add_column(col, justify="left" if col in ("strategy", "share per instance %") else "right",
                          no_wrap=True)
     base = summaries[0] if summaries else None
-
-    def delta(v: float, b: float) -> str:
-        if not b or b != b or v != v:
-            return ""
-        return f" ({(v - b) / b * 100:+.0f}%)"
-
+    delta = _delta
     for s in summaries:
         is_base = s is base
         table.add_row(
