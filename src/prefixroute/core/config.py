@@ -22,6 +22,7 @@ __all__ = [
     "ConfigError",
     "RoutingStrategy",
     "PrefixAwareRoutingConfig",
+    "CacheAwareRoutingConfig",
     "RoutingConfig",
     "PREFIX_LENGTH_RANGE",
     "CONCURRENCY_THRESHOLD_RANGE",
@@ -48,6 +49,9 @@ class RoutingStrategy(str, enum.Enum):
     RANDOM = "RANDOM"
     LEAST_OUTSTANDING_REQUESTS = "LEAST_OUTSTANDING_REQUESTS"
     PREFIX_AWARE = "PREFIX_AWARE"
+    #: prefixroute's own: chained block hashes matched against a learned, bounded view of
+    #: each instance's cache, weighed against load (:mod:`prefixroute.core.cache_aware`).
+    CACHE_AWARE = "CACHE_AWARE"
 
     @classmethod
     def parse(cls, value: "str | RoutingStrategy") -> "RoutingStrategy":
@@ -110,6 +114,66 @@ class PrefixAwareRoutingConfig(BaseModel):
         return {"PrefixLength": self.prefix_length, "ConcurrencyThreshold": self.concurrency_threshold}
 
 
+#: Allowed CACHE_AWARE block size (characters / bytes of routing text per hashed block).
+BLOCK_SIZE_RANGE = (16, 4_096)
+#: Allowed CACHE_AWARE MaxPrefixLength (how much routing text is hashed into blocks).
+MAX_PREFIX_LENGTH_RANGE = (1_024, 1_048_576)
+
+
+class CacheAwareRoutingConfig(BaseModel):
+    """Settings of ``CACHE_AWARE`` routing (:mod:`prefixroute.core.cache_aware`).
+
+    Attributes:
+        concurrency_threshold: ``ConcurrencyThreshold``, 1-1,024. An instance with this
+            many requests in flight gets no new request while another is below it.
+        block_size: ``BlockSize``, 16-4,096 units of routing text (characters on the
+            OpenAI API, bytes on the native API) per hashed block. 64 characters is about
+            16 tokens, one vLLM KV block of English text.
+        max_prefix_length: ``MaxPrefixLength``, 1,024-1,048,576 units: how much of the
+            routing text is hashed (a cap on per-request work, not a key length).
+        instance_cache_tokens: ``InstanceCacheTokens``: the prompt tokens the router's
+            approximate view remembers per instance (LRU); set it near the engine's KV
+            capacity (vLLM Llama-3.1-70B on 8xH100: ~1.2M tokens). Converted to blocks at
+            4 units per token. Memory is about 100 bytes per block.
+        load_weight: ``LoadWeight``, blocks of matched prefix that one extra request in
+            flight is worth. Higher values spread load more, lower values chase hits.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    concurrency_threshold: int = Field(alias="ConcurrencyThreshold")
+    block_size: int = Field(default=64, alias="BlockSize")
+    max_prefix_length: int = Field(default=131_072, alias="MaxPrefixLength")
+    instance_cache_tokens: int = Field(default=1_200_000, alias="InstanceCacheTokens", ge=1_024, le=100_000_000)
+    load_weight: float = Field(default=16.0, alias="LoadWeight", ge=0.0, le=1e6)
+
+    @field_validator("concurrency_threshold", mode="before")
+    @classmethod
+    def _v_threshold(cls, v: Any) -> int:
+        return _check_range("CacheAwareRoutingConfig.ConcurrencyThreshold", v, *CONCURRENCY_THRESHOLD_RANGE)
+
+    @field_validator("block_size", mode="before")
+    @classmethod
+    def _v_block(cls, v: Any) -> int:
+        return _check_range("CacheAwareRoutingConfig.BlockSize", v, *BLOCK_SIZE_RANGE)
+
+    @field_validator("max_prefix_length", mode="before")
+    @classmethod
+    def _v_max(cls, v: Any) -> int:
+        return _check_range("CacheAwareRoutingConfig.MaxPrefixLength", v, *MAX_PREFIX_LENGTH_RANGE)
+
+    @property
+    def instance_cache_blocks(self) -> int:
+        """Per-instance LRU budget in blocks (4 units of routing text per token)."""
+        return max(1, self.instance_cache_tokens * 4 // self.block_size)
+
+    def to_api(self) -> dict[str, Any]:
+        """SageMaker-style dict of every setting."""
+        return {"ConcurrencyThreshold": self.concurrency_threshold, "BlockSize": self.block_size,
+                "MaxPrefixLength": self.max_prefix_length, "InstanceCacheTokens": self.instance_cache_tokens,
+                "LoadWeight": self.load_weight}
+
+
 class RoutingConfig(BaseModel):
     """A production variant's routing (SageMaker ``RoutingConfig``).
 
@@ -120,6 +184,7 @@ class RoutingConfig(BaseModel):
 
     strategy: RoutingStrategy = Field(default=RoutingStrategy.RANDOM, alias="RoutingStrategy")
     prefix_aware: PrefixAwareRoutingConfig | None = Field(default=None, alias="PrefixAwareRoutingConfig")
+    cache_aware: CacheAwareRoutingConfig | None = Field(default=None, alias="CacheAwareRoutingConfig")
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -136,6 +201,10 @@ class RoutingConfig(BaseModel):
                 "PrefixAwareRoutingConfig (PrefixLength and ConcurrencyThreshold) is required "
                 "with RoutingStrategy PREFIX_AWARE"
             )
+        if self.strategy is RoutingStrategy.CACHE_AWARE and self.cache_aware is None:
+            raise ValueError(
+                "CacheAwareRoutingConfig (at least ConcurrencyThreshold) is required with RoutingStrategy CACHE_AWARE"
+            )
         return self
 
     @classmethod
@@ -144,14 +213,29 @@ class RoutingConfig(BaseModel):
         strategy: "str | RoutingStrategy" = RoutingStrategy.RANDOM,
         prefix_length: int | None = None,
         concurrency_threshold: int | None = None,
+        **cache_aware: Any,
     ) -> "RoutingConfig":
         """Validate a config from plain values (CLI flags).
+
+        For ``CACHE_AWARE``, ``concurrency_threshold`` and the keyword arguments
+        (``block_size``, ``max_prefix_length``, ``instance_cache_tokens``, ``load_weight``;
+        ``None`` = default) fill ``CacheAwareRoutingConfig``; ``prefix_length`` is unused.
 
         Raises:
             ConfigError: a value is out of range or a required one is missing.
         """
-        data: dict[str, Any] = {"RoutingStrategy": strategy}
-        if prefix_length is not None or concurrency_threshold is not None:
+        parsed = RoutingStrategy.parse(strategy)
+        data: dict[str, Any] = {"RoutingStrategy": parsed}
+        if parsed is RoutingStrategy.CACHE_AWARE:
+            fields = CacheAwareRoutingConfig.model_fields
+            unknown = set(cache_aware) - set(fields)
+            if unknown:
+                raise ConfigError(f"CacheAwareRoutingConfig: unknown setting(s) {sorted(unknown)}")
+            ca: dict[str, Any] = {fields[k].alias: v for k, v in cache_aware.items() if v is not None}
+            if concurrency_threshold is not None:
+                ca["ConcurrencyThreshold"] = concurrency_threshold
+            data["CacheAwareRoutingConfig"] = ca
+        elif prefix_length is not None or concurrency_threshold is not None:
             pa: dict[str, Any] = {}
             if prefix_length is not None:
                 pa["PrefixLength"] = prefix_length
@@ -160,11 +244,22 @@ class RoutingConfig(BaseModel):
             data["PrefixAwareRoutingConfig"] = pa
         return parse_model(cls, data)
 
+    @property
+    def concurrency_threshold(self) -> int | None:
+        """The active strategy's ConcurrencyThreshold, if it has one."""
+        if self.strategy is RoutingStrategy.PREFIX_AWARE and self.prefix_aware is not None:
+            return self.prefix_aware.concurrency_threshold
+        if self.strategy is RoutingStrategy.CACHE_AWARE and self.cache_aware is not None:
+            return self.cache_aware.concurrency_threshold
+        return None
+
     def to_api(self) -> dict[str, Any]:
         """SageMaker-shaped dict."""
         out: dict[str, Any] = {"RoutingStrategy": self.strategy.value}
         if self.prefix_aware is not None:
             out["PrefixAwareRoutingConfig"] = self.prefix_aware.to_api()
+        if self.cache_aware is not None:
+            out["CacheAwareRoutingConfig"] = self.cache_aware.to_api()
         return out
 
 

@@ -20,10 +20,13 @@ processes, machines and restarts (never Python's randomised ``hash()``).
 from __future__ import annotations
 
 import base64
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import orjson
 import xxhash
+
+if TYPE_CHECKING:
+    from prefixroute.core.config import RoutingConfig
 
 __all__ = [
     "KEY_SEED",
@@ -35,6 +38,12 @@ __all__ = [
     "text_routing_key",
     "token_routing_key",
     "openai_routing_key",
+    "text_block_hashes",
+    "byte_block_hashes",
+    "token_block_hashes",
+    "openai_block_hashes",
+    "openai_route",
+    "native_route",
 ]
 
 #: Seed of every routing-key hash. Changing it reassigns every key, so it is fixed.
@@ -282,3 +291,103 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
     if isinstance(prompt, str):
         return text_routing_key(prompt, prefix_length, model, tenant)
     return token_routing_key(prompt, prefix_length, model, tenant)
+
+
+# ----------------------------------------------------------------------------------
+# Chained block hashes (CACHE_AWARE)
+# ----------------------------------------------------------------------------------
+
+
+def _chain(root: int, chunks: Sequence[bytes]) -> list[int]:
+    out: list[int] = []
+    h = root
+    xxh = xxhash.xxh3_64_intdigest
+    for c in chunks:
+        h = xxh(c, h)
+        out.append(h)
+    return out
+
+
+def text_block_hashes(text: str, block_size: int, max_length: int, model: str, tenant: str = "") -> list[int]:
+    """Chained hashes of successive ``block_size``-character blocks of ``text``.
+
+    Block ``k``'s hash is ``xxh3_64(block_k, seed=hash_{k-1})``, rooted in the model
+    and tenant, so equal hashes at position ``k`` mean equal text up to the end of
+    block ``k`` (a match is always a true prefix match). Only the first
+    ``max_length`` characters are hashed; the last block may be shorter.
+
+    Returns:
+        One unsigned 64-bit hash per block (empty for empty text).
+    """
+    head = text[:max_length]
+    root = _key(model, tenant, b"")
+    return _chain(root, [head[i:i + block_size].encode("utf-8", "surrogatepass")
+                         for i in range(0, len(head), block_size)])
+
+
+def byte_block_hashes(body: bytes, block_size: int, max_length: int, scope: str, tenant: str = "") -> list[int]:
+    """Chained hashes of successive ``block_size``-byte blocks of a raw body (native API)."""
+    head = bytes(body[:max_length])
+    root = _key(scope, tenant, b"")
+    return _chain(root, [head[i:i + block_size] for i in range(0, len(head), block_size)])
+
+
+def token_block_hashes(tokens: Sequence[int], block_size: int, max_length: int, model: str,
+                       tenant: str = "") -> list[int]:
+    """Chained block hashes of a token-id prompt: ``block_size // 4`` tokens per block
+    (a token is about 4 characters), at most ``max_length // 4`` tokens."""
+    per = max(1, block_size // 4)
+    head = tokens[: max(1, max_length // 4)]
+    root = _key(model, tenant, b"\1")
+    return _chain(root, [b"".join((t & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") for t in head[i:i + per])
+                         for i in range(0, len(head), per)])
+
+
+def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int, max_length: int) -> list[int]:
+    """Chained block hashes of an OpenAI request body (see :func:`text_block_hashes`).
+
+    Raises:
+        InvalidRequest: as :func:`openai_routing_key`.
+    """
+    model = payload.get("model", "")
+    if not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string")
+    tenant = validate_tenant_id(payload.get("prompt_cache_key"))
+    if chat:
+        return text_block_hashes(render_chat_text(payload, max_length), block_size, max_length, model, tenant)
+    prompt = completion_prompt(payload)
+    if isinstance(prompt, str):
+        return text_block_hashes(prompt, block_size, max_length, model, tenant)
+    return token_block_hashes(prompt, block_size, max_length, model, tenant)
+
+
+def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig") -> tuple[int | None, list[int]]:
+    """What the variant's strategy needs from an OpenAI request: ``(key, blocks)``.
+
+    ``PREFIX_AWARE`` gets a key, ``CACHE_AWARE`` chained block hashes, the others
+    neither (the body's routing fields are still validated).
+
+    Raises:
+        InvalidRequest: a malformed field.
+    """
+    from prefixroute.core.config import RoutingStrategy
+
+    if routing.strategy is RoutingStrategy.PREFIX_AWARE and routing.prefix_aware is not None:
+        return openai_routing_key(payload, chat, routing.prefix_aware.prefix_length), []
+    if routing.strategy is RoutingStrategy.CACHE_AWARE and routing.cache_aware is not None:
+        ca = routing.cache_aware
+        return None, openai_block_hashes(payload, chat, ca.block_size, ca.max_prefix_length)
+    openai_routing_key(payload, chat, 1)  # validation only: renders at most one message
+    return None, []
+
+
+def native_route(body: bytes, scope: str, tenant: str, routing: "RoutingConfig") -> tuple[int | None, list[int]]:
+    """``(key, blocks)`` of a native request for the variant's strategy (never raises)."""
+    from prefixroute.core.config import RoutingStrategy
+
+    if routing.strategy is RoutingStrategy.PREFIX_AWARE and routing.prefix_aware is not None:
+        return native_routing_key(body, routing.prefix_aware.prefix_length, scope, tenant), []
+    if routing.strategy is RoutingStrategy.CACHE_AWARE and routing.cache_aware is not None:
+        ca = routing.cache_aware
+        return None, byte_block_hashes(body, ca.block_size, ca.max_prefix_length, scope, tenant)
+    return None, []

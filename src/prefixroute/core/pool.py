@@ -151,12 +151,15 @@ class VariantPool:
 
     # -- decisions ----------------------------------------------------------------
 
-    def choose(self, key: int | None, exclude: frozenset[str] | set[str] = frozenset()) -> Decision:
+    def choose(
+        self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = ()
+    ) -> Decision:
         """Decide without claiming anything (for dry runs and tests).
 
         Args:
-            key: the routing key, or ``None`` if the request has none.
+            key: the routing key (``PREFIX_AWARE``), or ``None``.
             exclude: instance ids not to use (e.g. one that just refused a connection).
+            blocks: chained block hashes (``CACHE_AWARE``), or empty.
 
         Raises:
             NoHealthyInstance: no healthy, non-excluded instance.
@@ -168,16 +171,19 @@ class VariantPool:
             candidates = [s for s in self._instances if s.healthy]
         if not candidates:
             raise NoHealthyInstance(f"production variant {self.name!r} has no healthy instance")
-        inst, kind = self._strategy.choose(key, candidates)
+        inst, kind = self._strategy.choose(key, candidates, blocks)
         return Decision(inst, kind, self._routing.strategy, self.name, time.perf_counter() - t0)
 
-    def acquire(self, key: int | None, exclude: frozenset[str] | set[str] = frozenset()) -> Lease:
-        """Decide and claim one in-flight slot on the chosen instance.
+    def acquire(
+        self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = ()
+    ) -> Lease:
+        """Decide, tell the strategy, and claim one in-flight slot on the chosen instance.
 
         Raises:
             NoHealthyInstance: no healthy, non-excluded instance.
         """
-        decision = self.choose(key, exclude)
+        decision = self.choose(key, exclude, blocks)
+        self._strategy.on_routed(decision.instance, blocks)
         decision.instance.in_flight += 1
         decision.instance.served += 1
         return Lease(decision)

@@ -61,12 +61,15 @@ class InstanceState:
         in_flight: requests sent and not yet finished (streams count until their end).
         healthy: whether it takes new requests.
         served: requests ever routed to it (for instance share).
+        engine_load: requests the engine itself reports running plus waiting (scraped
+            from its ``/metrics``; 0 when unknown). Includes other router replicas' load.
     """
 
     instance_id: str
     in_flight: int = 0
     healthy: bool = True
     served: int = 0
+    engine_load: int = 0
     token: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
@@ -84,15 +87,26 @@ class Strategy(ABC):
         self.rng = rng
 
     @abstractmethod
-    def choose(self, key: int | None, candidates: Sequence[InstanceState]) -> tuple[InstanceState, DecisionKind]:
-        """Pick one of ``candidates`` (non-empty, healthy) for a request with ``key``.
+    def choose(
+        self, key: int | None, candidates: Sequence[InstanceState], blocks: Sequence[int] = ()
+    ) -> tuple[InstanceState, DecisionKind]:
+        """Pick one of ``candidates`` (non-empty, healthy) for a request.
 
-        ``key`` is the 64-bit routing key, or ``None`` when the strategy was told the
-        request has none. Must not modify any state.
+        ``key`` is the 64-bit routing key (``PREFIX_AWARE``) or ``None``; ``blocks``
+        the request's chained block hashes (``CACHE_AWARE``) or empty. Must not modify
+        any state: :meth:`on_routed` is told when the decision is acted on.
         """
+
+    def on_routed(self, instance: InstanceState, blocks: Sequence[int]) -> None:
+        """Called once a request with ``blocks`` was sent to ``instance``; stateless
+        strategies ignore it."""
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         """Called when instances are added or removed; stateless strategies ignore it."""
+
+    def stats(self) -> dict[str, float]:
+        """Gauges worth exporting (e.g. memory of learned state); empty by default."""
+        return {}
 
 
 STRATEGIES: dict[RoutingStrategy, type[Strategy]] = {}
@@ -122,7 +136,9 @@ class RandomStrategy(Strategy):
 
     name = RoutingStrategy.RANDOM
 
-    def choose(self, key: int | None, candidates: Sequence[InstanceState]) -> tuple[InstanceState, DecisionKind]:
+    def choose(
+        self, key: int | None, candidates: Sequence[InstanceState], blocks: Sequence[int] = ()
+    ) -> tuple[InstanceState, DecisionKind]:
         return self.rng.choice(candidates), DecisionKind.RANDOM
 
 
@@ -132,7 +148,9 @@ class LeastOutstandingStrategy(Strategy):
 
     name = RoutingStrategy.LEAST_OUTSTANDING_REQUESTS
 
-    def choose(self, key: int | None, candidates: Sequence[InstanceState]) -> tuple[InstanceState, DecisionKind]:
+    def choose(
+        self, key: int | None, candidates: Sequence[InstanceState], blocks: Sequence[int] = ()
+    ) -> tuple[InstanceState, DecisionKind]:
         return least_outstanding(candidates, self.rng), DecisionKind.LEAST_OUTSTANDING
 
 
@@ -160,7 +178,9 @@ class PrefixAwareStrategy(Strategy):
         assert config.prefix_aware is not None  # guaranteed by RoutingConfig validation
         self.threshold = config.prefix_aware.concurrency_threshold
 
-    def choose(self, key: int | None, candidates: Sequence[InstanceState]) -> tuple[InstanceState, DecisionKind]:
+    def choose(
+        self, key: int | None, candidates: Sequence[InstanceState], blocks: Sequence[int] = ()
+    ) -> tuple[InstanceState, DecisionKind]:
         if key is None:
             return least_outstanding(candidates, self.rng), DecisionKind.FALLBACK
         threshold = self.threshold
@@ -176,3 +196,7 @@ class PrefixAwareStrategy(Strategy):
             if candidates[i].in_flight < threshold:
                 return candidates[i], DecisionKind.OVERFLOW
         return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
+
+
+# Strategies in their own modules register themselves on import.
+from prefixroute.core import cache_aware as _cache_aware  # noqa: E402,F401

@@ -1,0 +1,265 @@
+"""CACHE_AWARE: chained blocks, bounded LRU view, threshold rule, replica agreement."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.core.cache_aware import ApproxPrefixCache, CacheAwareStrategy
+from prefixroute.core.config import ConfigError, RoutingConfig
+from prefixroute.core.keys import byte_block_hashes, openai_block_hashes, openai_route, text_block_hashes
+from prefixroute.core.pool import VariantPool
+from prefixroute.core.strategies import DecisionKind
+
+URLS = [f"http://127.0.0.1:{9000 + i}" for i in range(4)]
+
+
+def ca(threshold=8, **kw):
+    return RoutingConfig.build("cache-aware", concurrency_threshold=threshold, **kw)
+
+
+# -- chained blocks -----------------------------------------------------------------
+
+
+def test_block_hashes_chain_no_false_match_after_a_difference():
+    a = text_block_hashes("A" * 64 + "B" * 64 + "C" * 64, 64, 10_000, "m")
+    b = text_block_hashes("A" * 64 + "X" * 64 + "C" * 64, 64, 10_000, "m")
+    assert a[0] == b[0]
+    assert a[1] != b[1]
+    assert a[2] != b[2]  # same third block text, different history: no match
+
+
+def test_block_hashes_cap_and_scope():
+    text = "x" * 5000
+    assert len(text_block_hashes(text, 64, 1024, "m")) == 16
+    assert text_block_hashes(text, 64, 1024, "m") != text_block_hashes(text, 64, 1024, "other")
+    assert text_block_hashes(text, 64, 1024, "m", "t1") != text_block_hashes(text, 64, 1024, "m", "t2")
+    assert byte_block_hashes(b"y" * 130, 64, 4096, "ep")[:2] == byte_block_hashes(b"y" * 200, 64, 4096, "ep")[:2]
+
+
+@settings(max_examples=100)
+@given(common=st.text(min_size=0, max_size=400), a=st.text(max_size=100), b=st.text(max_size=100))
+def test_shared_prefix_shares_exactly_its_full_blocks(common, a, b):
+    ha = text_block_hashes(common + "\x00" + a, 16, 10_000, "m")
+    hb = text_block_hashes(common + "\x01" + b, 16, 10_000, "m")
+    full = len(common) // 16
+    assert ha[:full] == hb[:full]
+    assert ha[full] != hb[full]
+
+
+def test_openai_route_gives_blocks_only_for_cache_aware():
+    payload = {"model": "m", "messages": [{"role": "user", "content": "q" * 1000}]}
+    key, blocks = openai_route(payload, True, ca())
+    assert key is None and len(blocks) == len(openai_block_hashes(payload, True, 64, 131072)) > 10
+    key, blocks = openai_route(payload, True, RoutingConfig.build("prefix-aware", 1024, 4))
+    assert key is not None and blocks == []
+    assert openai_route(payload, True, RoutingConfig()) == (None, [])
+
+
+# -- the approximate cache -------------------------------------------------------------
+
+
+def test_match_is_longest_remembered_prefix():
+    c = ApproxPrefixCache(100)
+    chain = list(range(1, 11))
+    assert c.match(chain) == 0
+    c.insert(chain[:6])
+    assert c.match(chain) == 6
+    assert c.match(chain[:3]) == 3
+    c.insert(chain)
+    assert c.match(chain) == 10
+    assert c.match([99] + chain) == 0
+
+
+def test_eviction_removes_tails_first():
+    c = ApproxPrefixCache(8)
+    c.insert([1, 2, 3, 4, 5])  # chain A
+    c.insert([11, 12, 13, 14, 15])  # chain B: 2 of A's blocks must go, A's deepest first
+    assert len(c) == 8
+    assert c.match([1, 2, 3, 4, 5]) == 3
+    assert c.match([11, 12, 13, 14, 15]) == 5
+    # LRU order: A's remaining blocks (oldest), then B tail-to-head... head most recent
+    assert c.lru_order() == [3, 2, 1, 15, 14, 13, 12, 11]
+    c.insert([1])  # touching A's root makes it most recent
+    c.insert([21, 22])
+    assert c.match([1, 2, 3]) == 1  # 3 and 2 were least recent
+    assert 15 not in c or c.match([11, 12, 13, 14, 15]) == 5
+
+
+def test_a_chain_longer_than_capacity_keeps_its_head():
+    c = ApproxPrefixCache(4)
+    c.insert(list(range(10)))
+    assert c.lru_order() == [3, 2, 1, 0]
+    assert c.match(list(range(10))) == 4
+
+
+def test_memory_stays_within_budget_over_a_million_routed_requests():
+    pool = VariantPool("v", URLS, ca(threshold=1024, instance_cache_tokens=1024, block_size=64))
+    strategy = pool.strategy
+    assert isinstance(strategy, CacheAwareStrategy)
+    budget = strategy.capacity_blocks  # 1024 tokens * 4 chars / 64 = 64 blocks per instance
+    assert budget == 64
+    rng = random.Random(1)
+    for i in range(1_000_000):
+        blocks = [rng.getrandbits(64)] if i % 4 else [i % 97, rng.getrandbits(64), rng.getrandbits(64)]
+        lease = pool.acquire(None, blocks=blocks)
+        lease.release()
+        if i % 100_000 == 0:
+            assert all(len(c) <= budget for c in strategy.caches.values())
+    assert all(len(c) == budget for c in strategy.caches.values())
+    stats = strategy.stats()
+    assert stats["approx_cache_blocks"] == 4 * budget
+    assert stats["approx_cache_bytes"] == stats["approx_cache_blocks"] * 132
+
+
+# -- decisions -------------------------------------------------------------------------
+
+
+def _conversation(i: int, turns: int, system: str = "") -> list[list[int]]:
+    text = system
+    out = []
+    for t in range(turns):
+        text += f"<user {i} turn {t}> " + "w" * 200
+        out.append(text_block_hashes(text, 64, 131072, "m"))
+        text += "<assistant> " + "a" * 100
+    return out
+
+
+def test_conversation_follows_its_cache():
+    pool = VariantPool("v", URLS, ca(threshold=100))
+    turns = _conversation(1, 6)
+    with pool.acquire(None, blocks=turns[0]) as first:
+        home = first.instance
+    for blocks in turns[1:]:  # each turn starts after the previous one ended
+        with pool.acquire(None, blocks=blocks) as lease:
+            assert lease.instance is home
+            assert lease.decision.kind is DecisionKind.AFFINITY
+
+
+def test_new_prefixes_spread_over_the_fleet():
+    pool = VariantPool("v", URLS, ca(threshold=100))
+    counts = {u: 0 for u in URLS}
+    for i in range(400):
+        d = pool.choose(None, blocks=text_block_hashes(f"document {i} " + "z" * 300, 64, 131072, "m"))
+        counts[d.instance.instance_id] += 1
+        assert d.kind is DecisionKind.AFFINITY
+    assert all(60 < c < 140 for c in counts.values()), counts
+
+
+def test_shared_system_prompt_does_not_pin_everything_to_one_instance():
+    system = "You are a helpful assistant. " * 100  # ~2,900 characters shared by all
+    pool = VariantPool("v", URLS, ca(threshold=8, load_weight=16))
+    leases = []
+    for i in range(32):  # 32 concurrent conversations, none finishing
+        leases.append(pool.acquire(None, blocks=_conversation(i, 1, system)[0]))
+    per = sorted(i.in_flight for i in pool.instances)
+    assert per == [8, 8, 8, 8]
+
+
+def test_never_over_threshold_while_another_is_below():
+    pool = VariantPool("v", URLS, ca(threshold=3, load_weight=0))  # load ignored: cache only
+    blocks = text_block_hashes("hot prefix " * 100, 64, 131072, "m")
+    leases = [pool.acquire(None, blocks=blocks) for _ in range(12)]
+    assert sorted(i.in_flight for i in pool.instances) == [3, 3, 3, 3]
+    kinds = [l.decision.kind for l in leases]
+    assert kinds[:3] == [DecisionKind.AFFINITY] * 3
+    assert all(k is DecisionKind.OVERFLOW for k in kinds[3:] if k is not DecisionKind.AFFINITY)
+    extra = pool.acquire(None, blocks=blocks)
+    assert extra.decision.kind is DecisionKind.ALL_BUSY
+
+
+def test_engine_reported_load_counts():
+    pool = VariantPool("v", URLS[:2], ca(threshold=100, load_weight=1))
+    blocks = text_block_hashes("p" * 640, 64, 131072, "m")  # 10 blocks
+    home = pool.acquire(None, blocks=blocks).instance
+    home.in_flight = 0
+    home.engine_load = 50  # another replica keeps it busy: 10 blocks saved < 50 requests' load
+    assert pool.choose(None, blocks=blocks).instance is not home
+
+
+def _replica_traffic(n=2000):
+    rng = random.Random(7)
+    docs = [f"doc {d} " + "q" * 8000 for d in range(30)]  # ~125 blocks: a real document
+    return [text_block_hashes(docs[rng.randrange(30)] + f" question {i}", 64, 131072, "m") for i in range(n)]
+
+
+def test_replicas_fed_the_same_requests_make_the_same_choices():
+    a = VariantPool("v", URLS, ca(threshold=6), seed=1)
+    b = VariantPool("v", URLS, ca(threshold=6), seed=2)
+    live_a, live_b = [], []
+    for i, blocks in enumerate(_replica_traffic()):
+        la, lb = a.acquire(None, blocks=blocks), b.acquire(None, blocks=blocks)
+        assert (la.instance.instance_id, la.decision.kind) == (lb.instance.instance_id, lb.decision.kind)
+        live_a.append(la)
+        live_b.append(lb)
+        if len(live_a) > 12:  # the same requests end on both
+            k = (i * 7) % len(live_a)
+            live_a.pop(k).release()
+            live_b.pop(k).release()
+
+
+def test_replicas_with_different_views_still_agree():
+    # Two replicas each see only the requests they send themselves (clients spread over
+    # both): their in-flight counts and learned caches differ. New prefixes are placed
+    # by rendezvous hashing of their own first blocks, and followers go where the cache
+    # is, so the replicas still agree on almost every request.
+    a = VariantPool("v", URLS, ca(threshold=1000), seed=1)
+    b = VariantPool("v", URLS, ca(threshold=1000), seed=2)
+    traffic = _replica_traffic()
+    same = 0
+    live = {id(a): [], id(b): []}
+    for i, blocks in enumerate(traffic):
+        da, db = a.choose(None, blocks=blocks), b.choose(None, blocks=blocks)
+        same += da.instance.instance_id == db.instance.instance_id
+        mine = a if rng_pick(i) else b
+        live[id(mine)].append(mine.acquire(None, blocks=blocks))
+        if len(live[id(mine)]) > 6:
+            live[id(mine)].pop(0).release()
+    assert same / len(traffic) > 0.95, same / len(traffic)
+
+
+def test_replicas_sharing_engine_load_agree():
+    # With engine-reported load (scraped /metrics: every replica's requests), views match.
+    a = VariantPool("v", URLS, ca(threshold=1000), seed=1)
+    b = VariantPool("v", URLS, ca(threshold=1000), seed=2)
+    traffic = _replica_traffic()
+    same = 0
+    live = []
+    for i, blocks in enumerate(traffic):
+        for url in URLS:
+            a.get(url).engine_load = b.get(url).engine_load = a.get(url).in_flight + b.get(url).in_flight
+        da, db = a.choose(None, blocks=blocks), b.choose(None, blocks=blocks)
+        same += da.instance.instance_id == db.instance.instance_id
+        mine = a if rng_pick(i) else b
+        live.append(mine.acquire(None, blocks=blocks))
+        if len(live) > 12:
+            live.pop(0).release()
+    assert same / len(traffic) > 0.97, same / len(traffic)
+
+
+def rng_pick(i: int) -> bool:
+    return random.Random(i).random() < 0.5
+
+
+def test_fallback_without_blocks():
+    pool = VariantPool("v", URLS, ca())
+    assert pool.acquire(None).decision.kind is DecisionKind.FALLBACK
+
+
+def test_membership_change_drops_views_of_removed_instances():
+    pool = VariantPool("v", URLS, ca(threshold=100))
+    for i in range(50):
+        pool.acquire(None, blocks=[i, i + 1000])
+    pool.set_instances(URLS[:2])
+    assert set(pool.strategy.caches) <= set(URLS[:2])
+
+
+def test_config_validation():
+    with pytest.raises(ConfigError, match="CacheAwareRoutingConfig.ConcurrencyThreshold: is required"):
+        RoutingConfig.build("cache-aware")
+    with pytest.raises(ConfigError, match="BlockSize: 8 is out of range"):
+        ca(block_size=8)
+    cfg = ca(threshold=5, block_size=128)
+    assert RoutingConfig.model_validate(cfg.to_api()) == cfg
+    assert cfg.concurrency_threshold == 5
