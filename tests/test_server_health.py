@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 import pytest
 
-from prefixroute.server.health import check_all
+from prefixroute.server.health import ProbeResult, check_all
 from test_server_helpers import FakeInstance, closed_port_url, eventually, router_for
 
 
@@ -23,11 +23,12 @@ def _healthy(handle, url):
 
 async def test_check_all_marks_instances(backends):
     dead = closed_port_url()
-    handle = await router_for([backends[0].url, backends[1].url, dead])
+    handle = await router_for([backends[0].url, backends[1].url, dead], unhealthy_threshold=1, healthy_threshold=1)
     try:
         backends[1].health_status = 503
         result = await check_all(handle.state)
-        assert result == {backends[0].url: True, backends[1].url: False, dead: False}
+        assert result == {backends[0].url: ProbeResult.OK, backends[1].url: ProbeResult.FAILED,
+                          dead: ProbeResult.FAILED}
         assert [_healthy(handle, u) for u in (backends[0].url, backends[1].url, dead)] == [True, False, False]
         async with aiohttp.ClientSession() as http:
             for _ in range(5):  # only the healthy instance is used
@@ -58,6 +59,47 @@ async def test_periodic_checks_restore_an_instance(backends):
 async def test_health_path_setting(backends):
     handle = await router_for([backends[0].url], health_check_path="/missing")
     try:
-        assert await check_all(handle.state) == {backends[0].url: False}  # 404 is not healthy
+        assert await check_all(handle.state) == {backends[0].url: ProbeResult.FAILED}  # 404 is not healthy
     finally:
         await handle.close()
+
+
+def test_tracker_thresholds_and_backpressure():
+    from prefixroute.server.health import HealthTracker
+
+    state = {"a": True}
+    t = HealthTracker(lambda i, h: state.__setitem__(i, h), lambda i: state[i], unhealthy_threshold=3,
+                      healthy_threshold=2)
+    t.probe("a", ProbeResult.FAILED)
+    t.passive_failure("a")
+    assert state["a"]  # two failures: still in
+    t.probe("a", ProbeResult.BUSY)  # backpressure: neither success nor failure
+    assert state["a"]
+    t.passive_success("a")  # an answer ends the streak
+    t.probe("a", ProbeResult.FAILED)
+    t.probe("a", ProbeResult.FAILED)
+    assert state["a"]
+    t.probe("a", ProbeResult.FAILED)
+    assert not state["a"]  # three in a row: out
+    t.probe("a", ProbeResult.OK)
+    assert not state["a"]
+    t.probe("a", ProbeResult.FAILED)  # the success streak is broken
+    t.probe("a", ProbeResult.OK)
+    assert not state["a"]
+    t.probe("a", ProbeResult.OK)
+    assert state["a"]  # two successes in a row: back
+    t.passive_failure("a", definitive=True)  # a refused connection: out at once
+    assert not state["a"]
+
+
+def test_tracker_without_active_checks_only_definitive_failures_eject():
+    from prefixroute.server.health import HealthTracker
+
+    state = {"a": True}
+    t = HealthTracker(lambda i, h: state.__setitem__(i, h), lambda i: state[i], unhealthy_threshold=1,
+                      healthy_threshold=1, active_checks=False)
+    for _ in range(5):
+        t.passive_failure("a")  # resets, timeouts: nothing would bring it back, so it stays
+    assert state["a"]
+    t.passive_failure("a", definitive=True)
+    assert not state["a"]

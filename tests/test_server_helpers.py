@@ -116,7 +116,8 @@ def closed_port_url() -> str:
 
 def settings(**kw: Any) -> ServerSettings:
     """Test defaults: free ports, no active health checks, quick shutdown, seeded."""
-    base: dict[str, Any] = dict(port=0, health_check_interval_s=0, shutdown_timeout_s=1.0, seed=7)
+    base: dict[str, Any] = dict(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                                seed=7)
     base.update(kw)
     return ServerSettings(**base)
 

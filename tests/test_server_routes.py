@@ -177,7 +177,7 @@ async def test_tenant_separates_identical_prompts(backends, http):
     (b'{"model": 5, "messages": []}', "'model'"),
     (b'{"model": "m", "messages": "hi"}', "'messages'"),
     (b'{"model": "m", "messages": [], "stream": "yes"}', "'stream'"),
-    (b'{"model": "m", "messages": [], "prompt_cache_key": ""}', "prefix-aware id"),
+    (b'{"model": "m", "messages": [], "prompt_cache_key": ""}', "'prompt_cache_key' must be 1-64"),
 ])
 async def test_openai_400_shape(router, http, raw, needle):
     async with http.post(router.url + "/v1/chat/completions", data=raw) as r:

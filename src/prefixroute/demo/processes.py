@@ -47,7 +47,8 @@ class ProcessGroup:
         self._closed = False
         _LIVE.add(self)
 
-    def start(self, name: str, args: Sequence[str], ready_timeout_s: float = 30.0, ready_lines: int = 1) -> Child:
+    def start(self, name: str, args: Sequence[str], ready_timeout_s: float = 30.0, ready_lines: int = 1,
+              command: Sequence[str] | None = None) -> Child:
         """Run ``python -m prefixroute ARGS`` and wait for its ``listening on`` line(s).
 
         Args:
@@ -56,13 +57,15 @@ class ProcessGroup:
             ready_timeout_s: how long to wait for readiness, seconds.
             ready_lines: how many ``listening on`` lines to wait for (the router prints
                 one for traffic and one for its admin listener).
+            command: run this argv instead of ``python -m prefixroute ARGS`` (``args``
+                is then ignored); it must print the same ``listening on`` line.
 
         Raises:
             StartupError: the child exited or was not ready within the timeout.
         """
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "prefixroute", *args],
+            list(command) if command is not None else [sys.executable, "-m", "prefixroute", *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -115,6 +115,8 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         if not (math.isfinite(args.time_scale) and args.time_scale >= 0):
             raise ValueError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
+        if not 0 <= args.port <= 65535:
+            raise ValueError(f"--port {args.port} is out of range (allowed 0-65,535)")
     except ValueError as exc:
         print(f"prefixroute emulate: {exc}", file=sys.stderr)
         return 2

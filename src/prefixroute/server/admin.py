@@ -78,8 +78,11 @@ def _strip_live_state(doc: Any) -> Any:
     if not isinstance(doc, dict):
         return doc
     doc.pop("DefaultEndpoint", None)
-    for ep in doc.get("Endpoints") or ():
-        for v in (ep.get("ProductionVariants") or ()) if isinstance(ep, dict) else ():
+    endpoints = doc.get("Endpoints")
+    # Anything of the wrong type is left alone for FleetConfig's validation to name.
+    for ep in endpoints if isinstance(endpoints, list) else ():
+        variants = ep.get("ProductionVariants") if isinstance(ep, dict) else None
+        for v in variants if isinstance(variants, list) else ():
             if isinstance(v, dict):
                 v.pop("InstanceStates", None)
     return doc
@@ -144,10 +147,22 @@ def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
     return check
 
 
+@web.middleware
+async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                       ) -> web.StreamResponse:
+    """aiohttp's own 404/405/413 answers are plain text; the admin API answers JSON."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _error(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}")
+
+
 def build_admin_app(state: RouterState) -> web.Application:
     """The admin application for ``state``; requires ``settings.admin_token`` if set."""
     token = state.settings.admin_token
-    app = web.Application(middlewares=[_auth_middleware(token)] if token else [])
+    app = web.Application(middlewares=[_json_errors, *([_auth_middleware(token)] if token else [])])
     app[_STATE] = state
     app.router.add_get("/admin/config", get_config, allow_head=False)
     app.router.add_put("/admin/config", put_config)

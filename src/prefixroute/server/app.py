@@ -8,12 +8,18 @@ Routes (``{e}`` an endpoint name; without it, the default = first configured end
 ``/endpoints/{e}/openai/v1/...``                                   the same, endpoint ``e``
 ``/endpoints/{e}/inference-components/{c}/openai/v1/...``          the same
 ``POST /endpoints/{e}/invocations``, ``POST /invocations``         SageMaker native
+``POST /endpoints/{e}/invocations-response-stream``                SageMaker, AWS event-stream
 ``GET /ping``, ``GET /health``                                     router liveness
 ``GET /metrics``                                                   Prometheus text
 =================================================================  ==========================
 
-A handler validates the request, computes the routing key (only for PREFIX_AWARE
-variants) and hands it to :func:`prefixroute.server.proxy.forward`.
+A handler reads the body (at most ``max_body_bytes``; 413 beyond, before anything is
+sent upstream or counted in flight), validates the request, computes the routing key
+(PREFIX_AWARE) or block hashes (CACHE_AWARE) and hands it to
+:func:`prefixroute.server.proxy.forward`.
+Every error answer uses the API's shape: an OpenAI error object on ``/v1`` paths, a
+SageMaker error (``x-amzn-ErrorType`` header, ``{"message": ...}``) on native paths,
+``{"message": ...}`` JSON elsewhere (unknown paths included).
 """
 
 from __future__ import annotations
@@ -23,37 +29,40 @@ import contextlib
 import logging
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import orjson
 from aiohttp import web
 
-from prefixroute.core.config import RoutingStrategy
+from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
-from prefixroute.core.keys import (
-    InvalidRequest,
-    completion_prompt,
-    native_routing_key,
-    openai_routing_key,
-    validate_tenant_id,
-)
+from prefixroute.core.keys import InvalidRequest, completion_prompt, native_route, openai_route, validate_tenant_id
 from prefixroute.core.pool import VariantPool
 from prefixroute.server import headers as H
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
 from prefixroute.server.health import health_check_loop
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
+from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
+from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
-__all__ = ["STATE", "build_app", "validate_openai_body"]
+__all__ = ["STATE", "build_app", "parse_openai_request", "native_request_key", "validate_openai_body"]
 
 log = logging.getLogger("prefixroute.server")
 
 #: Where the :class:`RouterState` lives in the app.
 STATE = web.AppKey("prefixroute_state", RouterState)
 
-#: Largest request body accepted, bytes (long contexts and inline images are large).
-MAX_REQUEST_BYTES = 64 * 1024 * 1024
+_PROMPT_LOG_BYTES = 512  # with --log-prompts: how much of a body a DEBUG line shows
+
+
+def _tenant(value: Any, field: str) -> str:
+    """``validate_tenant_id`` with the message naming the field the caller used."""
+    try:
+        return validate_tenant_id(value)
+    except InvalidRequest as exc:
+        raise InvalidRequest(str(exc).replace("prefix-aware id", field, 1)) from None
 
 
 def validate_openai_body(payload: dict[str, Any], chat: bool) -> None:
@@ -64,7 +73,7 @@ def validate_openai_body(payload: dict[str, Any], chat: bool) -> None:
     """
     if not isinstance(payload.get("model", ""), str):
         raise InvalidRequest("'model' must be a string")
-    validate_tenant_id(payload.get("prompt_cache_key"))
+    _tenant(payload.get("prompt_cache_key"), "'prompt_cache_key'")
     if chat:
         messages = payload.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -73,8 +82,50 @@ def validate_openai_body(payload: dict[str, Any], chat: bool) -> None:
         completion_prompt(payload)
 
 
+def parse_openai_request(body: bytes, chat: bool,
+                         routing: RoutingConfig) -> tuple[dict[str, Any], int | None, list[int]]:
+    """Parse and validate an OpenAI request body; compute what its variant routes on.
+
+    Args:
+        body: the raw request body.
+        chat: ``/v1/chat/completions`` (else ``/v1/completions``).
+        routing: the variant's routing configuration.
+
+    Returns:
+        ``(payload, key, blocks)``: the parsed JSON object, the 64-bit key
+        (PREFIX_AWARE) or ``None``, and the chained block hashes (CACHE_AWARE) or ``[]``
+        (:func:`prefixroute.core.keys.openai_route`).
+
+    Raises:
+        InvalidRequest: not JSON, not an object, or a field with the wrong type; the
+            message names the problem (never quoting prompt text).
+    """
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        raise InvalidRequest(f"request body must be a JSON object, got {type(payload).__name__}")
+    if not isinstance(payload.get("stream", False), bool):
+        raise InvalidRequest("'stream' must be a boolean")
+    _tenant(payload.get("prompt_cache_key"), "'prompt_cache_key'")
+    key, blocks = openai_route(payload, chat, routing)
+    if key is None and not blocks:
+        validate_openai_body(payload, chat)  # the whole body, as no key rendered it
+    return payload, key, blocks
+
+
+def native_request_key(body: bytes, routing: RoutingConfig, scope: str, tenant: str) -> tuple[int | None, list[int]]:
+    """What a native request routes on: ``(key, blocks)`` from its first PrefixLength
+    **bytes** (PREFIX_AWARE) or its byte blocks (CACHE_AWARE), never parsed (invalid
+    UTF-8 is hashed as bytes), within ``scope`` (endpoint, inference component) and
+    tenant (a validated ``X-Amzn-SageMaker-Prefix-Aware-Id`` or ``""``). Never raises."""
+    return native_route(body, scope, tenant, routing)
+
+
 def _request_id(request: web.Request) -> str:
-    return request.headers.get(H.REQUEST_ID) or uuid.uuid4().hex
+    rid = request.headers.get(H.REQUEST_ID)
+    return rid if rid is not None and H.valid_request_id(rid) else uuid.uuid4().hex
 
 
 def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response) -> web.Response:
@@ -85,6 +136,32 @@ def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response) 
 def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, VariantPool]:
     endpoint = state.fleet.endpoint(request.match_info.get("endpoint"))
     return endpoint, endpoint.variant(request.headers.get(H.TARGET_VARIANT))
+
+
+class _BodyTooLarge(Exception):
+    def __init__(self, limit: int, size: int | None) -> None:
+        got = f"{size:,} bytes" if size is not None else "more"
+        super().__init__(f"request body too large: {got}; the limit is {limit:,} bytes (--max-body-size)")
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    """The whole body, at most ``limit`` bytes (a chunked body is de-chunked).
+
+    Raises:
+        _BodyTooLarge: the declared or actual size is over ``limit``.
+    """
+    declared = request.content_length
+    if declared is not None and declared > limit:
+        raise _BodyTooLarge(limit, declared)
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        raise _BodyTooLarge(limit, None) from None
+
+
+def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
+    if state.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
+        log.debug("request %s prompt head: %r", rid, body[:_PROMPT_LOG_BYTES])
 
 
 async def _openai_inference(request: web.Request, chat: bool) -> web.StreamResponse:
@@ -99,29 +176,23 @@ async def _openai_inference(request: web.Request, chat: bool) -> web.StreamRespo
     except UnknownVariant as exc:
         return _count(state, endpoint_label(state, request), "",
                       openai_error(400, str(exc), code="variant_not_found", headers=hdrs))
-    body = await request.read()
-    routing = pool.routing
+    hdrs[H.INVOKED_VARIANT] = pool.name
     try:
-        try:
-            payload = orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
-            raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
-        if not isinstance(payload, dict):
-            raise InvalidRequest("request body must be a JSON object")
-        if not isinstance(payload.get("stream", False), bool):
-            raise InvalidRequest("'stream' must be a boolean")
-        if routing.strategy is RoutingStrategy.PREFIX_AWARE and routing.prefix_aware is not None:
-            key: int | None = openai_routing_key(payload, chat, routing.prefix_aware.prefix_length)
-        else:
-            validate_openai_body(payload, chat)
-            key = None
+        body = await _read_body(request, state.settings.max_body_bytes)
+    except _BodyTooLarge as exc:
+        return _count(state, endpoint.name, pool.name, openai_error(413, str(exc), code="request_too_large",
+                                                                   headers=hdrs))
+    try:
+        payload, key, blocks = parse_openai_request(body, chat, pool.routing)
     except InvalidRequest as exc:
-        return _count(state, endpoint.name, pool.name,
-                      openai_error(400, str(exc), headers={**hdrs, H.INVOKED_VARIANT: pool.name}))
-    if state.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
-        log.debug("request %s prompt head: %r", rid, body[:512])
+        return _count(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs))
+    _log_prompt(state, rid, body)
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    return await forward(state, RoutedRequest(request, Api.OPENAI, endpoint.name, pool, key, body, path, rid, t0))
+    rr = RoutedRequest(request, Api.OPENAI, endpoint.name, pool, key, body, path, rid, t0, blocks)
+    recorder = request.app.get(TRACE_RECORDER)
+    if recorder is not None:  # --record-trace: digests of the routing text, never the text
+        return await recorder.forward_openai(forward(state, rr), payload, chat, endpoint.name, pool.name)
+    return await forward(state, rr)
 
 
 def endpoint_label(state: RouterState, request: web.Request) -> str:
@@ -155,13 +226,7 @@ async def models(request: web.Request) -> web.Response:
     return await forward_get(state, request, pool, "/v1/models", rid)
 
 
-async def invocations(request: web.Request) -> web.StreamResponse:
-    """SageMaker ``InvokeEndpoint``: raw body in, raw body out.
-
-    Routing key: the first PrefixLength **bytes** of the body, scoped by endpoint and
-    ``X-Amzn-SageMaker-Inference-Component``, with ``X-Amzn-SageMaker-Prefix-Aware-Id``
-    as the tenant. Errors use SageMaker's shapes (``x-amzn-ErrorType``).
-    """
+async def _native(request: web.Request, api: Api) -> web.StreamResponse:
     t0 = time.perf_counter()
     state = request.app[STATE]
     rid = _request_id(request)
@@ -173,20 +238,47 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     except UnknownVariant as exc:
         return _count(state, endpoint_label(state, request), "", sagemaker_error("ValidationError", str(exc),
                                                                                  headers=hdrs))
+    hdrs[H.INVOKED_VARIANT] = pool.name
     try:
         tenant = validate_tenant_id(request.headers.get(H.PREFIX_AWARE_ID))
     except InvalidRequest as exc:
         return _count(state, endpoint.name, pool.name,
                       sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs))
-    body = await request.read()
-    routing = pool.routing
-    key: int | None = None
-    if routing.strategy is RoutingStrategy.PREFIX_AWARE and routing.prefix_aware is not None:
-        component = request.headers.get(H.INFERENCE_COMPONENT)
-        scope = f"{endpoint.name}:{component}" if component else endpoint.name
-        key = native_routing_key(body, routing.prefix_aware.prefix_length, scope, tenant)
-    return await forward(state, RoutedRequest(request, Api.NATIVE, endpoint.name, pool, key, body, "/invocations",
-                                              rid, t0))
+    try:
+        body = await _read_body(request, state.settings.max_body_bytes)
+    except _BodyTooLarge as exc:
+        return _count(state, endpoint.name, pool.name, sagemaker_error("ValidationError", str(exc), status=413,
+                                                                       headers=hdrs))
+    component = request.headers.get(H.INFERENCE_COMPONENT)
+    scope = f"{endpoint.name}:{component}" if component else endpoint.name
+    key, blocks = native_request_key(body, pool.routing, scope, tenant)
+    _log_prompt(state, rid, body)
+    rr = RoutedRequest(request, api, endpoint.name, pool, key, body, "/invocations", rid, t0, blocks)
+    recorder = request.app.get(TRACE_RECORDER)
+    if recorder is not None:  # --record-trace: digests of the body's blocks, never the body
+        return await recorder.forward_native(forward(state, rr), body, scope, tenant, endpoint.name, pool.name)
+    return await forward(state, rr)
+
+
+async def invocations(request: web.Request) -> web.StreamResponse:
+    """SageMaker ``InvokeEndpoint``: raw body in, raw body out.
+
+    Routing key: the first PrefixLength **bytes** of the body (never parsed: invalid
+    UTF-8 is forwarded unchanged and hashed as bytes), scoped by endpoint and
+    ``X-Amzn-SageMaker-Inference-Component``, with ``X-Amzn-SageMaker-Prefix-Aware-Id``
+    as the tenant. Errors use SageMaker's shapes (``x-amzn-ErrorType``).
+    """
+    return await _native(request, Api.NATIVE)
+
+
+async def invocations_response_stream(request: web.Request) -> web.StreamResponse:
+    """SageMaker ``InvokeEndpointWithResponseStream``: the body goes unchanged to the
+    instance's ``/invocations`` (a vLLM SageMaker container streams when the body has
+    ``"stream": true``); each chunk of its answer comes back as a ``PayloadPart`` event
+    of an ``application/vnd.amazon.eventstream`` response, with the container's
+    content type in ``X-Amzn-SageMaker-Content-Type``. A failure mid-stream ends it with
+    a ``ModelStreamError`` event. Routing as :func:`invocations`."""
+    return await _native(request, Api.NATIVE_STREAM)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -203,17 +295,51 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-async def _client_and_health_checks(app: web.Application) -> AsyncIterator[None]:
+def _error_for_path(path: str, status: int, message: str, code: str) -> web.Response:
+    """An error in the shape the API of ``path`` uses."""
+    if "/v1/" in path:
+        return openai_error(status, message, code=code)
+    if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
+        return sagemaker_error("ValidationError", message, status=status)
+    return json_response(status, {"message": message})
+
+
+@web.middleware
+async def _error_shapes(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    """aiohttp's own 404/405/413 answers are plain text; give them the API's shape."""
+    try:
+        return await handler(request)
+    except web.HTTPNotFound:
+        state = request.app[STATE]
+        state.metrics.responses.labels("unknown", "", "404").inc()
+        return _error_for_path(request.path, 404, f"no route for {request.method} {request.path[:200]}",
+                               "not_found")
+    except web.HTTPMethodNotAllowed as exc:
+        resp = _error_for_path(request.path, 405, f"method {request.method} is not allowed on this path "
+                               f"(allowed: {', '.join(sorted(exc.allowed_methods))})", "method_not_allowed")
+        resp.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
+        return resp
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[STATE].settings.max_body_bytes
+        return _error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
+                               "(--max-body-size)", "request_too_large")
+
+
+async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.session = make_client_session(state.settings)
-    task: asyncio.Task[None] | None = None
+    tasks: list[asyncio.Task[None]] = []
     if state.settings.health_check_interval_s > 0:
-        task = asyncio.create_task(health_check_loop(state), name="prefixroute-health-checks")
+        tasks.append(asyncio.create_task(health_check_loop(state), name="prefixroute-health-checks"))
+    if state.settings.metrics_scrape_interval_s > 0:
+        tasks.append(asyncio.create_task(scrape_loop(state), name="prefixroute-metrics-scrape"))
     try:
         yield
     finally:
-        if task is not None:
+        for task in tasks:
             task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await state.session.close()
@@ -221,17 +347,20 @@ async def _client_and_health_checks(app: web.Application) -> AsyncIterator[None]
 
 
 def build_app(state: RouterState) -> web.Application:
-    """The serving application for ``state``. The pooled upstream client is created on
-    startup and closed on cleanup, with the health-check task."""
-    app = web.Application(client_max_size=MAX_REQUEST_BYTES)
+    """The serving application for ``state``. The pooled upstream client, the health
+    checks and the metrics scrapes start on startup and stop on cleanup."""
+    app = web.Application(client_max_size=state.settings.max_body_bytes, middlewares=[_error_shapes])
     app[STATE] = state
-    app.cleanup_ctx.append(_client_and_health_checks)
+    app.cleanup_ctx.append(_background_tasks)
+    if state.settings.record_trace:
+        app.cleanup_ctx.append(recorder_context(state.settings.record_trace))
     r = app.router
     for prefix in ("", "/endpoints/{endpoint}/openai", "/endpoints/{endpoint}/inference-components/{component}/openai"):
         r.add_post(prefix + "/v1/chat/completions", chat_completions)
         r.add_post(prefix + "/v1/completions", completions)
         r.add_get(prefix + "/v1/models", models, allow_head=False)
     r.add_post("/endpoints/{endpoint}/invocations", invocations)
+    r.add_post("/endpoints/{endpoint}/invocations-response-stream", invocations_response_stream)
     r.add_post("/invocations", invocations)
     r.add_get("/ping", health, allow_head=False)
     r.add_get("/health", health, allow_head=False)

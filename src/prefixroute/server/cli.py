@@ -23,11 +23,28 @@ from typing import Any
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
 from prefixroute.server.runner import reload_logged, start_router
-from prefixroute.server.settings import ServerSettings
+from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
-__all__ = ["configure_parser", "run", "build_config", "build_settings"]
+__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size"]
 
 log = logging.getLogger("prefixroute.server")
+
+_SIZE_UNITS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": 1024, "M": 1000**2, "MB": 1000**2, "MIB": 1024**2,
+               "G": 1000**3, "GB": 1000**3, "GIB": 1024**3}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``65536``, ``64MiB``, ``100MB``, ``1GiB`` (argparse type)."""
+    t = text.strip().upper().replace(" ", "")
+    digits = t.rstrip("KMGIB")
+    unit = t[len(digits):]
+    try:
+        value = float(digits)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 67108864, 64MiB, 100MB)") from None
+    if unit not in _SIZE_UNITS or value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 67108864, 64MiB, 100MB)")
+    return int(value * _SIZE_UNITS[unit])
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -64,16 +81,45 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--admin-port", type=int, default=None,
                    help="port of the admin API; 0 disables it (default: --port + 1, or a free port when "
                         "--port is 0)")
-    n.add_argument("--admin-token", default=os.environ.get("PREFIXROUTE_ADMIN_TOKEN"),
-                   help="bearer token the admin API requires (Authorization: Bearer TOKEN); default: "
-                        "$PREFIXROUTE_ADMIN_TOKEN; none = no check (loopback only)")
+    n.add_argument("--admin-token", default=None,
+                   help="bearer token the admin API requires (Authorization: Bearer TOKEN). A flag's value is "
+                        "visible to every user in `ps`: prefer the PREFIXROUTE_ADMIN_TOKEN environment variable "
+                        "(the default) or --admin-token-file; none = no check (loopback only)")
+    n.add_argument("--admin-token-file", metavar="PATH", default=None,
+                   help="read the admin bearer token from this file (its first line; keep it mode 0600)")
 
-    o = p.add_argument_group("health, shutdown, logging")
+    o = p.add_argument_group("health, timeouts, limits, shutdown, logging")
     o.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between health checks of every instance; 0 disables them (default: 5)")
+                   help="seconds between active health checks of every instance; 0 disables them (default: 5)")
     o.add_argument("--health-check-path", default="/health",
-                   help="path probed with GET on each instance; 200 = healthy, checked with a 2 s timeout "
-                        "(default: /health)")
+                   help="path probed with GET on each instance; 2xx = healthy: /health for vLLM and SGLang, "
+                        "/ping for SageMaker containers (default: /health)")
+    o.add_argument("--health-check-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="timeout of one health check (default: 2)")
+    o.add_argument("--unhealthy-threshold", type=int, default=2, metavar="N",
+                   help="consecutive failures (failed checks, or timeouts and resets of real requests) that take "
+                        "an instance out of rotation; a refused connection takes it out at once (default: 2)")
+    o.add_argument("--healthy-threshold", type=int, default=2, metavar="N",
+                   help="consecutive successful checks that put an instance back in rotation (default: 2)")
+    o.add_argument("--connect-timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="timeout of opening a connection to an instance; the request then goes to another "
+                        "instance (default: 5)")
+    o.add_argument("--response-headers-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="longest wait for an instance's response headers after sending a request; a "
+                        "non-streaming generation answers only when done, so this bounds it; 504 after it "
+                        "(default: 600)")
+    o.add_argument("--stream-idle-timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="longest silence between two chunks of a response; there is no total timeout, a stream "
+                        "lasts as long as tokens flow (default: 300)")
+    o.add_argument("--max-retries", type=int, default=2, metavar="N",
+                   help="most retries on other instances, only when the failed one cannot have started the "
+                        "request (connection refused, request not sent in full) (default: 2)")
+    o.add_argument("--max-body-size", type=parse_size, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+                   help="largest request body; larger ones get 413 and are not sent upstream, e.g. 128MiB "
+                        "(default: 64MiB, room for long contexts and inline images)")
+    o.add_argument("--metrics-scrape-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="seconds between scrapes of every instance's /metrics (prefix-cache hit rate, requests "
+                        "running/waiting, exported as prefixroute_backend_*); 0 disables (default: 10)")
     o.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, seconds requests in flight may take to finish (default: 30)")
     o.add_argument("--seed", type=int, default=None,
@@ -81,7 +127,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error"],
                    help="log level of stderr logs (default: warning)")
     o.add_argument("--log-prompts", action="store_true",
-                   help="allow prompt text in DEBUG logs (default: off, prompts never reach the logs)")
+                   help="allow prompt text (the first 512 bytes of a request body, every API) in DEBUG logs "
+                        "(default: off, prompts never reach the logs)")
+    o.add_argument("--record-trace", metavar="PATH",
+                   help="append one JSONL line per routed request to PATH (time, instance, decision, length and "
+                        "digests of 64-character blocks of the routing text, never the text) for "
+                        "`prefixroute tune --trace PATH`")
 
 
 def build_config(args: argparse.Namespace) -> FleetConfig:
@@ -104,13 +155,41 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
 
 
+def admin_token(args: argparse.Namespace) -> str | None:
+    """The admin token: ``--admin-token-file``, else ``--admin-token``, else
+    ``$PREFIXROUTE_ADMIN_TOKEN``, else none.
+
+    Raises:
+        ConfigError: both flags given, or the file cannot be read or is empty.
+    """
+    path = getattr(args, "admin_token_file", None)
+    if path:
+        if args.admin_token:
+            raise ConfigError("use either --admin-token or --admin-token-file, not both")
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read admin token file {path}: {getattr(exc, 'strerror', None) or exc}") \
+                from None
+        token = lines[0].strip() if lines else ""
+        if not token:
+            raise ConfigError(f"admin token file {path} is empty")
+        return token
+    return args.admin_token or os.environ.get("PREFIXROUTE_ADMIN_TOKEN") or None
+
+
 def build_settings(args: argparse.Namespace) -> ServerSettings:
     """The process settings from the flags. Raises ``ConfigError``."""
     return ServerSettings(
         host=args.host, port=args.port, admin_host=args.admin_host, admin_port=args.admin_port,
-        admin_token=args.admin_token or None, health_check_interval_s=args.health_check_interval,
-        health_check_path=args.health_check_path, shutdown_timeout_s=args.shutdown_timeout,
-        seed=args.seed, log_prompts=args.log_prompts, config_path=args.config,
+        admin_token=admin_token(args), health_check_interval_s=args.health_check_interval,
+        health_check_path=args.health_check_path, health_check_timeout_s=args.health_check_timeout,
+        unhealthy_threshold=args.unhealthy_threshold, healthy_threshold=args.healthy_threshold,
+        connect_timeout_s=args.connect_timeout, response_headers_timeout_s=args.response_headers_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout, max_retries=args.max_retries,
+        max_body_bytes=args.max_body_size, metrics_scrape_interval_s=args.metrics_scrape_interval,
+        shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
+        config_path=args.config, record_trace=args.record_trace,
     )
 
 

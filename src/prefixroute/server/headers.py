@@ -13,7 +13,8 @@ from multidict import CIMultiDict
 
 __all__ = [
     "TARGET_VARIANT", "INFERENCE_COMPONENT", "CUSTOM_ATTRIBUTES", "PREFIX_AWARE_ID",
-    "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID",
+    "SAGEMAKER_ACCEPT", "SAGEMAKER_CONTENT_TYPE",
+    "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "valid_request_id",
     "openai_upstream_headers", "native_upstream_headers", "openai_response_headers",
     "native_response_headers",
 ]
@@ -23,9 +24,14 @@ TARGET_VARIANT = "X-Amzn-SageMaker-Target-Variant"
 INFERENCE_COMPONENT = "X-Amzn-SageMaker-Inference-Component"
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 PREFIX_AWARE_ID = "X-Amzn-SageMaker-Prefix-Aware-Id"
+#: ``InvokeEndpointWithResponseStream``'s ``Accept`` (sent to the container as ``Accept``).
+SAGEMAKER_ACCEPT = "X-Amzn-SageMaker-Accept"
 
 # Response headers.
 INVOKED_VARIANT = "X-Amzn-Invoked-Production-Variant"
+#: ``InvokeEndpointWithResponseStream``: the container's ``Content-Type`` (the HTTP
+#: ``Content-Type`` is the event-stream's).
+SAGEMAKER_CONTENT_TYPE = "X-Amzn-SageMaker-Content-Type"
 #: The instance base URL that served the request.
 INSTANCE = "X-Prefixroute-Instance"
 #: Why: affinity, overflow, all_busy, fallback, random, least_outstanding.
@@ -35,6 +41,14 @@ DECISION = "X-Prefixroute-Decision"
 OVERHEAD_MS = "X-Prefixroute-Overhead-Ms"
 #: Propagated from the request (or a generated uuid4 hex), sent upstream and back.
 REQUEST_ID = "X-Request-Id"
+_REQUEST_ID_MAX = 200
+
+
+def valid_request_id(value: str | None) -> bool:
+    """True for an ``X-Request-Id`` worth propagating: 1-200 visible ASCII characters
+    (anything else is replaced by a generated id, so logs and headers stay clean)."""
+    return value is not None and 0 < len(value) <= _REQUEST_ID_MAX and all("!" <= c <= "~" for c in value)
+
 
 _HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
@@ -57,7 +71,7 @@ def _end_to_end(headers: Mapping[str, str], also_drop: frozenset[str]) -> Iterab
     listed = _connection_listed(headers)
     for k, v in headers.items():
         low = k.lower()
-        if low in _HOP_BY_HOP or low in also_drop or (listed and low in listed):
+        if low in _HOP_BY_HOP or low.startswith("proxy-") or low in also_drop or (listed and low in listed):
             continue
         yield k, v
 

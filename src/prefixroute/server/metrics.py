@@ -5,19 +5,26 @@ configuration, decision kinds, status codes and error kinds. An endpoint name ta
 from a URL that is not configured is reported as ``unknown`` (no label explosion).
 
 The in-flight gauge is not updated per request: a collector reads the pools at scrape
-time, so it is exactly the pools' counts.
+time, so it is exactly the pools' counts. The ``prefixroute_backend_*`` families mirror
+what the router last scraped from each engine's own ``/metrics`` (:mod:`.scrape`).
+
+``prefixroute_responses_total{code}`` is the status the client received in full;
+``499`` when the client went away first, and ``stream_aborted`` when the status line
+was sent but the instance failed or went silent mid-body (the client got an error
+event, or a truncated body).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from prefixroute.core.endpoint import Fleet
+from prefixroute.server.scrape import BackendStats
 
 __all__ = ["RouterMetrics", "CONTENT_TYPE", "METRIC_NAMES"]
 
@@ -29,12 +36,20 @@ METRIC_NAMES = (
     "prefixroute_requests_total",
     "prefixroute_responses_total",
     "prefixroute_upstream_errors_total",
+    "prefixroute_retries_total",
     "prefixroute_in_flight",
     "prefixroute_instance_healthy",
     "prefixroute_routing_decision_seconds",
     "prefixroute_ttft_seconds",
     "prefixroute_request_duration_seconds",
     "prefixroute_router_overhead_seconds",
+    "prefixroute_backend_prefix_cache_queries_total",
+    "prefixroute_backend_prefix_cache_hits_total",
+    "prefixroute_backend_prefix_cache_hit_rate",
+    "prefixroute_fleet_prefix_cache_hit_rate",
+    "prefixroute_backend_requests_running",
+    "prefixroute_backend_requests_waiting",
+    "prefixroute_backend_scrape_ok",
 )
 
 # A routing decision takes microseconds; start at 1 µs.
@@ -66,26 +81,89 @@ class _PoolCollector(Collector):
         return [in_flight, healthy]
 
 
+class _BackendCollector(Collector):
+    """The engines' own prefix-cache counters and queue lengths, as last scraped."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, BackendStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterable[Metric]:
+        lbl = ("instance",)
+        queries = CounterMetricFamily(
+            "prefixroute_backend_prefix_cache_queries",
+            "Prompt tokens the instance looked up in its prefix cache (its vllm:prefix_cache_queries_total).",
+            labels=lbl)
+        hits = CounterMetricFamily(
+            "prefixroute_backend_prefix_cache_hits",
+            "Prompt tokens the instance found in its prefix cache (its vllm:prefix_cache_hits_total).",
+            labels=lbl)
+        rate = GaugeMetricFamily(
+            "prefixroute_backend_prefix_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens on the instance since it started (hits / queries).",
+            labels=lbl)
+        fleet = GaugeMetricFamily(
+            "prefixroute_fleet_prefix_cache_hit_rate",
+            "Cached prompt tokens / prompt tokens over every scraped instance (sum of hits / sum of queries).")
+        running = GaugeMetricFamily(
+            "prefixroute_backend_requests_running",
+            "Requests the instance reports running (vllm:num_requests_running).", labels=lbl)
+        waiting = GaugeMetricFamily(
+            "prefixroute_backend_requests_waiting", "Requests the instance reports queued (vllm:num_requests_waiting).",
+            labels=lbl)
+        ok = GaugeMetricFamily(
+            "prefixroute_backend_scrape_ok", "1 if the latest scrape of the instance's /metrics succeeded, else 0.",
+            labels=lbl)
+        total_q = total_h = 0.0
+        for instance, s in sorted(self._stats().items()):
+            labels = (instance,)
+            ok.add_metric(labels, 1.0 if s.ok else 0.0)
+            if s.prefix_cache_queries is not None:
+                queries.add_metric(labels, s.prefix_cache_queries)
+                total_q += s.prefix_cache_queries
+            if s.prefix_cache_hits is not None:
+                hits.add_metric(labels, s.prefix_cache_hits)
+                total_h += s.prefix_cache_hits
+            if s.hit_rate is not None:
+                rate.add_metric(labels, s.hit_rate)
+            if s.requests_running is not None:
+                running.add_metric(labels, s.requests_running)
+            if s.requests_waiting is not None:
+                waiting.add_metric(labels, s.requests_waiting)
+        if total_q > 0:
+            fleet.add_metric((), total_h / total_q)
+        return [queries, hits, rate, fleet, running, waiting, ok]
+
+
 class RouterMetrics:
     """The router's metrics and the registry that exports them.
 
     Args:
         fleet: returns the current :class:`Fleet` (it changes on reconfiguration).
+        backend_stats: returns the latest scraped engine metrics per instance URL.
     """
 
-    def __init__(self, fleet: Callable[[], Fleet]) -> None:
+    def __init__(self, fleet: Callable[[], Fleet],
+                 backend_stats: Callable[[], Mapping[str, BackendStats]] = dict) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
             "prefixroute_requests", "Requests routed, per instance and decision kind.",
             ("endpoint", "variant", "instance", "decision"), registry=r)
         self.responses = Counter(
-            "prefixroute_responses", "Responses sent, per status code (499 = client went away).",
+            "prefixroute_responses",
+            "Responses per status code the client received in full (499 = the client went away; "
+            "stream_aborted = the instance failed or went silent after the status was sent).",
             ("endpoint", "variant", "code"), registry=r)
         self.upstream_errors = Counter(
             "prefixroute_upstream_errors",
-            "Failures talking to an instance: connect, timeout, disconnect, http_5xx.",
+            "Failures talking to an instance: connect, send, reset, disconnect, headers_timeout, idle_timeout, "
+            "http_5xx, no_done (an SSE stream ended without data: [DONE]).",
             ("instance", "kind"), registry=r)
+        self.retries = Counter(
+            "prefixroute_retries",
+            "Requests retried on another instance because the first could not have started them "
+            "(reason: connect, send).",
+            ("endpoint", "variant", "reason"), registry=r)
         self.decision_seconds = Histogram(
             "prefixroute_routing_decision_seconds", "Time of one routing decision, seconds.",
             ("endpoint", "variant"), buckets=_DECISION_BUCKETS, registry=r)
@@ -102,6 +180,7 @@ class RouterMetrics:
             "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
             ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r)
         r.register(_PoolCollector(fleet))
+        r.register(_BackendCollector(backend_stats))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -1,50 +1,92 @@
-"""Forwarding to an instance: the pooled upstream client and the streaming relay.
+"""Forwarding to an instance: the pooled upstream client, retries, timeouts and the
+streaming relay.
 
 One request has one owner of its lifecycle (:func:`forward`): it claims an in-flight
 slot (``VariantPool.acquire`` -> ``Lease``), sends the body bytes unchanged, relays the
 response chunk by chunk as it arrives (SSE is never buffered), and in ``finally``
 closes the upstream response and releases the lease, on every path: success, upstream
-error, client disconnect (``ConnectionResetError`` from a write, or cancellation of the
-handler, as the runner uses ``handler_cancellation=True``) and shutdown.
+error, timeout, client disconnect (``ConnectionResetError`` from a write, or
+cancellation of the handler, as the runner uses ``handler_cancellation=True``) and
+shutdown. Closing the upstream response closes its connection, so the engine sees the
+abort at once and stops generating.
 
-A connection error before anything was sent (refused, unreachable, connect timeout)
-marks the instance unhealthy and retries once on another instance of the variant.
+Retries (at most ``max_retries``, each on an instance not tried yet) happen only when
+the failed instance cannot have started the request:
+
+* the connection could not be opened (refused, unreachable, connect timeout);
+* the request could not be sent in full (the connection was reset or closed while the
+  router was still writing it: an HTTP server cannot run a request whose body it has
+  not received). aiohttp's ``UploadTracker`` (in the aiohttp this project installs,
+  3.14.5) reports this; with an aiohttp that lacks it only the first case is retried.
+
+A pooled keep-alive connection that the instance has already closed is detected before
+anything is written on it (:class:`PoolConnector`) and replaced by another connection,
+so the keep-alive race needs no retry. Nothing is retried once the request was sent in
+full: not a reset or a timeout before the response headers (the engine may be
+generating), not a 4xx/5xx answer, and never after response bytes reached the client.
+So a generation never runs twice and the client never sees duplicated tokens.
+
+Timeouts (:class:`~prefixroute.server.settings.ServerSettings`): connect; request sent
+to response headers (bounds a non-streaming generation); silence between two body
+chunks. There is no total timeout, so a long stream lasts as long as tokens flow.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import hmac
+import inspect
 import io
 import logging
+import socket
 import time
+import weakref
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import aiohttp
+import orjson
 from aiohttp import web
+from multidict import CIMultiDict
 
 from prefixroute.core.pool import Decision, NoHealthyInstance, VariantPool
+from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.errors import openai_error, sagemaker_error
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
-__all__ = ["Api", "RoutedRequest", "make_client_session", "forward", "forward_get"]
+__all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get",
+           "STREAM_ABORTED"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
-#: Errors raised before the request reached the instance: safe to retry elsewhere.
+#: The ``code`` label of a response whose status was sent but whose body the instance
+#: did not finish (it failed or went silent mid-body).
+STREAM_ABORTED = "stream_aborted"
+
+#: Errors raised before a connection to the instance existed: safe to retry elsewhere.
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
-_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError)
+_UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _LARGE_BODY = 1 << 20  # bytes; aiohttp's threshold for "large" raw bodies
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept in ModelError.OriginalMessage
+_TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
+_MODELS_TIMEOUT_S = 30.0  # GET /v1/models is not inference: it answers at once or not at all
+
+_UploadTracker: Any = getattr(aiohttp, "UploadTracker", None)
+if _UploadTracker is not None and "upload_tracker" not in inspect.signature(aiohttp.ClientSession._request).parameters:
+    _UploadTracker = None
+_MSG_PEEK_NOWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 
 
 class Api(enum.Enum):
-    """Which API a request came in on: decides headers passed and error shapes."""
+    """Which API a request came in on: decides headers passed, framing and error shapes."""
 
     OPENAI = "openai"
     NATIVE = "native"
+    #: ``InvokeEndpointWithResponseStream``: the answer is re-framed as AWS event-stream.
+    NATIVE_STREAM = "native_stream"
 
 
 @dataclass(slots=True)
@@ -53,14 +95,15 @@ class RoutedRequest:
 
     Attributes:
         request: the incoming aiohttp request.
-        api: OpenAI-compatible or SageMaker native.
+        api: OpenAI-compatible, SageMaker native, or SageMaker response stream.
         endpoint: the endpoint's name (a metrics label).
         pool: the production variant chosen for it.
-        key: the routing key, or ``None`` (strategies other than PREFIX_AWARE).
+        key: the routing key (PREFIX_AWARE), or ``None``.
         body: the raw request body, forwarded unchanged.
         upstream_path: path on the instance, e.g. ``/v1/chat/completions``.
         request_id: the ``X-Request-Id``.
         t0: ``time.perf_counter()`` at handler entry, seconds.
+        blocks: chained block hashes (CACHE_AWARE), or empty.
     """
 
     request: web.Request
@@ -72,6 +115,61 @@ class RoutedRequest:
     upstream_path: str
     request_id: str
     t0: float
+    blocks: Sequence[int] = ()
+
+
+def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
+    """True if the peer already closed (or reset) this idle connection: a non-blocking
+    ``MSG_PEEK`` read sees end-of-file, an error, or bytes nobody asked for."""
+    if transport is None or transport.is_closing():
+        return True
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        probe = socket.socket(fileno=sock.fileno())
+    except OSError:
+        return False
+    try:
+        probe.recv(1, _MSG_PEEK_NOWAIT)
+    except BlockingIOError:
+        return False  # open and idle: nothing to read
+    except OSError:
+        return True  # reset
+    finally:
+        probe.detach()
+    return True  # b"" (closed) or unsolicited bytes: not reusable
+
+
+class PoolConnector(aiohttp.TCPConnector):
+    """A ``TCPConnector`` that checks a pooled keep-alive connection before reusing it.
+
+    aiohttp drops pooled connections whose close it has already processed; an instance
+    may have closed one an instant before (its keep-alive timer fired) without the event
+    loop having seen it yet. Such a connection is found dead here, before anything is
+    written on it, closed, and another one taken, so the request is never lost to the
+    keep-alive race.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._handed_out: weakref.WeakSet[Any] = weakref.WeakSet()  # protocols used before
+
+    async def connect(self, *args: Any, **kwargs: Any) -> aiohttp.connector.Connection:
+        for _ in range(8):
+            conn = await super().connect(*args, **kwargs)
+            proto = conn.protocol
+            reused = proto in self._handed_out
+            self._handed_out.add(proto)
+            transport = conn.transport
+            # Only idle pooled plain-TCP connections are checked: a fresh one is alive by
+            # construction, and a TLS one may hold bytes (session tickets) that are not
+            # a close; aiohttp's own check covers those.
+            if not reused or transport is None or transport.get_extra_info("sslcontext") is not None \
+                    or not _peer_closed(transport):
+                return conn
+            conn.close()
+        return conn
 
 
 def make_client_session(settings: ServerSettings) -> aiohttp.ClientSession:
@@ -79,15 +177,16 @@ def make_client_session(settings: ServerSettings) -> aiohttp.ClientSession:
 
     Bodies are relayed undecoded (``auto_decompress=False``) and aiohttp adds no
     headers of its own (``User-Agent``, ``Accept``...): the instance sees the client's.
+    Only the connect timeout is set here; :func:`forward` applies the response-headers
+    and stream-idle timeouts itself, as they differ.
     """
-    connector = aiohttp.TCPConnector(
+    connector = PoolConnector(
         limit=settings.max_connections,
         limit_per_host=0,
         keepalive_timeout=settings.keepalive_timeout_s,
         ttl_dns_cache=60,
     )
-    timeout = aiohttp.ClientTimeout(
-        total=None, connect=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=settings.connect_timeout_s, sock_read=None)
     return aiohttp.ClientSession(
         connector=connector,
         timeout=timeout,
@@ -104,65 +203,141 @@ def _payload(body: bytes) -> bytes | io.BytesIO:
 
 
 def _error(api: Api, status: int, message: str, code: str, headers: dict[str, str]) -> web.Response:
-    if api is Api.NATIVE:
+    if api is not Api.OPENAI:
         kind = "ServiceUnavailable" if status == 503 else "ModelError"
         return sagemaker_error(kind, message, headers=headers)
     return openai_error(status, message, type_="server_error", code=code, headers=headers)
+
+
+def _strip_secrets(headers: CIMultiDict[str], token: str | None) -> None:
+    """Drop any header carrying the router's admin token (a client that sent it to the
+    inference port must not leak it to the engines)."""
+    if not token:
+        return
+    secret = token.encode()
+    for name in {k for k, v in headers.items()
+                 if hmac.compare_digest(v.strip().removeprefix("Bearer ").strip().encode("utf-8", "surrogateescape"),
+                                        secret)}:
+        del headers[name]
+
+
+def _not_sent(tracker: Any) -> bool:
+    """True if the upload tracker proves the request body was not sent in full."""
+    if tracker is None:
+        return False
+    fut = tracker.upload_complete
+    return fut.done() and not fut.cancelled() and fut.exception() is not None
+
+
+def _error_kind(exc: BaseException) -> str:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    if isinstance(exc, (ConnectionResetError, aiohttp.ClientOSError)):
+        return "reset"
+    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, ConnectionError)):
+        return "disconnect"
+    return "other"
+
+
+def _upstream_headers(state: RouterState, rr: RoutedRequest) -> CIMultiDict[str]:
+    if rr.api is Api.OPENAI:
+        out = H.openai_upstream_headers(rr.request.headers, rr.request_id)
+    else:
+        out = H.native_upstream_headers(rr.request.headers, rr.request_id)
+        if rr.api is Api.NATIVE_STREAM:
+            # The HTTP Accept is the event-stream's; the container's is X-Amzn-SageMaker-Accept.
+            out.popall("Accept", None)
+            accept = rr.request.headers.get(H.SAGEMAKER_ACCEPT)
+            if accept:
+                out["Accept"] = accept
+    _strip_secrets(out, state.settings.admin_token)
+    return out
 
 
 async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     """Route ``rr`` to an instance of its variant and relay the answer.
 
     Returns the response (already sent when streaming). Status codes of its own:
-    503 when no instance is healthy or every attempt was refused; 502 (OpenAI) /
-    424 ``ModelError`` (native) when the instance failed after the request was sent;
-    a native request the model answered with a non-2xx status gets 424 ``ModelError``
-    with ``OriginalStatusCode`` and ``OriginalMessage``.
+    503 when no instance is healthy or none could be reached; 502 (OpenAI) / 424
+    ``ModelError`` (native) when the instance failed after the request was sent; 504
+    (OpenAI) / 424 ``ModelError`` (native) when its response headers did not come
+    within ``response_headers_timeout_s``; a native request the model answered with a
+    non-2xx status gets 424 ``ModelError`` with ``OriginalStatusCode`` and
+    ``OriginalMessage``.
     """
     m = state.metrics
+    settings = state.settings
     session = state.session
     assert session is not None, "the router app is not running"
     pool = rr.pool
     variant = pool.name
     base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
-    up_headers = (H.openai_upstream_headers if rr.api is Api.OPENAI else H.native_upstream_headers)(
-        rr.request.headers, rr.request_id)
+    up_headers = _upstream_headers(state, rr)
     exclude: set[str] = set()
     router_s = 0.0  # router time before the upstream send, summed over attempts
     mark = rr.t0
-    code = 0
+    code: int | str = 0
+    retry: str | None = None  # why the previous attempt is being retried
     try:
-        for _attempt in range(2):
+        for _attempt in range(1 + settings.max_retries):
             try:
-                lease = pool.acquire(rr.key, exclude)
+                lease = pool.acquire(rr.key, exclude, rr.blocks)
             except NoHealthyInstance as exc:
                 code = 503
+                if exclude:
+                    return _error(rr.api, 503, f"no instance of production variant {variant!r} could take the "
+                                  f"request (tried {', '.join(sorted(exclude))})", "upstream_unavailable",
+                                  base_headers)
                 return _error(rr.api, 503, str(exc), "no_healthy_instance", base_headers)
+            if retry is not None:
+                m.retries.labels(rr.endpoint, variant, retry).inc()
             try:
                 decision = lease.decision
                 instance = decision.instance.instance_id
                 m.decision_seconds.labels(rr.endpoint, variant).observe(decision.decision_s)
                 t_send = time.perf_counter()
                 router_s += t_send - mark
+                tracker = _UploadTracker() if _UploadTracker is not None else None
+                kwargs: dict[str, Any] = {"upload_tracker": tracker} if tracker is not None else {}
                 try:
-                    upstream = await session.request(
-                        "POST", instance + rr.upstream_path, data=_payload(rr.body), headers=up_headers)
+                    async with asyncio.timeout(settings.response_headers_timeout_s):
+                        upstream = await session.request(
+                            "POST", instance + rr.upstream_path, data=_payload(rr.body), headers=up_headers,
+                            **kwargs)
                 except CONNECT_ERRORS as exc:
                     mark = time.perf_counter()
                     m.upstream_errors.labels(instance, "connect").inc()
-                    state.set_healthy(instance, False)
-                    log.warning("instance %s: connect failed (%s)", instance,
-                                type(exc).__name__)
+                    retry = "connect"
+                    state.health.passive_failure(instance, definitive=True)
+                    log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
                     exclude.add(instance)
                     continue  # the finally below releases this lease first
+                except TimeoutError:
+                    m.upstream_errors.labels(instance, "headers_timeout").inc()
+                    m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                    state.health.passive_failure(instance)
+                    code = 504 if rr.api is Api.OPENAI else 424
+                    return _error(rr.api, 504, f"instance {instance} timed out: no response headers within "
+                                  f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
+                                  {**base_headers, H.INSTANCE: instance})
                 except _UPSTREAM_ERRORS as exc:
                     kind = _error_kind(exc)
+                    state.health.passive_failure(instance)
+                    if _not_sent(tracker):
+                        mark = time.perf_counter()
+                        m.upstream_errors.labels(instance, "send").inc()
+                        retry = "send"
+                        log.warning("instance %s: connection lost while sending the request (%s)", instance, kind)
+                        exclude.add(instance)
+                        continue
                     m.upstream_errors.labels(instance, kind).inc()
                     m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                    log.warning("instance %s: failed before responding (%s)", instance, kind)
                     code = 502 if rr.api is Api.OPENAI else 424
-                    return _error(rr.api, code, f"instance {instance} failed before responding ({kind})",
+                    return _error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
                                   "upstream_error", {**base_headers, H.INSTANCE: instance})
                 m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                state.health.passive_success(instance)
                 try:
                     resp, code = await _relay(state, rr, upstream, decision, router_s)
                     return resp
@@ -171,7 +346,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
             finally:
                 lease.release()
         code = 503
-        return _error(rr.api, 503, f"no instance of production variant {variant!r} accepted a connection "
+        return _error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
                       f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers)
     except asyncio.CancelledError:
         code = 499  # the client went away (handler cancelled)
@@ -181,19 +356,32 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
         m.duration_seconds.labels(rr.endpoint, variant).observe(time.perf_counter() - rr.t0)
 
 
-def _error_kind(exc: BaseException) -> str:
-    if isinstance(exc, asyncio.TimeoutError):
-        return "timeout"
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError, ConnectionError)):
-        return "disconnect"
-    return "other"
+def _response_headers(rr: RoutedRequest, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    if rr.api is Api.OPENAI:
+        return H.openai_response_headers(upstream.headers)
+    out = H.native_response_headers(upstream.headers)
+    if rr.api is Api.NATIVE_STREAM:
+        content_type = out.popall("Content-Type", [])
+        if content_type:
+            out[H.SAGEMAKER_CONTENT_TYPE] = content_type[0]
+        out["Content-Type"] = eventstream.CONTENT_TYPE
+    return out
+
+
+def _sse_error_event(message: str, code: str) -> bytes:
+    err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
+    return b"data: " + orjson.dumps(err) + b"\n\n"
+
+
+def _at_event_boundary(tail: bytes) -> bool:
+    return not tail or tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r"))
 
 
 async def _relay(
     state: RouterState, rr: RoutedRequest, upstream: aiohttp.ClientResponse, decision: Decision, router_s: float,
-) -> tuple[web.StreamResponse, int]:
-    """Copy the instance's response to the client as it arrives; returns (response, status
-    code for metrics; 499 if the client left)."""
+) -> tuple[web.StreamResponse, int | str]:
+    """Copy the instance's response to the client as it arrives; returns (response,
+    ``code`` label: the status, 499 if the client left, or :data:`STREAM_ABORTED`)."""
     t_headers = time.perf_counter()
     m = state.metrics
     instance = decision.instance.instance_id
@@ -201,17 +389,21 @@ async def _relay(
     status = upstream.status
     if status >= 500:
         m.upstream_errors.labels(instance, "http_5xx").inc()
-    if rr.api is Api.NATIVE and not 200 <= status < 300:
+    if rr.api is not Api.OPENAI and not 200 <= status < 300:
         return await _model_error(state, rr, upstream, decision, router_s, t_headers), 424
 
-    if rr.api is Api.OPENAI:
-        resp = web.StreamResponse(status=status, reason=upstream.reason,
-                                  headers=H.openai_response_headers(upstream.headers))
+    framed = rr.api is Api.NATIVE_STREAM
+    if framed:
+        resp = web.StreamResponse(status=200, headers=_response_headers(rr, upstream))
     else:
-        resp = web.StreamResponse(status=status, headers=H.native_response_headers(upstream.headers))
-    if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
-        resp.content_length = upstream.content_length
+        resp = web.StreamResponse(status=status, reason=upstream.reason if rr.api is Api.OPENAI else None,
+                                  headers=_response_headers(rr, upstream))
+        if upstream.content_length is not None and "Transfer-Encoding" not in upstream.headers:
+            resp.content_length = upstream.content_length
+    sse = not framed and upstream.headers.get("Content-Type", "").startswith("text/event-stream")
     h = resp.headers
+    if sse or framed:
+        h["X-Accel-Buffering"] = "no"  # a buffering proxy in front (nginx) must not hold a stream back
     h[H.REQUEST_ID] = rr.request_id
     h[H.INVOKED_VARIANT] = variant
     h[H.INSTANCE] = instance
@@ -225,32 +417,33 @@ async def _relay(
     except ConnectionError:
         return resp, 499
     ttft = m.ttft_seconds.labels(rr.endpoint, variant)
+    idle_s = state.settings.stream_idle_timeout_s
     first = True
+    tail = b""
     chunks = upstream.content.iter_any().__aiter__()
     while True:
         try:
-            chunk = await chunks.__anext__()
+            async with asyncio.timeout(idle_s):
+                chunk = await chunks.__anext__()
         except StopAsyncIteration:
             break
         except _UPSTREAM_ERRORS as exc:
-            # Headers are gone; the only honest signal left is a broken connection,
-            # so the client sees a truncated response rather than a clean end.
-            kind = _error_kind(exc)
-            m.upstream_errors.labels(instance, kind).inc()
-            log.warning("instance %s: response broken mid-body (%s)", instance, kind)
-            if request.transport is not None:
-                request.transport.abort()
-            return resp, status
+            await _end_broken(state, rr, resp, instance, exc, sse, tail, idle_s)
+            return resp, STREAM_ABORTED
         if first:
             first = False
             ttft.observe(time.perf_counter() - rr.t0)
+        if sse:
+            tail = (tail + chunk)[-_TAIL:]
         try:
-            await resp.write(chunk)
+            await resp.write(eventstream.payload_part(chunk) if framed else chunk)
         except ConnectionError:
             return resp, 499
     if first:
         ttft.observe(time.perf_counter() - rr.t0)
     upstream.release()
+    if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
+        m.upstream_errors.labels(instance, "no_done").inc()
     try:
         await resp.write_eof()
     except ConnectionError:
@@ -258,22 +451,60 @@ async def _relay(
     return resp, status
 
 
+async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamResponse, instance: str,
+                      exc: BaseException, sse: bool, tail: bytes, idle_s: float) -> None:
+    """The instance failed or went silent after the status line was sent. The status
+    cannot change any more, so the client gets the error in the stream's own terms:
+
+    * event-stream (``invocations-response-stream``): a ``ModelStreamError`` event
+      (``StreamBroken`` or ``ModelInvocationTimeExceeded``), then a clean end;
+    * SSE cut at an event boundary: an ``error`` event (what vLLM sends on a failure
+      mid-stream; the ``openai`` client raises ``APIError``), then a clean end;
+    * anything else (a JSON body, an SSE event cut in half): the connection is aborted,
+      so the client sees a truncated body rather than a complete-looking one.
+    """
+    timeout = isinstance(exc, asyncio.TimeoutError)
+    kind = "idle_timeout" if timeout else _error_kind(exc)
+    state.metrics.upstream_errors.labels(instance, kind).inc()
+    state.health.passive_failure(instance)
+    log.warning("instance %s: response broken mid-body (%s)", instance, kind)
+    if timeout:
+        message = f"instance {instance} sent nothing for {idle_s:g} s; the response was ended"
+    else:
+        message = f"instance {instance} closed the connection mid-response ({kind})"
+    try:
+        if rr.api is Api.NATIVE_STREAM:
+            await resp.write(eventstream.model_stream_error(
+                message, "ModelInvocationTimeExceeded" if timeout else "StreamBroken"))
+            await resp.write_eof()
+            return
+        if sse and _at_event_boundary(tail):
+            await resp.write(_sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected"))
+            await resp.write_eof()
+            return
+    except ConnectionError:
+        return
+    if rr.request.transport is not None:
+        rr.request.transport.abort()
+
+
 async def _model_error(
     state: RouterState, rr: RoutedRequest, upstream: aiohttp.ClientResponse, decision: Decision,
     router_s: float, t_headers: float,
 ) -> web.Response:
     """SageMaker's answer to a model's non-2xx status: 424 ``ModelError``."""
+    instance = decision.instance.instance_id
     try:
-        raw = await upstream.read()
+        async with asyncio.timeout(state.settings.stream_idle_timeout_s):
+            raw = await upstream.content.read(_MAX_ERROR_BODY * 4)
         upstream.release()
     except _UPSTREAM_ERRORS as exc:  # the error body itself broke off: keep the status
-        state.metrics.upstream_errors.labels(decision.instance.instance_id, _error_kind(exc)).inc()
+        state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
         raw = b""
     t_back = time.perf_counter()
     status = upstream.status
     original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
     side = "client" if status < 500 else "server"
-    instance = decision.instance.instance_id
     overhead = router_s + (time.perf_counter() - t_back)
     state.metrics.overhead_seconds.labels(rr.endpoint, decision.variant).observe(overhead)
     state.metrics.ttft_seconds.labels(rr.endpoint, decision.variant).observe(t_headers - rr.t0)
@@ -289,33 +520,36 @@ async def _model_error(
 async def forward_get(state: RouterState, request: web.Request, pool: VariantPool, path: str,
                       request_id: str) -> web.Response:
     """``GET path`` on one healthy instance of ``pool`` (e.g. ``/v1/models``); no in-flight
-    slot is claimed, as this is not inference. Retries once on a connect error."""
+    slot is claimed, as this is not inference. Retries (idempotent) on another instance
+    after any failure to get an answer."""
     session = state.session
     assert session is not None, "the router app is not running"
     up_headers = H.openai_upstream_headers(request.headers, request_id)
+    _strip_secrets(up_headers, state.settings.admin_token)
     exclude: set[str] = set()
-    for _attempt in range(2):
+    rid = {H.REQUEST_ID: request_id}
+    for _attempt in range(1 + state.settings.max_retries):
         try:
             instance = pool.choose(None, exclude).instance.instance_id
         except NoHealthyInstance as exc:
-            return openai_error(503, str(exc), type_="server_error", code="no_healthy_instance",
-                                headers={H.REQUEST_ID: request_id})
+            msg = str(exc) if not exclude else f"no instance answered (tried {', '.join(sorted(exclude))})"
+            return openai_error(503, msg, type_="server_error",
+                                code="upstream_unavailable" if exclude else "no_healthy_instance", headers=rid)
         try:
-            async with session.get(instance + path, headers=up_headers) as upstream:
-                body = await upstream.read()
-                resp = web.Response(status=upstream.status, body=body,
-                                    headers=H.openai_response_headers(upstream.headers))
-                resp.headers[H.REQUEST_ID] = request_id
-                resp.headers[H.INVOKED_VARIANT] = pool.name
-                resp.headers[H.INSTANCE] = instance
-                return resp
+            async with asyncio.timeout(min(_MODELS_TIMEOUT_S, state.settings.response_headers_timeout_s)):
+                async with session.get(instance + path, headers=up_headers) as upstream:
+                    body = await upstream.read()
+            resp = web.Response(status=upstream.status, body=body, headers=H.openai_response_headers(upstream.headers))
+            resp.headers[H.REQUEST_ID] = request_id
+            resp.headers[H.INVOKED_VARIANT] = pool.name
+            resp.headers[H.INSTANCE] = instance
+            return resp
         except CONNECT_ERRORS:
             state.metrics.upstream_errors.labels(instance, "connect").inc()
-            state.set_healthy(instance, False)
-            exclude.add(instance)
+            state.health.passive_failure(instance, definitive=True)
         except _UPSTREAM_ERRORS as exc:
             state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
-            return openai_error(502, f"instance {instance} failed ({_error_kind(exc)})", type_="server_error",
-                                code="upstream_error", headers={H.REQUEST_ID: request_id})
-    return openai_error(503, "no instance accepted a connection", type_="server_error",
-                        code="upstream_unavailable", headers={H.REQUEST_ID: request_id})
+            state.health.passive_failure(instance)
+        exclude.add(instance)
+    return openai_error(503, f"no instance answered (tried {', '.join(sorted(exclude))})", type_="server_error",
+                        code="upstream_unavailable", headers=rid)

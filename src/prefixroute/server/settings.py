@@ -2,17 +2,25 @@
 
 Routing configuration (endpoints, variants, strategies) is a
 :class:`prefixroute.core.config.FleetConfig`; this module holds how the router listens,
-checks health, talks to instances and shuts down.
+checks health, talks to instances, limits requests and shuts down.
+
+Every duration is in seconds and must be finite; the defaults are documented on the
+fields of :class:`ServerSettings` and in docs/RELIABILITY.md.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 from prefixroute.core.config import ConfigError
 
-__all__ = ["ServerSettings", "is_loopback"]
+__all__ = ["ServerSettings", "is_loopback", "DEFAULT_MAX_BODY_BYTES"]
+
+#: Default largest request body, bytes: a 128k-token context is about 0.5 MB of text,
+#: a few inline base64 images add a few MB each; 64 MiB leaves room for both.
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 
 
 def is_loopback(host: str) -> bool:
@@ -25,74 +33,130 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def _duration(name: str, value: float | None, *, positive: bool = False, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}: {value!r} is not a finite number of seconds")
+    if positive and value <= 0:
+        raise ConfigError(f"{name}: {value} s must be > 0")
+    if value < 0:
+        raise ConfigError(f"{name}: {value} s must be >= 0")
+
+
+def _count(name: str, value: int, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        allowed = f"{lo:,}-{hi:,}" if hi is not None else f">= {lo:,}"
+        raise ConfigError(f"{name}: {value!r} is out of range (allowed {allowed})")
+
+
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
     """How the router process runs.
 
     Attributes:
         host: address the router listens on.
-        port: router port; ``0`` picks a free port (read it from ``RouterHandle.url``).
+        port: router port, 0-65,535; ``0`` picks a free port (read it from ``RouterHandle.url``).
         admin_host: address of the admin listener.
-        admin_port: admin port; ``None`` = router port + 1 (a free port when ``port`` is 0);
-            ``0`` disables the admin listener.
+        admin_port: admin port; ``None`` = router port + 1 (a free port when ``port`` is 0;
+            an error when ``port`` is 65,535); ``0`` disables the admin listener.
         admin_token: bearer token the admin API requires (``Authorization: Bearer ...``);
-            mandatory when ``admin_host`` is not a loopback address.
+            mandatory when ``admin_host`` is not a loopback address. Never forwarded
+            upstream, logged or shown (``repr`` hides it).
         health_check_interval_s: seconds between active health checks of every
-            instance; ``0`` disables them (then an instance marked unhealthy after a
-            refused connection stays out of rotation until reconfigured).
+            instance; ``0`` disables them (then only a connection that cannot be opened
+            takes an instance out, and it stays out until reconfigured).
         health_check_timeout_s: timeout of one health check, seconds.
-        health_check_path: path probed on each instance (``GET``; 200 = healthy).
+        health_check_path: path probed on each instance (``GET``; 2xx = healthy):
+            ``/health`` for vLLM and SGLang, ``/ping`` for SageMaker containers.
+        unhealthy_threshold: consecutive failed checks (active, or passive timeouts and
+            resets) that take an instance out of rotation. A refused connection takes
+            it out at once.
+        healthy_threshold: consecutive successful active checks that put an instance
+            that is out of rotation back in.
         connect_timeout_s: timeout of opening a connection to an instance, seconds.
-        read_timeout_s: longest silence while reading an instance's response, seconds;
-            ``None`` = no limit (long generations, slow streams).
+        response_headers_timeout_s: longest wait from sending a request to the
+            instance's response headers, seconds. A non-streaming generation sends its
+            headers only when it is done, so this bounds the whole generation: 600 s.
+        stream_idle_timeout_s: longest silence between two chunks of a response body,
+            seconds (there is no total timeout: a stream lasts as long as tokens flow).
+        max_retries: most retries on another instance, only when the failed instance
+            cannot have started the request (connection refused or never opened, or the
+            request body could not be sent in full).
+        max_body_bytes: largest request body accepted, bytes; larger ones get 413.
         max_connections: most upstream connections open at once (all instances).
         keepalive_timeout_s: how long an idle upstream connection is kept for reuse,
             seconds. Below uvicorn's 5 s default so that we never reuse a connection
             the engine is about to close.
         shutdown_timeout_s: on shutdown, how long requests in flight may take to
             finish before they are cancelled, seconds.
+        metrics_scrape_interval_s: seconds between scrapes of every instance's
+            ``/metrics`` (prefix-cache counters, running/waiting); ``0`` disables.
+        metrics_scrape_timeout_s: timeout of one scrape, seconds.
         seed: seed of the random choices (variant by weight, RANDOM strategy, ties).
-        log_prompts: allow prompt text in DEBUG logs (off: prompts never reach logs).
+        log_prompts: allow prompt text (the first 512 bytes of a body) in DEBUG logs,
+            on every route (off: prompts never reach logs).
         config_path: the YAML file the configuration came from; SIGHUP and
             ``POST /admin/reload`` re-read it.
+        record_trace: append a JSONL trace of routed requests (digests, never prompt
+            text; :mod:`prefixroute.server.trace`) to this file, or ``None``.
     """
 
     host: str = "127.0.0.1"
     port: int = 8080
     admin_host: str = "127.0.0.1"
     admin_port: int | None = None
-    admin_token: str | None = None
+    admin_token: str | None = field(default=None, repr=False)
     health_check_interval_s: float = 5.0
     health_check_timeout_s: float = 2.0
     health_check_path: str = "/health"
+    unhealthy_threshold: int = 2
+    healthy_threshold: int = 2
     connect_timeout_s: float = 5.0
-    read_timeout_s: float | None = None
+    response_headers_timeout_s: float = 600.0
+    stream_idle_timeout_s: float = 300.0
+    max_retries: int = 2
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_connections: int = 4096
     keepalive_timeout_s: float = 4.0
     shutdown_timeout_s: float = 30.0
+    metrics_scrape_interval_s: float = 10.0
+    metrics_scrape_timeout_s: float = 2.0
     seed: int | None = None
     log_prompts: bool = False
     config_path: str | None = None
+    record_trace: str | None = None
 
     def __post_init__(self) -> None:
-        if not 0 <= self.port <= 65535:
-            raise ConfigError(f"port: {self.port} is out of range (allowed 0-65,535)")
-        if self.admin_port is not None and not 0 <= self.admin_port <= 65535:
-            raise ConfigError(f"admin port: {self.admin_port} is out of range (allowed 0-65,535)")
-        if self.health_check_interval_s < 0:
-            raise ConfigError(f"health check interval: {self.health_check_interval_s} s must be >= 0")
-        if self.health_check_timeout_s <= 0:
-            raise ConfigError(f"health check timeout: {self.health_check_timeout_s} s must be > 0")
+        _count("port", self.port, 0, 65535)
+        if self.admin_port is not None:
+            _count("admin port", self.admin_port, 0, 65535)
+        elif self.port == 65535:
+            raise ConfigError("admin port: the default (port + 1 = 65,536) is out of range; "
+                              "give --admin-port (0 disables the admin API)")
+        _duration("health check interval", self.health_check_interval_s)
+        _duration("health check timeout", self.health_check_timeout_s, positive=True)
         if not self.health_check_path.startswith("/"):
             raise ConfigError(f"health check path: {self.health_check_path!r} must start with '/'")
-        if self.shutdown_timeout_s < 0:
-            raise ConfigError(f"shutdown timeout: {self.shutdown_timeout_s} s must be >= 0")
-        if self.max_connections < 1:
-            raise ConfigError(f"max connections: {self.max_connections} must be >= 1")
+        _count("unhealthy threshold", self.unhealthy_threshold, 1, 100)
+        _count("healthy threshold", self.healthy_threshold, 1, 100)
+        _duration("connect timeout", self.connect_timeout_s, positive=True)
+        _duration("response headers timeout", self.response_headers_timeout_s, positive=True)
+        _duration("stream idle timeout", self.stream_idle_timeout_s, positive=True)
+        _count("max retries", self.max_retries, 0, 16)
+        _count("max body size", self.max_body_bytes, 1)
+        _count("max connections", self.max_connections, 1)
+        _duration("keep-alive timeout", self.keepalive_timeout_s, positive=True)
+        _duration("shutdown timeout", self.shutdown_timeout_s)
+        _duration("metrics scrape interval", self.metrics_scrape_interval_s)
+        _duration("metrics scrape timeout", self.metrics_scrape_timeout_s, positive=True)
+        if self.admin_token is not None and not self.admin_token:
+            raise ConfigError("admin token: must not be empty")
         if self.admin_enabled and not is_loopback(self.admin_host) and not self.admin_token:
             raise ConfigError(
                 f"admin host {self.admin_host!r} is not a loopback address: an admin token is required "
-                "(--admin-token or PREFIXROUTE_ADMIN_TOKEN), or use --admin-port 0 to disable the admin API"
+                "(PREFIXROUTE_ADMIN_TOKEN, --admin-token-file or --admin-token), or use --admin-port 0 "
+                "to disable the admin API"
             )
 
     @property

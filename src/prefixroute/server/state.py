@@ -16,7 +16,9 @@ import aiohttp
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
+from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
+from prefixroute.server.scrape import BackendStats
 from prefixroute.server.settings import ServerSettings
 
 __all__ = ["RouterState"]
@@ -35,13 +37,19 @@ class RouterState:
         fleet: the live :class:`Fleet` (endpoints, variant pools, in-flight counts).
         settings: the :class:`ServerSettings`.
         metrics: the :class:`RouterMetrics`.
+        health: the :class:`HealthTracker` (consecutive failures and successes).
+        backend_stats: the latest scraped engine metrics per instance URL
+            (:class:`BackendStats`: prefix-cache counters, requests running/waiting).
         session: the pooled upstream ``aiohttp.ClientSession``; set while the app runs.
     """
 
     def __init__(self, config: FleetConfig, settings: ServerSettings) -> None:
         self.settings = settings
         self.fleet = Fleet(config, settings.seed)
-        self.metrics = RouterMetrics(lambda: self.fleet)
+        self.backend_stats: dict[str, BackendStats] = {}
+        self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats)
+        self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
+                                    settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
 
     @property
@@ -58,6 +66,7 @@ class RouterState:
         leases; removed instances get no new requests and their leases still release.
         """
         self.fleet.apply(config, self.settings.seed)
+        self.publish_engine_load()
         log.info("configuration applied: %s", _summary(config))
 
     def set_routing(self, endpoint: str, variant: str, routing: RoutingConfig) -> FleetConfig:
@@ -114,6 +123,24 @@ class RouterState:
         if changed:
             log.log(logging.INFO if healthy else logging.WARNING, "instance %s is now %s",
                     instance_id, "healthy" if healthy else "unhealthy")
+
+    def is_healthy(self, instance_id: str) -> bool:
+        """Whether the instance is in rotation (in any variant that has it)."""
+        for _, pool in self.fleet.all_pools():
+            inst = pool.get(instance_id)
+            if inst is not None and inst.healthy:
+                return True
+        return False
+
+    def publish_engine_load(self) -> None:
+        """Copy each instance's scraped ``running + waiting`` to its pool state
+        (``InstanceState.engine_load``, read by load-aware strategies)."""
+        for _, pool in self.fleet.all_pools():
+            for inst in pool.instances:
+                stats = self.backend_stats.get(inst.instance_id)
+                load = stats.engine_load if stats is not None else None
+                if hasattr(inst, "engine_load"):
+                    inst.engine_load = load or 0
 
     def instance_ids(self) -> list[str]:
         """Every configured instance URL, once."""

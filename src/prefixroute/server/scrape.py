@@ -1,0 +1,160 @@
+"""Periodic scrape of every instance's ``/metrics``: the engines' own prefix-cache
+counters and queue lengths (SPEC §4: "backend cache-hit rate scraped from the engines").
+
+Read per instance (summed over label sets, e.g. several ``model_name`` values):
+
+==================================  =============================================
+``vllm:prefix_cache_queries_total``  prompt tokens looked up in the prefix cache
+``vllm:prefix_cache_hits_total``     of which found (cached)
+``vllm:num_requests_running``        requests the engine is running
+``vllm:num_requests_waiting``        requests queued in the engine
+==================================  =============================================
+
+Older vLLM releases name the counters ``vllm:gpu_prefix_cache_queries_total`` and
+``vllm:gpu_prefix_cache_hits_total``; they are used when the new names are absent.
+
+The text is parsed with ``prometheus_client``'s parser after keeping only the lines of
+these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsing them
+all would hold the event loop for milliseconds). A failed scrape keeps the last values,
+marks the instance's scrape as failed, and is not a health failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+if TYPE_CHECKING:
+    from prefixroute.server.state import RouterState
+
+__all__ = ["BackendStats", "parse_engine_metrics", "scrape_instance", "scrape_all", "scrape_loop"]
+
+log = logging.getLogger("prefixroute.server.scrape")
+
+_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
+_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
+_RUNNING = "vllm:num_requests_running"
+_WAITING = "vllm:num_requests_waiting"
+_FAMILIES = (*_QUERIES, *_HITS, _RUNNING, _WAITING)
+_MAX_METRICS_BYTES = 16 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class BackendStats:
+    """What one instance's ``/metrics`` said at its last successful scrape.
+
+    Attributes:
+        prefix_cache_queries: prompt tokens looked up since the engine started, or ``None``
+            if the engine does not export the counter.
+        prefix_cache_hits: prompt tokens found in the prefix cache, or ``None``.
+        requests_running: requests running in the engine, or ``None``.
+        requests_waiting: requests waiting in the engine, or ``None``.
+        scraped_at: ``time.time()`` of the scrape, seconds.
+        ok: whether the latest scrape succeeded (the values are from the last one that did).
+    """
+
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    scraped_at: float = 0.0
+    ok: bool = False
+
+    @property
+    def hit_rate(self) -> float | None:
+        """``hits / queries`` since the engine started (cached prompt tokens / prompt
+        tokens), or ``None`` before the first query."""
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def engine_load(self) -> int | None:
+        """``running + waiting`` as the engine reports it, or ``None`` if unknown."""
+        if self.requests_running is None and self.requests_waiting is None:
+            return None
+        return int((self.requests_running or 0) + (self.requests_waiting or 0))
+
+
+def _wanted(line: str) -> bool:
+    if line.startswith("#"):
+        parts = line.split(None, 3)
+        return len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].removesuffix("_total") in _FAMILIES
+    return line.startswith(_FAMILIES)
+
+
+def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
+    """The :class:`BackendStats` in a Prometheus text exposition.
+
+    Raises:
+        ValueError: the relevant lines are not valid exposition format.
+    """
+    kept = "\n".join(line for line in text.splitlines() if _wanted(line)) + "\n"
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(kept):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            if name in _FAMILIES and not sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
+                sums[name] = sums.get(name, 0.0) + float(sample.value)
+
+    def first(names: tuple[str, ...]) -> float | None:
+        return next((sums[n] for n in names if n in sums), None)
+
+    return BackendStats(first(_QUERIES), first(_HITS), sums.get(_RUNNING), sums.get(_WAITING), scraped_at, True)
+
+
+async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:
+    """Scrape ``instance_id/metrics`` once; ``None`` on any failure."""
+    try:
+        async with session.get(instance_id + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s),
+                               headers={"Accept": "text/plain"}) as resp:
+            if resp.status != 200:
+                return None
+            raw = await resp.content.read(_MAX_METRICS_BYTES)
+        return parse_engine_metrics(raw.decode("utf-8", "replace"), time.time())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        log.debug("metrics scrape of %s failed: %s", instance_id, type(exc).__name__)
+        return None
+
+
+async def scrape_all(state: "RouterState") -> dict[str, BackendStats]:
+    """Scrape every configured instance once, concurrently, and store the results in
+    ``state.backend_stats`` (and each pool instance's ``engine_load``)."""
+    session = state.session
+    if session is None:
+        return {}
+    ids = state.instance_ids()
+    results = await asyncio.gather(
+        *(scrape_instance(session, i, state.settings.metrics_scrape_timeout_s) for i in ids))
+    stats = state.backend_stats
+    for gone in [i for i in stats if i not in ids]:
+        del stats[gone]
+    for instance_id, got in zip(ids, results):
+        if got is None:
+            old = stats.get(instance_id)
+            got = BackendStats(ok=False) if old is None else BackendStats(
+                old.prefix_cache_queries, old.prefix_cache_hits, old.requests_running, old.requests_waiting,
+                old.scraped_at, False)
+        stats[instance_id] = got
+    state.publish_engine_load()
+    return dict(stats)
+
+
+async def scrape_loop(state: "RouterState") -> None:
+    """Run :func:`scrape_all` every ``settings.metrics_scrape_interval_s`` seconds,
+    starting at once. Cancel the task to stop it."""
+    interval = state.settings.metrics_scrape_interval_s
+    while True:
+        try:
+            await scrape_all(state)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug here must not stop scraping
+            log.exception("metrics scrape round failed")
+        await asyncio.sleep(interval)

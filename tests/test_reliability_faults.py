@@ -1,0 +1,420 @@
+"""Fault injection: real fault-injecting instances on loopback behind the router.
+
+Each scenario runs over the OpenAI route (JSON and SSE), ``/invocations`` (raw and
+streamed) and ``invocations-response-stream``, then checks the invariants: every
+in-flight count back to zero and never negative, the client got the documented status
+or a cleanly ended stream, and no request reached two instances.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import pytest
+
+from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.server import ServerSettings, start_router
+
+from fault_backend import TOKENS, Fault, FaultBackend, event_list, sse_events
+from reliability_helpers import (
+    ROUTES,
+    STREAMING,
+    assert_invariants,
+    call,
+    eventually,
+    in_flight,
+    install_floor,
+    metrics_text,
+    sse_data,
+)
+from test_server_helpers import metric_value
+
+HEADERS_TIMEOUT = 1.0
+IDLE_TIMEOUT = 0.5
+
+
+@pytest.fixture
+def floor(monkeypatch):
+    return install_floor(monkeypatch)
+
+
+@pytest.fixture
+async def backends():
+    bs = [await FaultBackend().start() for _ in range(2)]
+    yield bs
+    for b in bs:
+        await b.stop()
+
+
+async def _router(urls, routing=None, **kw):
+    # Active checks on (so passive failures count) but never due during a test.
+    base = dict(port=0, admin_port=0, health_check_interval_s=3600, metrics_scrape_interval_s=0,
+                shutdown_timeout_s=1.0, seed=3, response_headers_timeout_s=HEADERS_TIMEOUT,
+                stream_idle_timeout_s=IDLE_TIMEOUT, unhealthy_threshold=1)
+    base.update(kw)
+    return await start_router(FleetConfig.single(urls, routing or RoutingConfig.build("random")),
+                              ServerSettings(**base))
+
+
+@pytest.fixture
+async def router(backends):
+    handle = await _router([b.url for b in backends])
+    yield handle
+    await handle.close()
+
+
+@pytest.fixture
+async def http():
+    async with aiohttp.ClientSession() as s:
+        yield s
+
+
+def _all(backends, fault: Fault) -> None:
+    for b in backends:
+        b.default = fault
+
+
+def _served(backends):
+    return [r for b in backends for r in b.received]
+
+
+# -- the instance answers ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_normal_answer(router, backends, http, floor, route):
+    out = await call(http, router, route)
+    assert out.status == 200 and out.error is None
+    if route in ("chat_stream", "native_stream"):
+        assert out.body == sse_events(6)  # relayed unchanged
+    elif route == "response_stream":
+        assert out.headers["Content-Type"] == "application/vnd.amazon.eventstream"
+        assert out.headers["X-Amzn-SageMaker-Content-Type"] == "text/event-stream"
+        assert out.payload == sse_events(6)
+        assert all(h[":message-type"] == "event" for h, _ in out.events)
+    else:
+        assert out.json["choices"][0]["message"]["content"] == "".join(TOKENS)
+    assert len(_served(backends)) == 1
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", STREAMING)
+async def test_split_writes_relayed_byte_for_byte(router, backends, http, floor, route):
+    """Events and UTF-8 characters cut anywhere by the instance reach the client unchanged."""
+    for size in (1, 2, 3, 7):
+        _all(backends, Fault("split", events=6, chunk=size))
+        out = await call(http, router, route)
+        assert out.status == 200 and out.error is None
+        assert out.payload == sse_events(6)
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("status,extra", [(400, {}), (404, {}), (422, {}), (500, {}), (429, {"Retry-After": "1"}),
+                                          (503, {"Retry-After": "2"})])
+async def test_error_status_passed_on_and_instance_stays(router, backends, http, floor, route, status, extra):
+    _all(backends, Fault("status", status=status, headers=extra))
+    out = await call(http, router, route)
+    if route.startswith("chat"):
+        assert out.status == status
+        assert out.body == Fault().body  # the engine's error body, unchanged
+    else:  # SageMaker: a model's non-2xx is a ModelError
+        assert out.status == 424 and out.headers["x-amzn-ErrorType"] == "ModelError"
+        assert out.json["OriginalStatusCode"] == status
+    assert len(_served(backends)) == 1  # never retried on a status
+    for b in backends:  # 4xx, 429 and 503 are answers, not a dead instance (unhealthy_threshold=1)
+        assert router.fleet.endpoint().variant().get(b.url).healthy
+    await assert_invariants(router, backends, floor)
+
+
+# -- the instance cannot be reached: retried elsewhere ------------------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_refused_connection_retried_on_another_instance(router, backends, http, floor, route):
+    await backends[0].refuse()
+    for _ in range(6):  # RANDOM picks the refusing instance at some point (seeded)
+        out = await call(http, router, route)
+        assert out.status == 200 and out.error is None
+    assert len(backends[1].received) == 6 and not backends[0].received
+    pool = router.fleet.endpoint().variant()
+    assert not pool.get(backends[0].url).healthy and pool.get(backends[1].url).healthy
+    text = await metrics_text(http, router)
+    assert metric_value(text, "prefixroute_retries_total", endpoint="default", variant="AllTraffic",
+                        reason="connect") == 1
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", ("chat", "native"))
+async def test_all_refusing_is_503(router, backends, http, floor, route):
+    for b in backends:
+        await b.refuse()
+    out = await call(http, router, route)
+    assert out.status == 503
+    if route == "native":
+        assert out.headers["x-amzn-ErrorType"] == "ServiceUnavailable"
+    else:
+        assert out.json["error"]["code"] == "upstream_unavailable"
+    await assert_invariants(router, backends, floor)
+
+
+async def test_reset_while_sending_body_is_retried(backends, http, floor):
+    """The instance resets the connection before it has read the request: it cannot have
+    started it, so the router sends it to the other instance."""
+    first = []
+
+    def choose(rec):
+        if not first:
+            first.append(rec)
+            return Fault("reset_on_headers")
+        return None
+
+    for b in backends:
+        b.choose = choose
+    handle = await _router([b.url for b in backends], RoutingConfig.build("prefix-aware", 1024, 8),
+                           response_headers_timeout_s=30)
+    try:
+        body = b'{"inputs": "' + b"x" * (24 << 20) + b'"}'  # far more than the socket buffers hold
+        async with http.post(handle.url + "/invocations", data=body, headers={"X-Request-Id": "big"}) as r:
+            assert r.status == 200
+            served_by = r.headers["X-Prefixroute-Instance"]
+            await r.read()
+        [reset] = first
+        other = next(b for b in backends if reset not in b.received)
+        assert served_by == other.url
+        assert [rec.body == body for rec in other.received] == [True]
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_retries_total", endpoint="default", variant="AllTraffic",
+                            reason="send") == 1
+    finally:
+        await handle.close()
+    # The same id reached the instance that reset, but only its head: it never had the request.
+    for b in backends:
+        b.received = [rec for rec in b.received if rec is not reset]
+    await assert_invariants(handle, backends, floor)
+
+
+# -- the instance fails after receiving the request: never retried ------------------------
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("kind", ["reset_before_headers", "close_before_headers"])
+async def test_failure_before_headers_not_retried(router, backends, http, floor, route, kind):
+    _all(backends, Fault(kind))
+    out = await call(http, router, route)
+    if route.startswith("chat"):
+        assert out.status == 502 and out.json["error"]["code"] == "upstream_error"
+    else:
+        assert out.status == 424 and out.headers["x-amzn-ErrorType"] == "ModelError"
+    assert len(_served(backends)) == 1  # it may have started generating: no second instance
+    [rec] = _served(backends)  # a passive failure (unhealthy_threshold=1): out of rotation
+    assert not router.fleet.endpoint().variant().get(next(b.url for b in backends if rec in b.received)).healthy
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+async def test_stall_before_headers_times_out(router, backends, http, floor, route):
+    _all(backends, Fault("stall"))
+    t0 = time.monotonic()
+    out = await call(http, router, route)
+    elapsed = time.monotonic() - t0
+    assert HEADERS_TIMEOUT <= elapsed < HEADERS_TIMEOUT + 1.5
+    if route.startswith("chat"):
+        assert out.status == 504 and out.json["error"]["code"] == "upstream_timeout"
+    else:
+        assert out.status == 424 and out.headers["x-amzn-ErrorType"] == "ModelError"
+        assert "timed out" in out.json["message"]
+    [rec] = _served(backends)
+    assert await eventually(lambda: rec.t_closed is not None, 1.0)  # the engine saw the abort
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", STREAMING)
+async def test_reset_mid_stream_ends_cleanly_with_an_error(router, backends, http, floor, route):
+    _all(backends, Fault("reset_after", after=3))
+    out = await call(http, router, route)
+    assert out.status == 200
+    if route == "response_stream":
+        assert out.error is None
+        assert out.payload == b"".join(event_list(3, done=False))
+        last_headers, last_payload = out.events[-1]
+        assert last_headers[":message-type"] == "exception"
+        assert last_headers[":exception-type"] == "ModelStreamError"
+        assert b'"ErrorCode":"StreamBroken"' in last_payload
+    else:
+        assert out.error is None  # a clean end of the HTTP body...
+        data = sse_data(out.body)
+        assert out.body.startswith(b"".join(event_list(3, done=False)))
+        assert b'"code":"upstream_disconnected"' in data[-1] and b"[DONE]" not in out.body  # ...with an error event
+    text = await metrics_text(http, router)
+    assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                        code="stream_aborted") == 1
+    assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                        code="200") is None
+    assert len(_served(backends)) == 1
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", STREAMING)
+async def test_silent_mid_stream_idle_timeout(router, backends, http, floor, route):
+    _all(backends, Fault("stall_after", after=2))
+    t0 = time.monotonic()
+    out = await call(http, router, route)
+    assert IDLE_TIMEOUT <= time.monotonic() - t0 < IDLE_TIMEOUT + 1.5
+    assert out.status == 200 and out.error is None
+    if route == "response_stream":
+        h, payload = out.events[-1]
+        assert h[":exception-type"] == "ModelStreamError" and b"ModelInvocationTimeExceeded" in payload
+    else:
+        assert b'"code":"upstream_timeout"' in sse_data(out.body)[-1]
+    [rec] = _served(backends)
+    assert await eventually(lambda: rec.t_closed is not None, 1.0)
+    await assert_invariants(router, backends, floor)
+
+
+async def test_slow_stream_is_never_cut_while_tokens_flow(router, backends, http, floor):
+    """No total timeout: a stream longer than every timeout lives while events keep coming."""
+    _all(backends, Fault("ok", events=12, delay=IDLE_TIMEOUT / 3))  # ~2 s, above HEADERS_TIMEOUT and IDLE_TIMEOUT
+    out = await call(http, router, "chat_stream")
+    assert out.status == 200 and out.body == sse_events(12)
+    await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", ("chat_stream", "native_stream", "response_stream"))
+async def test_stream_without_done_is_relayed_and_counted(router, backends, http, floor, route):
+    _all(backends, Fault("no_done", events=4))
+    out = await call(http, router, route)
+    assert out.status == 200 and out.error is None
+    assert out.payload == sse_events(4, done=False)  # unchanged: the router adds nothing
+    text = await metrics_text(http, router)
+    if route == "chat_stream":
+        assert sum(metric_value(text, "prefixroute_upstream_errors_total", instance=b.url, kind="no_done") or 0
+                   for b in backends) == 1
+    await assert_invariants(router, backends, floor)
+
+
+async def test_mid_event_cut_aborts_the_client_connection(router, backends, http, floor):
+    """Cut in the middle of an event, an error event would glue onto half an event: the
+    client connection is aborted instead, so the truncation cannot look complete."""
+    data = sse_events(20)
+    cut = data.index(b"\n\n", 100) - 10  # inside the third-or-so event
+    _all(backends, Fault("split", events=20, chunk=cut, delay=0.3))  # two writes: [0, cut) then a pause
+    task = asyncio.create_task(call(http, router, "chat_stream"))
+    assert await eventually(lambda: any(b.received for b in backends))
+    await asyncio.sleep(0.15)
+    for b in backends:
+        for conn in list(b._conns):
+            conn.reset()
+    out = await task
+    assert out.status == 200
+    assert isinstance(out.error, aiohttp.ClientPayloadError)  # a truncated transfer, not a clean end
+    text = await metrics_text(http, router)
+    assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                        code="stream_aborted") == 1
+    await assert_invariants(router, backends, floor)
+
+
+# -- the client goes away: the engine sees it at once --------------------------------------
+
+
+@pytest.mark.parametrize("route,when", [(r, "before_headers") for r in ROUTES] + [(r, "mid_stream") for r in STREAMING])
+async def test_client_abort_closes_upstream_within_1s(backends, http, floor, route, when):
+    handle = await _router([b.url for b in backends], response_headers_timeout_s=30, stream_idle_timeout_s=30)
+    try:
+        if when == "before_headers":
+            _all(backends, Fault("stall"))
+        else:
+            _all(backends, Fault("ok", events=200, delay=0.05))
+        task = asyncio.create_task(call(http, handle, route, timeout=30))
+        assert await eventually(lambda: len(_served(backends)) == 1)
+        [rec] = _served(backends)
+        if when == "mid_stream":
+            await asyncio.sleep(0.2)  # some events are through
+        assert in_flight(handle) == 1
+        task.cancel()
+        t_abort = time.monotonic()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await eventually(lambda: rec.t_closed is not None, 1.5)
+        assert rec.t_closed - t_abort < 1.0
+        assert await eventually(lambda: in_flight(handle) == 0, 1.0)
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                            code="499") == 1
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor)
+
+
+# -- health: out of rotation and back, assignments of the others stay --------------------
+
+
+async def test_unhealthy_instance_leaves_and_returns_assignments_stay(http, floor):
+    bs = [await FaultBackend().start() for _ in range(4)]
+    handle = await _router([b.url for b in bs], RoutingConfig.build("prefix-aware", 1024, 64),
+                           health_check_interval_s=0.05, unhealthy_threshold=2, healthy_threshold=2,
+                           health_check_timeout_s=0.5)
+    try:
+        prompts = [f"{i:04d}" + "p" * 1100 for i in range(40)]
+
+        async def where() -> dict[str, str]:
+            out = {}
+            for p in prompts:
+                async with http.post(handle.url + "/invocations", data=p.encode()) as r:
+                    assert r.status == 200
+                    out[p] = r.headers["X-Prefixroute-Instance"]
+                    await r.read()
+            return out
+
+        before = await where()
+        victim = bs[0]
+        await victim.kill()  # the instance dies
+        pool = handle.fleet.endpoint().variant()
+        assert await eventually(lambda: not pool.get(victim.url).healthy, 2)
+        during = await where()
+        assert victim.url not in during.values()
+        for p, inst in before.items():  # keys of the healthy instances did not move
+            if inst != victim.url:
+                assert during[p] == inst
+        await victim.listen()  # it recovers
+        assert await eventually(lambda: pool.get(victim.url).healthy, 3)
+        after = await where()
+        assert after == before
+    finally:
+        await handle.close()
+        for b in bs:
+            await b.stop()
+    await assert_invariants(handle, bs, floor)
+
+
+async def test_health_probe_statuses(http):
+    """Active checks: 2xx healthy; 429 and 503 with Retry-After are backpressure (no
+    change); another status, a refused connection or a timeout count as failures."""
+    from aiohttp import web
+
+    from prefixroute.server.health import ProbeResult, probe_instance
+
+    answers = {"/ok": (204, {}), "/busy": (429, {}), "/shed": (503, {"Retry-After": "3"}), "/down": (503, {}),
+               "/missing": (404, {})}
+
+    async def handler(request):
+        status, headers = answers[request.path]
+        return web.Response(status=status, headers=headers)
+
+    app = web.Application()
+    for p in answers:
+        app.router.add_get(p, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        got = {p: await probe_instance(http, url, p, 1.0) for p in answers}
+    finally:
+        await runner.cleanup()
+    assert got == {"/ok": ProbeResult.OK, "/busy": ProbeResult.BUSY, "/shed": ProbeResult.BUSY,
+                   "/down": ProbeResult.FAILED, "/missing": ProbeResult.FAILED}
+    assert await probe_instance(http, url, "/ok", 0.5) is ProbeResult.FAILED  # nothing listens now

@@ -1,0 +1,104 @@
+"""Shutdown: stop accepting, let streams in flight finish up to the deadline, then close."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+import time
+
+import aiohttp
+import pytest
+
+from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.server import ServerSettings, start_router
+
+from fault_backend import Fault, FaultBackend, sse_events
+from reliability_helpers import assert_invariants, eventually, in_flight, install_floor
+
+CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": true}'
+
+
+@pytest.fixture
+def floor(monkeypatch):
+    return install_floor(monkeypatch)
+
+
+@pytest.fixture
+async def backend():
+    b = await FaultBackend().start()
+    yield b
+    await b.stop()
+
+
+async def _router(url, shutdown_timeout_s):
+    return await start_router(FleetConfig.single([url], RoutingConfig.build("random")),
+                              ServerSettings(port=0, admin_port=0, health_check_interval_s=0,
+                                             metrics_scrape_interval_s=0, shutdown_timeout_s=shutdown_timeout_s))
+
+
+async def test_stream_in_flight_finishes_and_new_connections_are_refused(backend, floor):
+    backend.default = Fault("ok", events=10, delay=0.1)  # about 1 s
+    handle = await _router(backend.url, shutdown_timeout_s=5.0)
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(handle.url + "/v1/chat/completions", data=CHAT)
+        first = await r.content.readuntil(b"\n\n")
+        closing = asyncio.create_task(handle.close())
+        await asyncio.sleep(0.1)
+        assert not closing.done()
+        async with aiohttp.ClientSession() as fresh:  # a new connection during the drain
+            with pytest.raises(aiohttp.ClientConnectorError):
+                await fresh.post(handle.url + "/v1/chat/completions", data=CHAT)
+        rest = await r.read()
+        assert first + rest == sse_events(10)  # the stream finished, whole
+        await asyncio.wait_for(closing, 5)
+    await assert_invariants(handle, [backend], floor)
+
+
+async def test_deadline_cuts_longer_streams_and_releases(backend, floor):
+    backend.default = Fault("ok", events=100, delay=0.05)  # 5 s: longer than the deadline
+    handle = await _router(backend.url, shutdown_timeout_s=0.3)
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(handle.url + "/v1/chat/completions", data=CHAT)
+        await r.content.readuntil(b"\n\n")
+        t0 = time.monotonic()
+        await asyncio.wait_for(handle.close(), 5)
+        assert time.monotonic() - t0 < 2.0
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await r.read()
+    [rec] = backend.received
+    assert await eventually(lambda: rec.t_closed is not None, 1.0)  # the engine was told
+    assert in_flight(handle) == 0
+    await assert_invariants(handle, [backend], floor)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_serve_process_drains_on_signal(backend, sig):
+    backend.default = Fault("ok", events=15, delay=0.1)  # 1.5 s
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixroute.server.cli", "--backend", backend.url, "--port", "0", "--admin-port", "0",
+        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "10",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode()
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
+        assert m, line
+        url = m.group(1)
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(url + "/v1/chat/completions", data=CHAT)
+            first = await r.content.readuntil(b"\n\n")
+            proc.send_signal(sig)
+            await asyncio.sleep(0.3)
+            async with aiohttp.ClientSession() as fresh:
+                with pytest.raises(aiohttp.ClientConnectorError):
+                    await fresh.post(url + "/v1/chat/completions", data=CHAT)
+            rest = await asyncio.wait_for(r.read(), 10)
+        assert first + rest == sse_events(15)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()

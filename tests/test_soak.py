@@ -1,0 +1,39 @@
+"""The shortened (60 s) soak of bench/soak.py, as CI runs it: engines killed and
+restarted at random under mixed streaming traffic; nothing may hang, stay unclear or
+leak an in-flight slot, and the router must drain and exit 0 on SIGTERM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.soak
+
+SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("prefixroute_bench_soak", SOAK)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_soak_60s(tmp_path, capsys):
+    soak = _load()
+    out = tmp_path / "soak.json"
+    status = soak.main(["--duration", "60", "--quiet", "--json", str(out)])
+    table = capsys.readouterr().out
+    print(table)
+    run = json.loads(out.read_text())["runs"][0]
+    assert status == 0, table
+    assert run["hung"] == 0 and run["unclear"] == 0 and run["leaked_in_flight"] == 0, table
+    assert run["kills"] >= 3 and run["restarts"] == run["kills"], table
+    assert run["requests"] > 1000 and run["succeeded"] > 0.8 * run["requests"], table
+    assert run["router_exit_code"] == 0, table
