@@ -120,9 +120,9 @@ def _conversation(i: int, turns: int, system: str = "") -> list[list[int]]:
     text = system
     out = []
     for t in range(turns):
-        text += f"<user {i} turn {t}> " + "w" * 200
+        text += f"<user {i} turn {t}> " + "w" * 1500
         out.append(text_block_hashes(text, 64, 131072, "m"))
-        text += "<assistant> " + "a" * 100
+        text += "<assistant> " + "a" * 800
     return out
 
 
@@ -240,6 +240,17 @@ def test_replicas_sharing_engine_load_agree():
 
 def rng_pick(i: int) -> bool:
     return random.Random(i).random() < 0.5
+
+
+def test_a_shared_header_does_not_starve_an_instance():
+    # Every request starts with the same short instruction, then its own document.
+    pool = VariantPool("v", URLS, ca(threshold=100))
+    counts = {u: 0 for u in URLS}
+    for i in range(400):
+        text = "<|system|>\nAnswer using only the document below.\n\n" + f"document {i} " + "d" * 3000
+        with pool.acquire(None, blocks=text_block_hashes(text, 64, 131072, "m")) as lease:
+            counts[lease.instance.instance_id] += 1
+    assert all(60 < c < 140 for c in counts.values()), counts
 
 
 def test_fallback_without_blocks():

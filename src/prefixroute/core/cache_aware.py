@@ -29,10 +29,10 @@ disagree when several router replicas run (SPEC §5). This strategy:
    new prefixes spread over the fleet (never "the same instance on every miss"), and
    independent router replicas place them identically whatever their load views.
    Otherwise every instance within two requests' worth (``2 x LoadWeight``) of the
-   best score is a candidate; among them the longest match wins, and equal matches go
-   to the highest rendezvous score for the request's first block that none of them
-   holds — conversations that share only a system prompt spread out once every
-   instance has it.
+   best score is a candidate; among them the longest match wins, matches within
+   ``LoadWeight`` blocks of it counting as equal, and equal ones go to the highest
+   rendezvous score for the request's first block beyond the longest match —
+   conversations that share only a system prompt or a short header spread out.
 
 Decision kinds: ``affinity`` (the chosen instance has the longest match anywhere, or
 nothing matched anywhere), ``overflow`` (a longer match existed but its instance was at
@@ -166,11 +166,13 @@ class CacheAwareStrategy(Strategy):
         scores = {i: matches[i] - w * max(candidates[i].in_flight, candidates[i].engine_load) for i in eligible}
         top = max(scores.values())
         band = [i for i in eligible if scores[i] >= top - w * self.tie_requests]
-        # Within the band the longest match wins; equal matches go by rendezvous score of
-        # the first block none of them holds, so the choice depends on what is new in
-        # this request and is the same on every replica whose load view is close.
+        # Within the band the longest match wins, but matches within one request's worth
+        # (LoadWeight blocks) of it count as equal: a shared header of a block or two must
+        # not decide. Equal ones go by rendezvous score of the first block beyond the
+        # longest match, so the choice depends on what is new in this request and is the
+        # same on every replica whose load view is close.
         held = max(matches[i] for i in band)
-        band = [i for i in band if matches[i] == held]
+        band = [i for i in band if matches[i] >= held - w]
         anchor = blocks[min(held, len(blocks) - 1)]
         chosen = max(band, key=lambda i: rendezvous_score(anchor, candidates[i].token))
         kind = DecisionKind.OVERFLOW if matches[chosen] < best_match else DecisionKind.AFFINITY

@@ -56,15 +56,28 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", action="append", metavar="URL", default=[],
                    help="base URL of one engine instance, e.g. http://127.0.0.1:8001; repeat for each instance")
     g.add_argument("--strategy", default="random",
-                   help="routing strategy of the variant: random, least-outstanding-requests or prefix-aware "
-                        "(SageMaker spellings such as PREFIX_AWARE also work; default: random)")
+                   help="routing strategy of the variant: random, least-outstanding-requests, prefix-aware or "
+                        "cache-aware (SageMaker spellings such as PREFIX_AWARE also work; default: random)")
     g.add_argument("--prefix-length", type=int, metavar="N",
                    help="PREFIX_AWARE PrefixLength, 1024-65536: how much of a request takes part in the routing "
                         "key (bytes of the raw body on /invocations, characters of the prompt text on the OpenAI "
                         "API); required with --strategy prefix-aware")
     g.add_argument("--concurrency-threshold", type=int, metavar="N",
-                   help="PREFIX_AWARE ConcurrencyThreshold, 1-1024: requests in flight on the preferred instance "
-                        "at which a new request overflows to the next instance; required with prefix-aware")
+                   help="ConcurrencyThreshold, 1-1024: requests in flight on an instance at which a new request "
+                        "overflows to another; required with prefix-aware and cache-aware")
+    g.add_argument("--block-size", type=int, metavar="N",
+                   help="CACHE_AWARE BlockSize, 16-4096: characters (OpenAI API) or bytes (native API) of routing "
+                        "text per hashed block (default: 64, about one 16-token KV block)")
+    g.add_argument("--max-prefix-length", type=int, metavar="N",
+                   help="CACHE_AWARE MaxPrefixLength, 1024-1048576: how much routing text is hashed into blocks "
+                        "(default: 131072)")
+    g.add_argument("--instance-cache-tokens", type=int, metavar="N",
+                   help="CACHE_AWARE InstanceCacheTokens: prompt tokens the router remembers per instance, "
+                        "set near the engine's KV capacity; memory is about 130 bytes per 16 tokens "
+                        "(default: 1200000)")
+    g.add_argument("--load-weight", type=float, metavar="W",
+                   help="CACHE_AWARE LoadWeight: matched blocks one extra request in flight is worth; higher "
+                        "spreads load, lower chases cache hits (default: 16)")
     g.add_argument("--endpoint-name", default="default",
                    help="endpoint name (the EndpointName of /endpoints/NAME/invocations; default: default)")
     g.add_argument("--variant-name", default="AllTraffic",
@@ -151,7 +164,9 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
         return FleetConfig.from_yaml(text)
     if not args.backend:
         raise ConfigError("no instances: give --backend URL (repeatable) or --config PATH")
-    routing = RoutingConfig.build(args.strategy, args.prefix_length, args.concurrency_threshold)
+    routing = RoutingConfig.build(args.strategy, args.prefix_length, args.concurrency_threshold,
+                                  block_size=args.block_size, max_prefix_length=args.max_prefix_length,
+                                  instance_cache_tokens=args.instance_cache_tokens, load_weight=args.load_weight)
     return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
 
 
