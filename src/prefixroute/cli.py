@@ -16,6 +16,8 @@ SUBCOMMANDS = {
     "serve": ("prefixroute.server.cli", "run the router in front of engine instances"),
     "emulate": ("prefixroute.engine.cli", "run one emulated vLLM engine with a prefix cache"),
     "demo": ("prefixroute.demo.cli", "measure every strategy on an emulated fleet (the main job)"),
+    "simulate": ("prefixroute.sim.cli", "predict routing on hours of traffic in seconds (discrete-event simulator)"),
+    "tune": ("prefixroute.sim.tune_cli", "replay a trace over PrefixLength x ConcurrencyThreshold and recommend settings"),
 }
 
 

@@ -168,15 +168,20 @@ def render_table(summaries: Sequence[RunSummary], title: str) -> Any:
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for col in ("strategy", "P50 TTFT", "P90 TTFT", "P50 latency", "cache hit", "throughput",
-                "share per instance %", "overflow", "errors", "overhead p50/p99"):
+    # Simulated runs measure no router overhead (it is NaN): leave the column out then.
+    show_overhead = any(s.router_overhead_p50_ms == s.router_overhead_p50_ms for s in summaries)
+    columns = ["strategy", "P50 TTFT", "P90 TTFT", "P50 latency", "cache hit", "throughput",
+               "share per instance %", "overflow", "errors"]
+    if show_overhead:
+        columns.append("overhead p50/p99")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("strategy", "share per instance %") else "right",
                          no_wrap=True)
     base = summaries[0] if summaries else None
     delta = _delta
     for s in summaries:
         is_base = s is base
-        table.add_row(
+        cells = [
             s.strategy,
             f"{s.p50_ttft_s * 1000:.0f} ms" + ("" if is_base else delta(s.p50_ttft_s, base.p50_ttft_s)),
             f"{s.p90_ttft_s * 1000:.0f} ms" + ("" if is_base else delta(s.p90_ttft_s, base.p90_ttft_s)),
@@ -186,8 +191,10 @@ def render_table(summaries: Sequence[RunSummary], title: str) -> Any:
             " ".join(f"{x * 100:.1f}" for x in s.instance_share),
             f"{s.overflow_rate * 100:.1f} %",
             str(s.errors),
-            f"{s.router_overhead_p50_ms:.2f}/{s.router_overhead_p99_ms:.2f} ms",
-        )
+        ]
+        if show_overhead:
+            cells.append(f"{s.router_overhead_p50_ms:.2f}/{s.router_overhead_p99_ms:.2f} ms")
+        table.add_row(*cells)
     return table
 
 

@@ -27,6 +27,15 @@ running sequence ever needs preemption. vLLM allocates decode blocks lazily and 
 when it runs out; the emulator's KV usage therefore rises earlier than vLLM's, by the
 output blocks not yet written. A request that could never fit is refused by
 :meth:`EngineCore.add_request`, so the queue cannot deadlock.
+
+Two entry points exist for the discrete-event simulator (:mod:`prefixroute.sim`), which
+drives this same class on a virtual clock:
+
+* a prompt may be given as a :class:`HashedPrompt` (its token count and KV block hashes)
+  instead of text or token ids, so the simulator never builds or tokenizes prompt text;
+* :meth:`EngineCore.decode_run` / :meth:`EngineCore.advance_decode` apply a run of
+  identical pure-decode steps at once. The result is the same as calling :meth:`step`
+  that many times (same durations, same counters, same cache contents), only faster.
 """
 
 from __future__ import annotations
@@ -40,9 +49,35 @@ from prefixroute.engine.kvcache import PrefixCache, chain_block_hashes, prompt_b
 from prefixroute.engine.model import EngineConfig, step_duration
 from prefixroute.engine.tokenizer import TokenizedPrompt, output_token_id, token_payload, tokenize
 
-__all__ = ["RequestRejected", "RequestOutput", "StepOutput", "EngineStats", "EngineCore"]
+__all__ = ["RequestRejected", "HashedPrompt", "RequestOutput", "StepOutput", "EngineStats", "EngineCore"]
 
 _OUTPUT_SEED = 0x6F75_7470_7574  # "output"
+_SYNTHETIC_BLOCK_SEED = 0x7379_6E74_6865_7469  # "synthetic": generated blocks of hashed prompts
+_HASHED = 0  # TokenizedPrompt.token_bytes of a HashedPrompt: there is no payload
+
+
+@dataclass(frozen=True, slots=True)
+class HashedPrompt:
+    """A prompt given by its KV block hashes instead of its tokens (the simulator's fast path).
+
+    The cache only ever compares block hashes, so a prompt whose blocks hash like another
+    prompt's blocks hits exactly where that prompt's text would. The simulator's workloads
+    (:mod:`prefixroute.workloads.prompt`) compute such hashes from content ids and lengths.
+
+    Attributes:
+        num_tokens: prompt length in tokens (>= 1).
+        block_hashes: chained hashes of the prompt's full blocks of the engine's
+            ``block_size`` tokens, at least ``num_tokens // block_size`` of them. Hashes
+            beyond those describe the tokens the request will generate (a conversation's
+            answer), so that the next turn, whose prompt contains that answer, finds its
+            blocks cached as it would with real text.
+        seed: seeds the hashes of generated blocks that ``block_hashes`` does not cover
+            (unique per distinct prompt, like the text path's prompt-derived seed).
+    """
+
+    num_tokens: int
+    block_hashes: Sequence[int]
+    seed: int = 0
 
 
 class RequestRejected(ValueError):
@@ -163,27 +198,37 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_tokens: TokenizedPrompt | Sequence[int] | str, max_tokens: int
+        self, request_id: str, prompt_tokens: TokenizedPrompt | HashedPrompt | Sequence[int] | str, max_tokens: int
     ) -> None:
         """Queue a request (FCFS); it is admitted by a later :meth:`step`.
 
         Args:
             request_id: unique among requests not yet finished or aborted.
-            prompt_tokens: a :class:`TokenizedPrompt`, a list of token ids (used as is)
-                or text (tokenized with the 4-byte rule).
+            prompt_tokens: a :class:`TokenizedPrompt`, a list of token ids (used as is),
+                text (tokenized with the 4-byte rule) or a :class:`HashedPrompt`.
             max_tokens: output tokens to generate, exactly (>= 1).
         Raises:
             RequestRejected: duplicate id, empty prompt, ``max_tokens < 1``, prompt plus
                 output over ``max_model_len`` tokens, or more KV blocks than the whole
-                cache holds (it could never be admitted). A bad token id also raises.
+                cache holds (it could never be admitted). A bad token id also raises, and
+                so does a :class:`HashedPrompt` with fewer hashes than full prompt blocks.
         """
         if request_id in self._waiting or request_id in self._running:
             raise RequestRejected(f"request id {request_id!r} is already in use")
-        try:
-            prompt = tokenize(prompt_tokens)
-        except ValueError as exc:
-            raise RequestRejected(str(exc)) from None
         cfg = self.config
+        hashed = isinstance(prompt_tokens, HashedPrompt)
+        if hashed:
+            prompt = TokenizedPrompt(b"", _HASHED, prompt_tokens.num_tokens)
+            if len(prompt_tokens.block_hashes) < prompt.num_tokens // cfg.block_size:
+                raise RequestRejected(
+                    f"a hashed prompt of {prompt.num_tokens} tokens needs at least "
+                    f"{prompt.num_tokens // cfg.block_size} block hashes, got {len(prompt_tokens.block_hashes)}"
+                )
+        else:
+            try:
+                prompt = tokenize(prompt_tokens)
+            except ValueError as exc:
+                raise RequestRejected(str(exc)) from None
         if prompt.num_tokens == 0:
             raise RequestRejected("the prompt is empty (0 tokens)")
         if not isinstance(max_tokens, int) or max_tokens < 1:
@@ -199,8 +244,12 @@ class EngineCore:
                 f"the request needs {total - 1} tokens of KV cache but the engine holds only "
                 f"{self.cache.num_blocks * cfg.block_size} (kv_capacity_tokens)"
             )
-        seed = xxhash.xxh3_64_intdigest(prompt.payload, _OUTPUT_SEED)
-        hashes = prompt_block_hashes(prompt, cfg.block_size)
+        if hashed:
+            seed = prompt_tokens.seed
+            hashes = list(prompt_tokens.block_hashes)
+        else:
+            seed = xxhash.xxh3_64_intdigest(prompt.payload, _OUTPUT_SEED)
+            hashes = prompt_block_hashes(prompt, cfg.block_size)
         self._waiting[request_id] = _Request(request_id, prompt, max_tokens, hashes, seed)
 
     def abort(self, request_id: str) -> bool:
@@ -283,7 +332,8 @@ class EngineCore:
         if req.num_computed >= prompt_len:  # prefill done (now or earlier): sample a token
             tid = output_token_id(req.seed, req.num_output)
             req.num_output += 1
-            req.out_payload += token_payload(tid, req.prompt.token_bytes)
+            if req.prompt.token_bytes:
+                req.out_payload += token_payload(tid, req.prompt.token_bytes)
             new = (tid,)
             self._generation_total += 1
             if was_prefilling:
@@ -311,7 +361,13 @@ class EngineCore:
         if full <= req.num_committed:
             return
         have = len(req.block_hashes)
-        if full > have:  # blocks that reach into generated tokens: hash them now
+        if full > have and not req.prompt.token_bytes:  # hashed prompt: synthetic answer blocks
+            h = req.block_hashes[-1] if have else _SYNTHETIC_BLOCK_SEED
+            digest = xxhash.xxh3_64_intdigest
+            for i in range(have, full):
+                h = digest(h.to_bytes(8, "little") + i.to_bytes(8, "little"), req.seed ^ _SYNTHETIC_BLOCK_SEED)
+                req.block_hashes.append(h)
+        elif full > have:  # blocks that reach into generated tokens: hash them now
             bpb = bs * req.prompt.token_bytes
             payload = req.prompt.payload
             start, end = have * bpb, full * bpb
@@ -321,8 +377,88 @@ class EngineCore:
                 seg = payload[start:] + req.out_payload[: end - len(payload)]
             parent = req.block_hashes[-1] if have else root_hash(req.prompt.token_bytes)
             req.block_hashes.extend(chain_block_hashes(seg, bpb, full - have, parent))
-        self.cache.commit(req.request_id, req.block_hashes[:full])
+        self.cache.commit(req.request_id, req.block_hashes, full)
         req.num_committed = full
+
+    # -- runs of pure-decode steps (the simulator's fast-forward) ------------------------
+
+    def decode_run(self) -> tuple[int, float]:
+        """How many identical pure-decode steps lie ahead, and the duration of each.
+
+        Returns ``(steps, duration_s)``: the next ``steps`` calls of :meth:`step` would
+        each decode one token for every running request and admit nothing, each taking
+        ``duration_s`` model seconds; the last of them finishes at least one request.
+        ``(0, 0.0)`` when the next step is not such a step (a request is prefilling, or
+        a waiting request can be admitted now).
+
+        A waiting request that cannot be admitted now (no sequence slot or no free KV
+        blocks) cannot be admitted until a request finishes: pure decoding frees no block
+        and evicts none. (It only commits generated blocks, which a waiting prompt could
+        contain only if it were sent before the answer it contains had been generated.)
+        """
+        running = self._running
+        if not running:
+            return 0, 0.0
+        left = None
+        for req in running.values():
+            if req.num_computed < req.prompt.num_tokens:
+                return 0, 0.0
+            n = req.max_tokens - req.num_output
+            if left is None or n < left:
+                left = n
+        cfg = self.config
+        if self._waiting and len(running) < cfg.max_num_seqs and len(running) < cfg.max_num_batched_tokens:
+            head = next(iter(self._waiting.values()))
+            bs = cfg.block_size
+            hit = min(self.cache.lookup(head.block_hashes), (head.prompt.num_tokens - 1) // bs)
+            if self.cache.can_allocate(head.prompt.num_tokens + head.max_tokens - 1, head.block_hashes[:hit]):
+                return 0, 0.0
+        return int(left or 0), step_duration(cfg, 0, len(running))
+
+    def advance_decode(self, steps: int) -> StepOutput:
+        """Apply ``steps`` pure-decode steps at once (``1 <= steps <= decode_run()[0]``).
+
+        Equivalent to ``steps`` calls of :meth:`step`: the same tokens (for text and
+        token-id prompts), block commits, counters and finished requests. Returns one
+        :class:`StepOutput` for the whole run: ``duration_s = steps × duration``, a
+        :class:`RequestOutput` for every request that finished and for every text or
+        token-id request (with every token generated in the run; a
+        :class:`HashedPrompt` request generates no ids here and gets news only when it
+        finishes), and ``num_decode_seqs`` = tokens decoded (running requests × steps).
+
+        Raises:
+            ValueError: ``steps`` is outside ``1..decode_run()[0]``.
+        """
+        run, duration = self.decode_run()
+        if not 1 <= steps <= run:
+            raise ValueError(f"advance_decode: steps must be in 1..{run}, got {steps}")
+        outputs = []
+        finished = []
+        for req in self._running.values():
+            new: tuple[int, ...] = ()
+            if req.prompt.token_bytes:
+                ids = [output_token_id(req.seed, req.num_output + i) for i in range(steps)]
+                req.out_payload += b"".join(token_payload(t, req.prompt.token_bytes) for t in ids)
+                new = tuple(ids)
+            req.num_computed += steps
+            req.num_output += steps
+            self._commit_full_blocks(req)
+            done = req.num_output >= req.max_tokens
+            if done:
+                finished.append(req)
+            if done or new:
+                outputs.append(RequestOutput(req.request_id, new, False, False, done, req.prompt.num_tokens,
+                                             req.cached_tokens, req.num_output))
+        n = len(self._running)
+        for req in finished:
+            del self._running[req.request_id]
+            self.cache.free(req.request_id)
+        self._finished += len(finished)
+        self._generation_total += n * steps
+        self._steps += steps
+        total = duration * steps
+        self._busy_s += total
+        return StepOutput(total, tuple(outputs), 0, n * steps)
 
     # -- counters ----------------------------------------------------------------------
 

@@ -2,22 +2,29 @@
 
 The RAG / templated-assistant case of SPEC §1: each group has one long prefix (a
 retrieved document behind a short instruction), and each request of the group asks a
-unique question about it. Seeded, so two runs (or two strategies) see the same traffic.
+question about it. Seeded, so two runs (or two strategies, or the simulator and the
+HTTP fleet) see the same traffic.
 
 Lengths are in **tokens** of the emulated engine's tokenizer (4 UTF-8 bytes per token,
 :mod:`prefixroute.engine.tokenizer`); the text is ASCII, so 1 token = 4 characters.
+The reference case of SPEC §1 is 8,000-token prefixes.
+
+Random streams (each seeded from ``seed``, so that changing one knob does not reshuffle
+the others): group and question choice per request; Poisson arrival times; the text of
+each group's document; the text of each question.
 """
 
 from __future__ import annotations
 
+import itertools
 import random
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
 
-__all__ = ["SharedPrefixWorkload", "WorkloadRequest", "CHARS_PER_TOKEN"]
+from prefixroute.workloads.prompt import CHARS_PER_TOKEN, PromptChain, Segment, content_id
+from prefixroute.workloads.session import ChainPrompt, Session, TextChatPrompt, Turn
 
-#: Characters per token of the emulated engine's tokenizer on ASCII text.
-CHARS_PER_TOKEN = 4
+__all__ = ["SharedPrefixWorkload", "SharedPrefixSession", "WorkloadRequest", "CHARS_PER_TOKEN", "text_of_length"]
 
 _WORDS = (
     "cache prefix token router engine latency batch decode prefill block memory queue "
@@ -26,12 +33,20 @@ _WORDS = (
     "attention context history document answer question system user assistant"
 ).split()
 
+_HEAD = "Answer the user's question using only the document below.\n\nDocument:\n"
+# Characters the chat rendering adds around each message (core.keys.render_chat_text)
+# and the engine's generation prompt (engine.server.GENERATION_PROMPT):
+_USER_WRAP = len("<|user|>\n") + len("\n")  # 10
+_GENERATION = len("<|assistant|>\n")  # 14
 
-def _text(rng: random.Random, chars: int) -> str:
-    """Pseudo-random ASCII words, exactly ``chars`` characters long."""
+
+def text_of_length(rng: random.Random, chars: int) -> str:
+    """Pseudo-random ASCII words, exactly ``chars`` characters long ("" for ``chars <= 0``)."""
+    if chars <= 0:
+        return ""
     out: list[str] = []
-    n = 0
-    while n < chars:
+    n = 0  # length of " ".join(out) + 1
+    while n <= chars:
         w = rng.choice(_WORDS)
         out.append(w)
         n += len(w) + 1
@@ -40,7 +55,7 @@ def _text(rng: random.Random, chars: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadRequest:
-    """One request of a workload.
+    """One request of a workload (the closed-loop demo's form).
 
     Attributes:
         index: position in the workload (0-based).
@@ -62,12 +77,26 @@ class SharedPrefixWorkload:
     Attributes:
         groups: number of distinct prefixes (documents).
         prefix_tokens: length of each group's prefix, tokens (the reference case is 8,000).
-        question_tokens: length of each request's unique question, tokens.
+        question_tokens: length of each request's question, tokens.
         output_tokens: ``max_tokens`` of each request.
         popularity: ``"uniform"`` or ``"zipf"`` choice of group per request.
-        zipf_s: Zipf exponent when ``popularity == "zipf"`` (group k has weight 1/k^s).
+        zipf_s: Zipf exponent when ``popularity == "zipf"`` (group k has weight 1/(k+1)^s).
         model: the ``model`` field of every request.
-        seed: seeds the texts and the group sequence.
+        seed: seeds the texts, the group sequence and the arrival times.
+        prompts_per_group: requests each document serves before it is replaced by a new
+            one in its group (document churn: a group is a slot of popularity, its
+            document changes every ``prompts_per_group`` requests, so that fraction
+            of requests meets a document no cache has seen). None (default): each
+            group keeps one document forever.
+        arrival_rate: mean requests per model second of the open-loop Poisson arrivals
+            (:meth:`sessions`); closed-loop drivers ignore it.
+        instruction_tokens: length of an instruction block every group shares, placed
+            before the documents (a templated assistant's system prompt), tokens; 0 = none.
+            A PrefixLength that ends inside it gives every request the same key.
+
+    Raises:
+        ValueError: on construction, for a non-positive count, length or rate, or an
+            unknown popularity.
     """
 
     groups: int = 40
@@ -78,6 +107,11 @@ class SharedPrefixWorkload:
     zipf_s: float = 1.0
     model: str = "meta-llama/Llama-3.1-70B-Instruct"
     seed: int = 0
+    prompts_per_group: int | None = None
+    arrival_rate: float = 1.0
+    instruction_tokens: int = 0
+    _chains: dict[int, PromptChain] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -86,40 +120,145 @@ class SharedPrefixWorkload:
             raise ValueError("prefix_tokens, question_tokens and output_tokens must be >= 1")
         if self.popularity not in ("uniform", "zipf"):
             raise ValueError(f"popularity must be 'uniform' or 'zipf', got {self.popularity!r}")
+        if self.prompts_per_group is not None and self.prompts_per_group < 1:
+            raise ValueError(f"prompts_per_group must be >= 1 or None, got {self.prompts_per_group}")
+        if self.instruction_tokens < 0:
+            raise ValueError(f"instruction_tokens must be >= 0, got {self.instruction_tokens}")
+        if not self.arrival_rate > 0:
+            raise ValueError(f"arrival_rate must be > 0 requests/s, got {self.arrival_rate}")
 
     def describe(self) -> str:
         """One line naming the workload and its parameters (the ``workload`` JSON field)."""
         pop = self.popularity if self.popularity == "uniform" else f"zipf(s={self.zipf_s})"
+        ppg = "unique" if self.prompts_per_group is None else str(self.prompts_per_group)
         return (
             f"shared-prefix groups={self.groups} prefix_tokens={self.prefix_tokens} "
             f"question_tokens={self.question_tokens} output_tokens={self.output_tokens} "
-            f"popularity={pop} seed={self.seed}"
+            f"popularity={pop} seed={self.seed} prompts_per_group={ppg} arrival_rate={self.arrival_rate:g}/s"
+            + (f" instruction_tokens={self.instruction_tokens}" if self.instruction_tokens else "")
         )
 
+    def _instruction(self) -> str:
+        if not self.instruction_tokens:
+            return ""
+        return text_of_length(random.Random(f"instruction-{self.seed}"), self.instruction_tokens * CHARS_PER_TOKEN)
+
+    # -- text --------------------------------------------------------------------------
+
+    def prefix_text(self, doc: int) -> str:
+        """The system text of document ``doc`` (group ``g``'s first document is ``g``,
+        its ``n``-th is ``g + n * groups``): a short instruction then a unique document
+        (``max(len(instruction), prefix_tokens * 4)`` characters)."""
+        text = self._texts.get(doc)
+        if text is None:
+            rng = random.Random(f"prefix-{self.seed}-{doc}")
+            body = text_of_length(rng, max(0, self.prefix_tokens * CHARS_PER_TOKEN - len(_HEAD)))
+            text = _HEAD + self._instruction() + body
+            if len(self._texts) > 4 * self.groups:  # churned documents are not needed again
+                self._texts.clear()
+            self._texts[doc] = text
+        return text
+
     def prefixes(self) -> list[str]:
-        """The system text of each group: a short instruction then a unique document."""
-        rng = random.Random(f"prefix-{self.seed}")
-        head = "Answer the user's question using only the document below.\n\nDocument:\n"
-        body_chars = max(0, self.prefix_tokens * CHARS_PER_TOKEN - len(head))
-        return [head + _text(rng, body_chars) for _ in range(self.groups)]
+        """The system text of every group's first document."""
+        return [self.prefix_text(g) for g in range(self.groups)]
+
+    def _question_chars(self, j: int) -> tuple[str, int]:
+        head = f"Question {j}: "
+        return head, max(1, self.question_tokens * CHARS_PER_TOKEN - 12 - len(str(j)))
+
+    def question_text(self, doc: int, j: int) -> str:
+        """Question ``j`` (about ``question_tokens`` tokens), asked about document ``doc``."""
+        head, n = self._question_chars(j)
+        return head + text_of_length(random.Random(f"question-{self.seed}-{doc}-{j}"), n)
+
+    def _body(self, doc: int, j: int) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "messages": [
+                {"role": "system", "content": self.prefix_text(doc)},
+                {"role": "user", "content": self.question_text(doc, j)},
+            ],
+            "max_tokens": self.output_tokens,
+        }
+
+    # -- draws -------------------------------------------------------------------------
+
+    def _draws(self) -> Iterator[tuple[int, int, int]]:
+        """Endless ``(index, group, document)``; the question is the index."""
+        rng = random.Random(f"requests-{self.seed}")
+        population = range(self.groups)
+        cum = None
+        if self.popularity == "zipf":
+            cum = list(itertools.accumulate(1.0 / (k + 1) ** self.zipf_s for k in range(self.groups)))
+        ppg = self.prompts_per_group
+        served = [0] * self.groups
+        for i in itertools.count():
+            g = rng.choices(population, cum_weights=cum)[0] if cum else rng.randrange(self.groups)
+            doc = g
+            if ppg is not None:
+                doc = g + (served[g] // ppg) * self.groups
+                served[g] += 1
+            yield i, g, doc
 
     def requests(self, count: int) -> Iterator[WorkloadRequest]:
-        """The first ``count`` requests (the same ones for the same parameters)."""
-        prefixes = self.prefixes()
-        rng = random.Random(f"requests-{self.seed}")
-        weights = None
-        if self.popularity == "zipf":
-            weights = [1.0 / (k + 1) ** self.zipf_s for k in range(self.groups)]
-        q_chars = self.question_tokens * CHARS_PER_TOKEN
-        for i in range(count):
-            g = rng.choices(range(self.groups), weights=weights)[0] if weights else rng.randrange(self.groups)
-            question = f"Question {i}: " + _text(rng, max(1, q_chars - 12 - len(str(i))))
-            body = {
-                "model": self.model,
-                "messages": [
-                    {"role": "system", "content": prefixes[g]},
-                    {"role": "user", "content": question},
-                ],
-                "max_tokens": self.output_tokens,
-            }
-            yield WorkloadRequest(i, g, body, self.prefix_tokens + self.question_tokens)
+        """The first ``count`` requests as chat bodies (the same ones for the same parameters)."""
+        for i, g, doc in itertools.islice(self._draws(), count):
+            yield WorkloadRequest(i, g, self._body(doc, i), self.prefix_tokens + self.question_tokens)
+
+    def sessions(self) -> Iterator["SharedPrefixSession"]:
+        """Endless one-turn sessions, the same requests as :meth:`requests`, arriving as a
+        Poisson process of rate ``arrival_rate`` per model second (first at ``t > 0``)."""
+        arrivals = random.Random(f"arrivals-{self.seed}")
+        t = 0.0
+        for i, g, doc in self._draws():
+            t += arrivals.expovariate(self.arrival_rate)
+            yield SharedPrefixSession(self, t, i, g, doc)
+
+    # -- segments ----------------------------------------------------------------------
+
+    def _prefix_chain(self, doc: int) -> PromptChain:
+        chain = self._chains.get(doc)
+        if chain is None:
+            # "<|system|>\n" + the instruction every group shares, then the group's own
+            # document + "\n" (the instruction's blocks are common to all groups, as in text).
+            head = Segment(content_id("shared-prefix-head", self.seed if self.instruction_tokens else "",
+                                      self.instruction_tokens),
+                           len("<|system|>\n") + len(_HEAD) + self.instruction_tokens * CHARS_PER_TOKEN)
+            body_chars = max(0, self.prefix_tokens * CHARS_PER_TOKEN - len(_HEAD))
+            content = (content_id("shared-prefix", self.seed, doc, self.prefix_tokens) if body_chars
+                       else content_id("newline"))
+            chain = PromptChain.of(head, Segment(content, body_chars + 1))
+            if len(self._chains) > 4 * self.groups:  # churned documents are not needed again
+                self._chains.clear()
+            self._chains[doc] = chain
+        return chain
+
+    def _question_segment(self, doc: int, j: int) -> Segment:
+        head, n = self._question_chars(j)
+        chars = _USER_WRAP + len(head) + n + _GENERATION
+        return Segment(content_id("question", self.seed, doc, j, self.question_tokens), chars)
+
+
+class SharedPrefixSession(Session):
+    """One question about one group's document (a one-turn session)."""
+
+    __slots__ = ("workload", "start_s", "index", "group", "doc", "num_turns")
+
+    def __init__(self, workload: SharedPrefixWorkload, start_s: float, index: int, group: int, doc: int) -> None:
+        self.workload = workload
+        self.start_s = start_s
+        self.index = index
+        self.group = group
+        self.doc = doc
+        self.num_turns = 1
+
+    def turn(self, k: int, answers: Sequence[str] | None = None) -> Turn:
+        wl = self.workload
+        if answers is not None:
+            return Turn(TextChatPrompt(self.body(k, answers)), wl.output_tokens)
+        chain = wl._prefix_chain(self.doc).extend(wl._question_segment(self.doc, self.index))
+        return Turn(ChainPrompt(chain, None, wl.model), wl.output_tokens)
+
+    def body(self, k: int, answers: Sequence[str]) -> dict[str, Any]:
+        return self.workload._body(self.doc, self.index)
