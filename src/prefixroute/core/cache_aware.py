@@ -25,7 +25,9 @@ disagree when several router replicas run (SPEC §5). This strategy:
    each other's load when engine metrics are scraped). The cost model follows NVIDIA
    Dynamo's "prefill blocks not cached + load" idea, in blocks.
 5. **Rendezvous placement and tie-breaks.** A prefix no instance below the threshold
-   holds is placed on the first of them in the rendezvous order of its first block:
+   holds meaningfully more of than the others (within ``LoadWeight`` blocks) is
+   placed on the first of them in the rendezvous order of its first block past the
+   longest match:
    new prefixes spread over the fleet (never "the same instance on every miss"), and
    independent router replicas place them identically whatever their load views.
    Otherwise every instance within two requests' worth (``2 x LoadWeight``) of the
@@ -155,14 +157,18 @@ class CacheAwareStrategy(Strategy):
         eligible = [i for i, c in enumerate(candidates) if c.in_flight < threshold]
         if not eligible:
             return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
-        held_anywhere = max(matches[i] for i in eligible)
-        if held_anywhere == 0:
-            # Nothing to gain anywhere: place by rendezvous order of the first block
-            # (bounded by the threshold), which every replica computes alike.
-            first = blocks[0]
-            chosen = max(eligible, key=lambda i: rendezvous_score(first, candidates[i].token))
-            return candidates[chosen], (DecisionKind.OVERFLOW if best_match else DecisionKind.AFFINITY)
         w = self.load_weight
+        held_anywhere = max(matches[i] for i in eligible)
+        common = min(matches[i] for i in eligible)
+        if held_anywhere - common <= w:
+            # No instance holds meaningfully more than the others (a new prefix, or only a
+            # shared header): place by rendezvous order of the first block past the longest
+            # match, bounded by the threshold only. Load views differ between router
+            # replicas; this choice does not depend on them, so replicas agree.
+            anchor = blocks[min(held_anywhere, len(blocks) - 1)]
+            chosen = max(eligible, key=lambda i: rendezvous_score(anchor, candidates[i].token))
+            return candidates[chosen], (DecisionKind.OVERFLOW if matches[chosen] < best_match
+                                        else DecisionKind.AFFINITY)
         scores = {i: matches[i] - w * max(candidates[i].in_flight, candidates[i].engine_load) for i in eligible}
         top = max(scores.values())
         band = [i for i in eligible if scores[i] >= top - w * self.tie_requests]
