@@ -5,6 +5,9 @@ router in front of them, all as separate processes on loopback ports they pick,
 drives the same seeded shared-prefix workload through real HTTP, reads the engines'
 prefix-cache counters from their ``/metrics``, stops everything, and finally prints
 the reference-style table, writes plots and (with ``--json``) SPEC §7's JSON.
+
+``--engine llama-cpp`` runs real llama.cpp instances instead of emulated engines
+(:mod:`prefixroute.engines.llama_cpp`; docs/LLAMA_CPP.md), with defaults sized for them.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ from prefixroute.core.config import ConfigError, RoutingConfig, RoutingStrategy
 __all__ = ["configure_parser", "run"]
 
 DEFAULT_STRATEGIES = "random,least-outstanding-requests,prefix-aware"
+#: Defaults of the flags that depend on --engine (llama-cpp's: engines.llama_cpp.DEMO_DEFAULTS).
+EMULATED_DEFAULTS = {"instances": 5, "kv_capacity_tokens": 400_000, "groups": 200, "prefix_tokens": 8000,
+                     "users": 30, "duration": 40.0, "prefix_length": 4096}
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -32,32 +38,44 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         "P50/P90 TTFT, cache-hit rate, throughput, per-instance share and router overhead."
     )
     g = p.add_argument_group("fleet")
-    g.add_argument("--instances", type=int, default=5, help="emulated engine instances (default: 5)")
+    g.add_argument("--engine", choices=("emulated", "llama-cpp"), default="emulated",
+                   help="emulated: emulated vLLM engines; llama-cpp: real llama.cpp instances on a tiny "
+                        "generated model, one CPU thread each, times in real seconds (needs the llama-cpp "
+                        "extra; docs/LLAMA_CPP.md) (default: emulated)")
+    g.add_argument("--instances", type=int, default=None,
+                   help="engine instances (default: 5; 3 with --engine llama-cpp)")
     g.add_argument("--time-scale", type=float, default=0.25,
                    help="engine speed: 0.25 runs the model four times faster than real time; reported "
                         "times are converted back to model seconds (default: 0.25)")
-    g.add_argument("--kv-capacity-tokens", type=int, default=400_000,
-                   help="KV-cache capacity of each instance, tokens. The default keeps the workload's "
-                        "prefixes larger than one instance's cache but smaller than the fleet's "
-                        "(default: 400000)")
+    g.add_argument("--kv-capacity-tokens", type=int, default=None,
+                   help="KV-cache capacity of each instance, tokens (llama-cpp: its RAM prompt cache). "
+                        "The default keeps the workload's prefixes larger than one instance's cache but "
+                        "smaller than the fleet's (default: 400000; 40000 with --engine llama-cpp)")
     g = p.add_argument_group("routing")
     g.add_argument("--strategies", default=DEFAULT_STRATEGIES,
                    help=f"comma-separated strategies to run, first is the baseline (default: {DEFAULT_STRATEGIES})")
-    g.add_argument("--prefix-length", type=int, default=4096,
-                   help="PrefixLength for PREFIX_AWARE, 1024-65536 characters of the chat text (default: 4096)")
+    g.add_argument("--prefix-length", type=int, default=None,
+                   help="PrefixLength for PREFIX_AWARE, 1024-65536 characters of the chat text; keep it "
+                        "shorter than the shared prefix (default: 4096; 2048 with --engine llama-cpp)")
     g.add_argument("--concurrency-threshold", type=int, default=12,
-                   help="ConcurrencyThreshold for PREFIX_AWARE, 1-1024 requests in flight on the preferred "
+                   help="ConcurrencyThreshold for PREFIX_AWARE and CACHE_AWARE, 1-1024 requests in flight on the preferred "
                         "instance before overflow (default: 12)")
     g = p.add_argument_group("workload")
-    g.add_argument("--groups", type=int, default=200, help="prefix groups (documents) (default: 200)")
-    g.add_argument("--prefix-tokens", type=int, default=8000, help="tokens per shared prefix (default: 8000)")
+    g.add_argument("--groups", type=int, default=None,
+                   help="prefix groups (documents) (default: 200; 16 with --engine llama-cpp)")
+    g.add_argument("--prefix-tokens", type=int, default=None,
+                   help="tokens per shared prefix; llama-cpp: byte-level tokens, 1 per character "
+                        "(default: 8000; 4000 with --engine llama-cpp)")
     g.add_argument("--question-tokens", type=int, default=64, help="tokens per unique question (default: 64)")
     g.add_argument("--output-tokens", type=int, default=16, help="max_tokens of each request (default: 16)")
-    g.add_argument("--users", type=int, default=30,
+    g.add_argument("--users", type=int, default=None,
                    help="concurrent users of the closed-loop client; each sends its next request when "
-                        "the previous one ends (default: 30)")
-    g.add_argument("--duration", type=float, default=40.0,
-                   help="real seconds of traffic per strategy (default: 40)")
+                        "the previous one ends (default: 30; 2 with --engine llama-cpp)")
+    g.add_argument("--duration", type=float, default=None,
+                   help="real seconds of traffic per strategy (default: 40; 60 with --engine llama-cpp)")
+    g.add_argument("--requests", type=int, default=None,
+                   help="send at most this many requests per strategy, the same ones each time "
+                        "(default: no limit; --duration ends the run)")
     g.add_argument("--seed", type=int, default=0, help="workload and router seed (default: 0)")
     g = p.add_argument_group("output")
     g.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH ({\"workload\": ..., \"runs\": [...]}, see README)")
@@ -70,6 +88,12 @@ def _strategies(text: str) -> list[RoutingStrategy]:
 
 
 async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_procs, progress, task):
+    if args.engine == "llama-cpp":
+        from prefixroute.engines.llama_cpp import run_demo_strategy
+
+        count = itertools.count(1)
+        return await run_demo_strategy(args, strategy, group_procs,
+                                       lambda _r: progress.update(task, completed=next(count)))
     from prefixroute.demo.loadgen import run_closed_loop
     from prefixroute.demo.report import scrape_counters, summarize
     from prefixroute.workloads.shared_prefix import SharedPrefixWorkload
@@ -82,6 +106,9 @@ async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_pr
         ]))
     urls = [e.url for e in engines]
     serve = ["serve", "--port", "0", "--admin-port", "0", "--strategy", strategy.cli_name, "--seed", str(args.seed)]
+    if strategy is RoutingStrategy.CACHE_AWARE:
+        serve += ["--concurrency-threshold", str(args.concurrency_threshold),
+                  "--instance-cache-tokens", str(args.kv_capacity_tokens)]
     if strategy is RoutingStrategy.PREFIX_AWARE:
         serve += ["--prefix-length", str(args.prefix_length), "--concurrency-threshold", str(args.concurrency_threshold)]
     for u in urls:
@@ -98,7 +125,8 @@ async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_pr
         progress.update(task, completed=next(done))
 
     results, wall = await run_closed_loop(
-        router.url + "/v1/chat/completions", workload.requests(10**9), args.users, args.duration, on_done
+        router.url + "/v1/chat/completions", workload.requests(args.requests or 10**9), args.users, args.duration,
+        on_done,
     )
     counters = await scrape_counters(urls, ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"])
     summary = summarize(
@@ -119,9 +147,11 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)  # a log file or pipe: never wrap the table
+    fleet = (f"{args.instances} llama.cpp instances (tiny random model, 1 CPU thread each)"
+             if args.engine == "llama-cpp" else
+             f"{args.instances} emulated Llama-3.1-70B/8xH100 instances (time scale {args.time_scale})")
     console.print(
-        f"[bold]prefixroute demo[/bold]: {args.instances} emulated Llama-3.1-70B/8xH100 instances "
-        f"(time scale {args.time_scale}), {args.groups} groups x {args.prefix_tokens}-token prefixes, "
+        f"[bold]prefixroute demo[/bold]: {fleet}, {args.groups} groups x {args.prefix_tokens}-token prefixes, "
         f"{args.users} users, {args.duration:.0f} s per strategy"
     )
     summaries = []
@@ -139,7 +169,8 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
             summaries.append(summary)
             runs[strategy.value] = results
 
-    title = "Shared-prefix workload; times in model seconds, overhead in real milliseconds"
+    title = ("Shared-prefix workload on llama.cpp; real seconds" if args.engine == "llama-cpp" else
+             "Shared-prefix workload; times in model seconds, overhead in real milliseconds")
     wide = render_table(summaries, title)
     console.print(wide if console.width >= 180 else render_narrow_table(summaries, title))
     errors = sum(s.errors for s in summaries)
@@ -156,6 +187,15 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
 
 def _check(args: argparse.Namespace) -> list[RoutingStrategy]:
     """Validate every flag before anything starts; raises ConfigError with the flag's name."""
+    if args.engine == "llama-cpp":
+        from prefixroute.engines.llama_cpp import DEMO_DEFAULTS as defaults
+    else:
+        defaults = EMULATED_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.requests is not None and args.requests < 1:
+        raise ConfigError(f"--requests must be at least 1, got {args.requests}")
     strategies = _strategies(args.strategies)
     if not strategies:
         raise ConfigError("--strategies: name at least one strategy")
@@ -192,7 +232,14 @@ def run(args: argparse.Namespace) -> int:
     flags, 130 when interrupted)."""
     try:
         strategies = _check(args)
+        if args.engine == "llama-cpp":
+            from prefixroute.engines.llama_cpp import find_engine_python
+
+            find_engine_python()
     except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:  # EngineUnavailable
         print(f"error: {exc}", file=sys.stderr)
         return 2
     for sig in (signal.SIGTERM, signal.SIGHUP):

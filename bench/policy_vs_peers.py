@@ -1,0 +1,781 @@
+"""prefixroute's strategies against the open routers of the field, side by side.
+
+One program, one emulated fleet, the same seeded traffic for every router:
+
+* prefixroute ``RANDOM``, ``LEAST_OUTSTANDING_REQUESTS``, ``PREFIX_AWARE`` and
+  ``CACHE_AWARE`` (``prefixroute serve``);
+* the SGLang router (``sglang-router``, ``cache_aware``);
+* vLLM's Rust router (``vllm-router``, ``cache_aware`` and ``consistent_hash``);
+* HAProxy with ``balance hash`` on the request body's first PrefixLength bytes and
+  ``hash-balance-factor`` (bounded-load consistent hashing).
+
+Workloads (:data:`WORKLOADS`, data: add one by adding an entry): long shared-prefix
+groups; multi-turn chats; one long system prompt shared by every conversation;
+Zipf-skewed hot groups; an instance added and one removed mid-run. Each runs with 1
+router replica and with 4 (independent router processes, users spread over them round
+robin; for a peer, 4 processes of the peer).
+
+Every run starts a fresh fleet of ``prefixroute emulate`` instances (cold caches) and
+fresh routers, drives closed-loop users for a fixed real time, reads the engines'
+prefix-cache counters from ``/metrics`` (cache-hit rate = ``vllm:prefix_cache_hits_total
+/ vllm:prefix_cache_queries_total``) and stops everything. It prints one table per
+workload, a verdict for CACHE_AWARE against every other router, writes plots and,
+with ``--json PATH``, SPEC §7's JSON (extra fields: ``workload``, ``label``,
+``busiest_share``...).
+
+The peers are installed into their own virtual environment (``--peers-venv``), never
+into the project's; HAProxy with ``apt-get`` when missing. A peer that cannot be
+installed is skipped with the reason printed.
+
+Usage::
+
+    python bench/policy_vs_peers.py --quick              # about 7 minutes on 2 cores
+    python bench/policy_vs_peers.py --json results.json  # the full run (about 35-40 minutes)
+
+Times in tables and JSON are **model seconds** (real seconds / ``--time-scale``), as
+in ``prefixroute demo``. docs/BENCHMARKS.md has a run's output and how to read it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import re
+import signal
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator, Sequence
+
+import aiohttp
+import orjson
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers import (  # noqa: E402  (bench/ is a folder of scripts, not a package)
+    DEFAULT_PEERS_VENV,
+    HAProxySpec,
+    PeerError,
+    PeerStatus,
+    PrefixrouteSpec,
+    ProcessTracker,
+    RouterSpec,
+    RunningRouter,
+    SGLangRouterSpec,
+    VLLMRouterSpec,
+    ensure_haproxy,
+    ensure_python_peers,
+)
+from prefixroute.demo.loadgen import RequestResult  # noqa: E402
+from prefixroute.demo.report import RunSummary, scrape_counters, summarize  # noqa: E402
+from prefixroute.workloads.multi_turn import MultiTurnWorkload  # noqa: E402
+from prefixroute.workloads.shared_prefix import SharedPrefixWorkload  # noqa: E402
+
+#: The strategy every verdict is about.
+SUBJECT = "CACHE_AWARE"
+HIT = "vllm:prefix_cache_hits_total"
+QUERIES = "vllm:prefix_cache_queries_total"
+
+# -- settings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    """Fleet, routing and run-length settings shared by every run.
+
+    Attributes:
+        instances: emulated engines routed to from the start.
+        time_scale: real seconds per model second of the engines (0.5 = twice as fast).
+        kv_capacity_tokens: KV-cache capacity of each instance, tokens.
+        duration_s: real seconds during which users start requests, per run.
+        users_scale: multiplies each workload's number of closed-loop users.
+        prefix_length: PREFIX_AWARE PrefixLength (characters) and HAProxy's hashed bytes.
+        concurrency_threshold: PREFIX_AWARE and CACHE_AWARE ConcurrencyThreshold.
+        balance_factor: HAProxy ``hash-balance-factor`` (percent of the average load).
+        replicas: router replica counts to run.
+        multi_replica_workloads: workloads that run with more than 1 replica (None: all).
+        seed: workload and router seed.
+    """
+
+    instances: int = 4
+    time_scale: float = 0.5
+    kv_capacity_tokens: int = 100_000
+    duration_s: float = 20.0
+    users_scale: float = 1.0
+    prefix_length: int = 4096
+    concurrency_threshold: int = 8
+    balance_factor: int = 150
+    replicas: tuple[int, ...] = (1, 4)
+    multi_replica_workloads: tuple[str, ...] | None = None
+    seed: int = 0
+
+
+FULL = BenchSettings()
+#: ``--quick``: the same fleet, traffic and routers, 3 s runs, and 4 replicas on one
+#: workload only (about 7 minutes on 2 cores). For smoke tests, not for conclusions: in 3 s
+#: the cold start (every document's first request misses) weighs much more.
+QUICK = BenchSettings(duration_s=3.0, multi_replica_workloads=("shared-prefix",))
+
+
+# -- workloads --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MembershipChange:
+    """Add one instance at ``add_at`` and remove one at ``remove_at`` (fractions of the
+    run's duration). The added instance is started with the fleet but routed to only
+    from ``add_at``; the removed one (instance 0) stops getting new requests at
+    ``remove_at`` and finishes the ones it has."""
+
+    add_at: float = 1 / 3
+    remove_at: float = 2 / 3
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """One benchmark workload.
+
+    Attributes:
+        name: short name (tables, JSON ``workload`` field of each run, ``--workloads``).
+        title: what it stands for.
+        make: builds the seeded workload (``seed`` -> object with ``sessions()`` and
+            ``describe()``, see :mod:`prefixroute.workloads.session`).
+        session_key: the id a client would send as ``X-Session-ID`` (the document for
+            a RAG question, the conversation for a chat); vllm-router's
+            ``consistent_hash`` hashes it, the other routers ignore it.
+        users: concurrent closed-loop users (times ``BenchSettings.users_scale``).
+        membership: a mid-run membership change, or None.
+    """
+
+    name: str
+    title: str
+    make: Callable[[int], Any]
+    session_key: Callable[[Any], str]
+    users: int = 16
+    membership: MembershipChange | None = None
+
+
+def _doc_key(s: Any) -> str:
+    return f"doc-{s.doc}"
+
+
+def _conversation_key(s: Any) -> str:
+    return f"conversation-{s.index}"
+
+
+def _shared_prefix(seed: int) -> SharedPrefixWorkload:
+    # 40 documents of 6,000 tokens (240k tokens) do not fit one instance's 100k-token
+    # cache but fit the fleet's 400k: routing decides the hit rate. 64-token answers
+    # keep the request rate (and so the CPU the harness itself uses) moderate.
+    return SharedPrefixWorkload(groups=40, prefix_tokens=6000, question_tokens=64, output_tokens=64, seed=seed)
+
+
+def _multi_turn(seed: int) -> MultiTurnWorkload:
+    # ShareGPT's turn count and user-message length (workloads.multi_turn); answers
+    # (mean 120 tokens, at most 512) and think time (2 s) shortened so that a 20 s run
+    # at time scale 0.5 holds a few conversations per user and no answer outlives the
+    # run by much. 16 distinct 1,000-token system prompts.
+    return MultiTurnWorkload(system_prompts=16, system_tokens=1000, mean_output_tokens=120, think_time_s=2.0,
+                             max_turns=12, max_message_tokens=512, seed=seed)
+
+
+def _long_system_prompt(seed: int) -> MultiTurnWorkload:
+    # One 6,000-token system prompt shared by every conversation: a fixed-length key
+    # sends them all to one instance; the history after it is each conversation's own.
+    return MultiTurnWorkload(system_prompts=1, system_tokens=6000, mean_output_tokens=120, think_time_s=2.0,
+                             max_turns=12, max_message_tokens=512, seed=seed)
+
+
+def _zipf(seed: int) -> SharedPrefixWorkload:
+    # Group k has weight 1/(k+1)^1.2: the hottest of 64 documents gets ~30 % of the
+    # requests, more than one of 4 instances can take alone.
+    return SharedPrefixWorkload(groups=64, prefix_tokens=6000, question_tokens=64, output_tokens=64,
+                                popularity="zipf", zipf_s=1.2, seed=seed)
+
+
+WORKLOADS: tuple[WorkloadSpec, ...] = (
+    WorkloadSpec("shared-prefix", "long shared-prefix groups (RAG: many questions per document)",
+                 _shared_prefix, _doc_key, users=16),
+    WorkloadSpec("multi-turn", "multi-turn chats, ShareGPT-like lengths", _multi_turn, _conversation_key, users=32),
+    WorkloadSpec("long-system-prompt", "one 6,000-token system prompt shared by every conversation",
+                 _long_system_prompt, _conversation_key, users=32),
+    WorkloadSpec("zipf-hot-groups", "Zipf-skewed document popularity (s = 1.2)", _zipf, _doc_key, users=16),
+    WorkloadSpec("membership-change", "shared-prefix groups; an instance added at 1/3 and one removed at 2/3",
+                 _shared_prefix, _doc_key, users=16, membership=MembershipChange()),
+)
+
+
+# -- routers ----------------------------------------------------------------------------------
+
+
+def router_specs(s: BenchSettings) -> list[RouterSpec]:
+    """Every router under test, in table order (prefixroute baselines, the subject, peers)."""
+    threshold = s.concurrency_threshold
+    # Engine load scraped often enough to matter at the engines' time scale (the default
+    # 10 s would be 40 model seconds stale at time scale 0.25).
+    extra = ("--metrics-scrape-interval", "0.5", "--seed", str(s.seed))
+    return [
+        PrefixrouteSpec("prefixroute RANDOM", "prefixroute", "RANDOM",
+                        routing={"RoutingStrategy": "RANDOM"}, extra_args=extra),
+        PrefixrouteSpec("prefixroute LEAST_OUTSTANDING", "prefixroute", "LEAST_OUTSTANDING_REQUESTS",
+                        routing={"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}, extra_args=extra),
+        PrefixrouteSpec("prefixroute PREFIX_AWARE", "prefixroute", "PREFIX_AWARE",
+                        routing={"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {
+                            "PrefixLength": s.prefix_length, "ConcurrencyThreshold": threshold}},
+                        extra_args=extra),
+        PrefixrouteSpec("prefixroute CACHE_AWARE", "prefixroute", SUBJECT,
+                        routing={"RoutingStrategy": SUBJECT, "CacheAwareRoutingConfig": {
+                            "ConcurrencyThreshold": threshold, "InstanceCacheTokens": s.kv_capacity_tokens}},
+                        extra_args=extra),
+        SGLangRouterSpec("sglang-router cache_aware", "sglang-router", "cache_aware"),
+        VLLMRouterSpec("vllm-router cache_aware", "vllm-router", "cache_aware"),
+        VLLMRouterSpec("vllm-router consistent_hash", "vllm-router", "consistent_hash"),
+        HAProxySpec("haproxy hash-balance-factor", "haproxy", f"hash body[:{s.prefix_length}] "
+                    f"balance-factor {s.balance_factor}", hash_bytes=s.prefix_length,
+                    balance_factor=s.balance_factor),
+    ]
+
+
+def _slug(label: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+
+
+# -- one run ----------------------------------------------------------------------------------
+
+
+@dataclass
+class RunResult:
+    """One (workload, router, replicas) run: the SPEC §7 summary plus what the tables need."""
+
+    workload: str
+    label: str
+    summary: RunSummary
+    results: list[RequestResult] = field(default_factory=list, repr=False)
+    events: list[dict[str, Any]] = field(default_factory=list)
+    instances: list[str] = field(default_factory=list)
+
+    @property
+    def busiest_share(self) -> float:
+        return max(self.summary.instance_share, default=0.0)
+
+    def to_json(self) -> dict[str, Any]:
+        """SPEC §7 run fields plus ``workload``, ``label``, ``busiest_share``,
+        ``instances`` and ``membership_events``."""
+        d = asdict(self.summary)
+        d.update(workload=self.workload, label=self.label, busiest_share=self.busiest_share,
+                 instances=self.instances, membership_events=self.events)
+        return d
+
+
+_ENGINE_READY = re.compile(r"prefixroute-emulate listening on (http://\S+)")
+
+
+def start_fleet(tracker: ProcessTracker, count: int, s: BenchSettings, python: str = sys.executable
+                ) -> list[tuple[str, str]]:
+    """Start ``count`` emulated engines at once; returns ``[(instance id, url)]``.
+
+    Raises:
+        PeerError: an engine exited or did not listen within 60 s.
+    """
+    procs = []
+    for i in range(count):
+        iid = f"instance-{i}"
+        procs.append((iid, tracker.start(f"engine-{i}", [
+            python, "-m", "prefixroute", "emulate", "--host", "127.0.0.1", "--port", "0", "--instance-id", iid,
+            "--time-scale", str(s.time_scale), "--kv-capacity-tokens", str(s.kv_capacity_tokens),
+            "--log-level", "warning"])))
+    out = []
+    for iid, p in procs:
+        found: list[str] = []
+
+        def ready(p=p, found=found) -> bool:
+            m = _ENGINE_READY.search(p.tail(5))
+            if m:
+                found.append(m.group(1))
+            return bool(m)
+
+        p.wait_ready(ready, 60.0, "listening")
+        out.append((iid, found[-1]))
+    return out
+
+
+async def _request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str],
+                   index: int, group: int, want_text: bool) -> RequestResult:
+    """One streamed chat request; TTFT = first chunk with generated text."""
+    payload = orjson.dumps(dict(body, stream=True))
+    res = RequestResult(index, group, time.perf_counter())
+    parts: list[str] = []
+    try:
+        async with http.post(url, data=payload, headers={"Content-Type": "application/json", **headers}) as resp:
+            res.status = resp.status
+            res.instance = resp.headers.get("X-Emulated-Instance") or resp.headers.get("X-Prefixroute-Instance", "")
+            res.decision = resp.headers.get("X-Prefixroute-Decision", "")
+            oh = resp.headers.get("X-Prefixroute-Overhead-Ms")
+            res.overhead_ms = float(oh) if oh else None
+            if resp.status != 200:
+                res.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                return res
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    if not event.startswith(b"data:"):
+                        continue
+                    data = event[5:].strip()
+                    if data == b"[DONE]":
+                        continue
+                    msg = orjson.loads(data)
+                    for choice in msg.get("choices") or ():
+                        text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
+                        if text:
+                            if res.ttft_s is None:
+                                res.ttft_s = time.perf_counter() - res.start_s
+                            if want_text:
+                                parts.append(text)
+            res.latency_s = time.perf_counter() - res.start_s
+            res.text = "".join(parts)
+            if res.ttft_s is None:
+                res.error = "stream ended without generated text"
+                res.latency_s = None
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        res.error = f"{type(exc).__name__}: {exc}"
+    return res
+
+
+async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key: Callable[[Any], str],
+                users: int, duration_s: float, time_scale: float,
+                events: Sequence[tuple[float, Callable[[], Any]]] = (), timeout_s: float = 120.0
+                ) -> tuple[list[RequestResult], float, list[dict[str, Any]]]:
+    """Closed-loop users running sessions back to back through the routers.
+
+    User ``u`` talks to router ``u mod len(router_urls)`` (clients spread round robin
+    over the replicas). Each session's turns follow each other after its think time
+    (model seconds × ``time_scale``); each turn resends the earlier answers as
+    received. Users start no turn after ``duration_s`` real seconds. ``events`` are
+    ``(real second, blocking callable)`` run in a thread at that time (membership).
+
+    Returns:
+        ``(results, wall_s, event log)``.
+    """
+    results: list[RequestResult] = []
+    log: list[dict[str, Any]] = []
+    counter = itertools.count()
+    connector = aiohttp.TCPConnector(limit=0)
+    t0 = time.perf_counter()
+    deadline = t0 + duration_s
+
+    async def user(http: aiohttp.ClientSession, u: int) -> None:
+        url = router_urls[u % len(router_urls)] + "/v1/chat/completions"
+        while time.perf_counter() < deadline:
+            s = next(sessions, None)
+            if s is None:
+                return
+            headers = {"X-Session-ID": session_key(s)}
+            answers: list[str] = []
+            for k in range(s.num_turns):
+                if k > 0:
+                    await asyncio.sleep(s.think_s(k) * time_scale)
+                    if time.perf_counter() >= deadline:
+                        break
+                r = await _request(http, url, s.body(k, answers), headers, next(counter), s.group,
+                                   want_text=k + 1 < s.num_turns)
+                results.append(r)
+                if r.error:
+                    break
+                answers.append(r.text)
+                r.text = ""
+
+    async def event(at: float, fn: Callable[[], Any]) -> None:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        started = time.perf_counter() - t0
+        try:
+            what = await asyncio.to_thread(fn)
+            log.append({"at_s": round(started, 3), "took_s": round(time.perf_counter() - t0 - started, 3),
+                        "what": str(what)})
+        except PeerError as exc:
+            log.append({"at_s": round(started, 3), "error": str(exc)[:500]})
+
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
+        await asyncio.gather(*(user(http, u) for u in range(users)), *(event(at, fn) for at, fn in events))
+    first = min((r.start_s for r in results), default=t0)
+    last = max((r.start_s + r.latency_s for r in results if r.latency_s is not None), default=first)
+    return results, last - first, log
+
+
+def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSettings, status: PeerStatus | None,
+            workdir: Path | None = None) -> RunResult:
+    """Fresh fleet, fresh routers, one workload; everything stopped on return.
+
+    Raises:
+        PeerError: a process did not start.
+    """
+    extra = 1 if workload.membership else 0
+    with ProcessTracker(workdir) as tracker:
+        fleet = start_fleet(tracker, s.instances + extra, s)
+        ids = [iid for iid, _ in fleet]
+        urls = [u for _, u in fleet]
+        initial = urls[: s.instances]
+        exe = status.executable if status else ""
+        # Start the replicas in parallel: each waits for readiness on its own.
+        with ThreadPoolExecutor(max_workers=replicas) as pool:
+            futures = [pool.submit(spec.start, tracker, initial, exe, urls) for _ in range(replicas)]
+            routers: list[RunningRouter] = []
+            errors = []
+            for f in futures:
+                try:
+                    routers.append(f.result())
+                except PeerError as exc:
+                    errors.append(exc)
+            if errors:
+                raise errors[0]
+        events: list[tuple[float, Callable[[], Any]]] = []
+        if workload.membership:
+            m = workload.membership
+            added, removed = urls[-1], urls[0]
+
+            def on_all(action: str, url: str) -> Callable[[], str]:
+                def apply() -> str:
+                    with ThreadPoolExecutor(max_workers=len(routers)) as pool:
+                        list(pool.map(lambda r: getattr(r, action)(url), routers))
+                    return f"{action} {ids[urls.index(url)]}"
+                return apply
+
+            events = [(m.add_at * s.duration_s, on_all("add_backend", added)),
+                      (m.remove_at * s.duration_s, on_all("remove_backend", removed))]
+        wl = workload.make(s.seed)
+        users = max(1, round(workload.users * s.users_scale))
+        results, wall, log = asyncio.run(drive([r.url for r in routers], iter(wl.sessions()), workload.session_key,
+                                               users, s.duration_s, s.time_scale, events))
+        counters = asyncio.run(scrape_counters(urls, [HIT, QUERIES]))
+        # Results name instances by id (X-Emulated-Instance); prefixroute's header is the URL.
+        by_url = dict(zip(urls, ids))
+        for r in results:
+            r.instance = by_url.get(r.instance.rstrip("/"), r.instance)
+        summary = summarize(spec.strategy, results, wall, s.time_scale, ids, counters[HIT], counters[QUERIES],
+                            router=spec.router, replicas=replicas)
+        return RunResult(workload.name, spec.label, summary, results, log, ids)
+
+
+# -- verdicts ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """The subject against one other router on one workload and replica count.
+
+    ``hit_points`` = subject's hit rate − other's, in percentage points (>= 0 is a win);
+    ``p50_ratio``/``p90_ratio`` = subject's TTFT / other's (<= 1 is a win).
+    """
+
+    workload: str
+    replicas: int
+    other: str
+    hit_points: float
+    p50_ratio: float
+    p90_ratio: float
+
+    @property
+    def wins(self) -> bool:
+        return self.hit_points >= 0 and self.p50_ratio <= 1 and self.p90_ratio <= 1
+
+
+def compare(runs: Sequence[RunResult], subject: str = SUBJECT) -> list[Comparison]:
+    """Every (workload, replicas) pair's subject run against each other router's run."""
+    out = []
+    keyed = {(r.workload, r.summary.replicas, r.label): r for r in runs}
+    for (wl, reps, label), r in keyed.items():
+        if r.summary.strategy != subject:
+            continue
+        for (wl2, reps2, label2), o in keyed.items():
+            if (wl2, reps2) != (wl, reps) or label2 == label:
+                continue
+            a, b = r.summary, o.summary
+            out.append(Comparison(wl, reps, label2, (a.cache_hit_rate - b.cache_hit_rate) * 100,
+                                  _ratio(a.p50_ttft_s, b.p50_ttft_s), _ratio(a.p90_ttft_s, b.p90_ttft_s)))
+    return out
+
+
+def _ratio(a: float, b: float) -> float:
+    if not (a == a and b == b) or b <= 0:
+        return float("nan")
+    return a / b
+
+
+def replica_drift(runs: Sequence[RunResult], subject: str = SUBJECT) -> dict[str, float]:
+    """Per workload: subject's hit rate with the most replicas minus with 1, in points."""
+    by: dict[str, dict[int, float]] = {}
+    for r in runs:
+        if r.summary.strategy == subject:
+            by.setdefault(r.workload, {})[r.summary.replicas] = r.summary.cache_hit_rate
+    return {wl: (d[max(d)] - d[1]) * 100 for wl, d in by.items() if 1 in d and max(d) > 1}
+
+
+# -- output -----------------------------------------------------------------------------------
+
+
+def render_workload_table(workload: WorkloadSpec, runs: Sequence[RunResult], description: str) -> Any:
+    """A rich table: one row per (router, replicas), sorted by replicas then router order."""
+    from rich.table import Table
+
+    table = Table(title=f"{workload.name}: {workload.title}\n{description}", title_justify="left")
+    for col in ("router", "replicas", "cache hit", "P50 TTFT", "P90 TTFT", "throughput", "busiest", "errors",
+                "requests"):
+        table.add_column(col, justify="left" if col == "router" else "right", no_wrap=True)
+    for r in sorted(runs, key=lambda r: r.summary.replicas):
+        s = r.summary
+        style = "bold" if s.strategy == SUBJECT else None
+        table.add_row(r.label, str(s.replicas), f"{s.cache_hit_rate * 100:.1f} %", f"{s.p50_ttft_s * 1000:.0f} ms",
+                      f"{s.p90_ttft_s * 1000:.0f} ms", f"{s.throughput_rps:.1f} rps", f"{r.busiest_share * 100:.1f} %",
+                      str(s.errors), str(s.requests), style=style)
+    return table
+
+
+def verdict_lines(runs: Sequence[RunResult]) -> list[str]:
+    """Plain-text verdicts: per workload and replica count, where the subject loses and by how much."""
+    lines = []
+    comps = compare(runs)
+    for (wl, reps), group in itertools.groupby(sorted(comps, key=lambda c: (c.workload, c.replicas)),
+                                               key=lambda c: (c.workload, c.replicas)):
+        group = list(group)
+        subject = next(r for r in runs if r.workload == wl and r.summary.replicas == reps
+                       and r.summary.strategy == SUBJECT)
+        losses = [c for c in group if not c.wins]
+        err = subject.summary.errors
+        head = f"{wl}, {reps} replica{'s' if reps > 1 else ''}: "
+        if not losses and err == 0:
+            lines.append(head + f"{SUBJECT} has the highest hit rate and the lowest P50 and P90 TTFT, 0 errors")
+            continue
+        parts = []
+        for c in losses:
+            bits = []
+            if c.hit_points < 0:
+                bits.append(f"hit {c.hit_points:+.1f} pts")
+            if c.p50_ratio > 1:
+                bits.append(f"P50 {(c.p50_ratio - 1) * 100:+.0f} %")
+            if c.p90_ratio > 1:
+                bits.append(f"P90 {(c.p90_ratio - 1) * 100:+.0f} %")
+            parts.append(f"vs {c.other}: " + ", ".join(bits))
+        if err:
+            parts.append(f"{err} errors")
+        lines.append(head + "; ".join(parts))
+    for wl, drift in replica_drift(runs).items():
+        ok = abs(drift) <= 2.0
+        lines.append(f"{wl}: {SUBJECT} hit rate with 4 replicas vs 1: {drift:+.1f} pts "
+                     f"({'within' if ok else 'outside'} 2 pts)")
+    return lines
+
+
+def write_plots(out_dir: Path, workloads: Sequence[WorkloadSpec], runs: Sequence[RunResult]) -> list[Path]:
+    """Per workload: cache-hit rate, P50 and P90 TTFT per router, bars per replica count."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for wl in workloads:
+        wr = [r for r in runs if r.workload == wl.name]
+        if not wr:
+            continue
+        labels = list(dict.fromkeys(r.label for r in wr))
+        reps = sorted({r.summary.replicas for r in wr})
+        fig, axes = plt.subplots(1, 3, figsize=(15, 5))
+        width = 0.8 / max(1, len(reps))
+        metrics = (("cache-hit rate, %", lambda s: s.cache_hit_rate * 100),
+                   ("P50 TTFT, model ms", lambda s: s.p50_ttft_s * 1000),
+                   ("P90 TTFT, model ms", lambda s: s.p90_ttft_s * 1000))
+        for ax, (name, get) in zip(axes, metrics):
+            for j, rep in enumerate(reps):
+                vals = []
+                for label in labels:
+                    r = next((x for x in wr if x.label == label and x.summary.replicas == rep), None)
+                    vals.append(get(r.summary) if r else float("nan"))
+                ax.bar([i + j * width for i in range(len(labels))], vals, width,
+                       label=f"{rep} replica{'s' if rep > 1 else ''}")
+            ax.set_xticks([i + width * (len(reps) - 1) / 2 for i in range(len(labels))], labels, rotation=40,
+                          ha="right", fontsize=8)
+            ax.set_title(name)
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[0].legend()
+        fig.suptitle(f"{wl.name}: {wl.title}")
+        fig.tight_layout()
+        p = out_dir / f"{wl.name}.png"
+        fig.savefig(p, dpi=100)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def write_json(path: Path, workloads: Sequence[WorkloadSpec], descriptions: dict[str, str],
+               runs: Sequence[RunResult], s: BenchSettings, command: str, skipped: dict[str, str]) -> None:
+    """SPEC §7's object: ``workload`` names the benchmark, each run carries its workload."""
+    doc = {
+        "workload": "policy_vs_peers: " + "; ".join(f"{w.name} ({descriptions.get(w.name, '')})" for w in workloads),
+        "runs": [r.to_json() for r in runs],
+        "settings": asdict(s),
+        "command": command,
+        "skipped": skipped,
+        "comparisons": [asdict(c) | {"wins": c.wins} for c in compare(runs)],
+        "replica_drift_points": replica_drift(runs),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(orjson.dumps(doc, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY))
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python bench/policy_vs_peers.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help=f"short runs ({QUICK.duration_s:g} s of traffic each instead of {FULL.duration_s:g} s)")
+    p.add_argument("--json", metavar="PATH", help="write SPEC §7 JSON (every run, plus settings and verdicts)")
+    p.add_argument("--out-dir", default="prefixroute-bench", help="plots go here (default: ./prefixroute-bench)")
+    p.add_argument("--no-plots", action="store_true", help="do not write plots")
+    p.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS),
+                   help="comma-separated workloads to run (default: all)")
+    p.add_argument("--routers", default="",
+                   help="comma-separated router labels or their slugs to run, e.g. "
+                        "prefixroute-cache-aware,sglang-router-cache-aware, or a product name (haproxy) (default: all)")
+    p.add_argument("--replicas", default="", help="comma-separated router replica counts (default: 1,4)")
+    p.add_argument("--duration", type=float, default=None, help="real seconds of traffic per run")
+    p.add_argument("--users-scale", type=float, default=None,
+                   help="multiply every workload's number of closed-loop users (default: 1)")
+    p.add_argument("--time-scale", type=float, default=None, help="engine time scale (real s per model s)")
+    p.add_argument("--seed", type=int, default=None, help="workload and router seed")
+    p.add_argument("--peers-venv", type=Path, default=DEFAULT_PEERS_VENV,
+                   help=f"virtual environment for the Python peers (default: {DEFAULT_PEERS_VENV})")
+    p.add_argument("--no-install", action="store_true", help="never install peers; skip the missing ones")
+    return p.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    base = QUICK if args.quick else FULL
+    upd: dict[str, Any] = {}
+    if args.duration is not None:
+        upd["duration_s"] = args.duration
+    if args.users_scale is not None:
+        upd["users_scale"] = args.users_scale
+    if args.time_scale is not None:
+        upd["time_scale"] = args.time_scale
+    if args.seed is not None:
+        upd["seed"] = args.seed
+    if args.replicas:
+        upd["replicas"] = tuple(int(x) for x in args.replicas.split(",") if x.strip())
+    out = BenchSettings(**(asdict(base) | upd))
+    if not out.duration_s > 0 or not out.users_scale > 0 or not out.time_scale > 0 or not out.replicas \
+            or min(out.replicas) < 1:
+        raise SystemExit("error: --duration, --users-scale, --time-scale and --replicas must be positive")
+    return out
+
+
+def select(items: Sequence[Any], wanted: str, names: Callable[[Any], Sequence[str]], what: str) -> list[Any]:
+    if not wanted:
+        return list(items)
+    keys = [w.strip() for w in wanted.split(",") if w.strip()]
+    out = [it for it in items if any(k in names(it) for k in keys)]
+    unknown = [k for k in keys if not any(k in names(it) for it in items)]
+    if unknown:
+        raise SystemExit(f"error: unknown {what} {unknown}; known: {[names(it)[0] for it in items]}")
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from rich.console import Console
+    from rich.markup import escape
+
+    args = parse_args(argv)
+    s = settings_from(args)
+    workloads = select(WORKLOADS, args.workloads, lambda w: [w.name], "workload")
+    routers = select(router_specs(s), args.routers, lambda r: [_slug(r.label), r.label, r.router], "router")
+    console = Console() if Console().is_terminal else Console(width=200)
+    command = "python bench/policy_vs_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+    # Peers: install into their own environment; skip (loudly) what cannot run.
+    statuses: dict[str, PeerStatus] = {}
+    wanted = {r.peer for r in routers if r.peer}
+    if wanted & {"sglang-router", "vllm-router"}:
+        statuses.update(ensure_python_peers(args.peers_venv, install=not args.no_install,
+                                            log=lambda m: console.print(f"[dim]{m}[/dim]")))
+    if "haproxy" in wanted:
+        statuses["haproxy"] = ensure_haproxy(install=not args.no_install,
+                                             log=lambda m: console.print(f"[dim]{m}[/dim]"))
+    skipped: dict[str, str] = {}
+    for r in list(routers):
+        st = statuses.get(r.peer)
+        if r.peer and not (st and st.available):
+            skipped[r.label] = st.detail if st else "not checked"
+            console.print(f"[yellow]SKIPPING {r.label}:[/yellow] {escape(skipped[r.label])}")
+            routers.remove(r)
+    for st in statuses.values():
+        if st.available:
+            console.print(f"peer: {st.detail}")
+
+    plan = [(wl, reps) for wl in workloads for reps in s.replicas
+            if reps == 1 or s.multi_replica_workloads is None or wl.name in s.multi_replica_workloads]
+    total = len(plan) * len(routers)
+    console.print(f"[bold]policy_vs_peers[/bold]: {len(routers)} routers x {len(plan)} (workload, replicas) = "
+                  f"{total} runs; {s.instances} emulated instances (time scale {s.time_scale}, "
+                  f"{s.kv_capacity_tokens:,} KV tokens each), {s.duration_s:g} s of traffic per run")
+    runs: list[RunResult] = []
+    descriptions = {w.name: w.make(s.seed).describe() for w in workloads}
+    n = 0
+    t_start = time.monotonic()
+    for wl, reps in plan:
+        for spec in routers:
+            n += 1
+            t0 = time.monotonic()
+            try:
+                rr = run_one(spec, wl, reps, s, statuses.get(spec.peer))
+            except PeerError as exc:
+                console.print(f"[red]{wl.name} / {spec.label} x{reps}: failed to start:[/red] {escape(str(exc))}")
+                skipped[f"{spec.label} x{reps} on {wl.name}"] = str(exc)[:500]
+                continue
+            runs.append(rr)
+            sm = rr.summary
+            bad = [e for e in rr.events if "error" in e]
+            console.print(
+                f"[{n}/{total}] {wl.name:<19} {spec.label:<30} x{reps}: hit {sm.cache_hit_rate * 100:5.1f} %  "
+                f"P50 {sm.p50_ttft_s * 1000:6.0f} ms  P90 {sm.p90_ttft_s * 1000:6.0f} ms  "
+                f"{sm.requests} req  {sm.errors} err  ({time.monotonic() - t0:.0f} s)"
+                + (f"  [red]membership:[/red] {escape(str(bad))}" if bad else ""))
+            if sm.strategy == SUBJECT and sm.decisions and set(sm.decisions) <= {"fallback"}:
+                console.print("[yellow]  CACHE_AWARE made only 'fallback' decisions: the router computed no "
+                              "block hashes for it (is the strategy wired into `prefixroute serve`?)[/yellow]")
+    console.print(f"all runs: {time.monotonic() - t_start:.0f} s")
+    for wl in workloads:
+        wr = [r for r in runs if r.workload == wl.name]
+        if wr:
+            console.print(render_workload_table(wl, wr, descriptions[wl.name]))
+    console.print("[bold]Verdicts[/bold] (CACHE_AWARE against every other router: it should have the highest hit "
+                  "rate and the lowest P50/P90 TTFT)")
+    for line in verdict_lines(runs):
+        console.print("  " + line)
+    if skipped:
+        console.print("[yellow]skipped:[/yellow] " + escape("; ".join(f"{k}: {v}" for k, v in skipped.items())))
+    if not args.no_plots and runs:
+        paths = write_plots(Path(args.out_dir), workloads, runs)
+        console.print("plots: " + ", ".join(str(p) for p in paths))
+    if args.json:
+        write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped)
+        console.print(f"results: {args.json}")
+    return 0 if runs and all(r.summary.errors == 0 for r in runs) else 1
+
+
+def _stop_on_signal(signum: int, _frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+if __name__ == "__main__":
+    for _sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(_sig, _stop_on_signal)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; every process the benchmark started has been stopped", file=sys.stderr)
+        sys.exit(130)

@@ -1,0 +1,165 @@
+"""The side-by-side benchmark's parts that need no peer router: configuration files,
+the prefixroute launcher with a membership change, result aggregation and verdicts.
+
+(The peers themselves, sglang-router, vllm-router and HAProxy, are installed by the
+benchmark into an environment of its own and are not part of CI.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import peers  # noqa: E402
+import policy_vs_peers as bench  # noqa: E402
+from prefixroute.core.config import FleetConfig  # noqa: E402
+from prefixroute.demo.report import RunSummary  # noqa: E402
+
+
+def test_haproxy_config_hashes_the_body_prefix_with_bounded_load_and_streams():
+    cfg = peers.haproxy_config(8080, ["http://127.0.0.1:9001", "http://127.0.0.1:9002/"],
+                               ["http://127.0.0.1:9001", "http://127.0.0.1:9002", "http://127.0.0.1:9003"],
+                               "/tmp/x.sock", hash_bytes=4096, balance_factor=150)
+    lines = [ln.strip() for ln in cfg.splitlines()]
+    assert "balance hash req.body,bytes(0,4096)" in lines
+    assert "option http-buffer-request" in lines  # the body must be read before hashing
+    assert "hash-type consistent" in lines and "hash-balance-factor 150" in lines
+    assert "option http-no-delay" in lines  # server-sent events are forwarded chunk by chunk
+    assert "bind 127.0.0.1:8080" in lines
+    servers = [ln for ln in lines if ln.startswith("server ")]
+    assert servers == ["server s0 127.0.0.1:9001", "server s1 127.0.0.1:9002",
+                       "server s2 127.0.0.1:9003 disabled"]
+    bufsize = int(next(ln for ln in lines if ln.startswith("tune.bufsize")).split()[1])
+    assert bufsize >= 4096 + 8192  # the hashed bytes plus the request head fit one buffer
+
+
+def test_haproxy_config_rejects_what_haproxy_would():
+    with pytest.raises(ValueError, match="hash-balance-factor"):
+        peers.haproxy_config(1, ["http://127.0.0.1:2"], [], "/s", balance_factor=90)
+    with pytest.raises(ValueError, match="http://HOST:PORT"):
+        peers.haproxy_config(1, ["127.0.0.1:2"], [], "/s")
+    assert "hash-balance-factor" not in peers.haproxy_config(1, ["http://127.0.0.1:2"], [], "/s", balance_factor=0)
+
+
+def test_prefixroute_fleet_config_is_a_valid_fleet_for_every_benchmarked_strategy():
+    for spec in bench.router_specs(bench.FULL):
+        if spec.router != "prefixroute":
+            continue
+        doc = peers.prefixroute_fleet_config(["http://127.0.0.1:9001/", "http://127.0.0.1:9002"], spec.routing)
+        cfg = FleetConfig.from_mapping(doc)
+        variant = cfg.endpoints[0].variants[0]
+        assert list(variant.instances) == ["http://127.0.0.1:9001", "http://127.0.0.1:9002"]
+        assert variant.routing.strategy.value == spec.strategy
+
+
+def test_router_set_covers_the_field():
+    labels = [r.label for r in bench.router_specs(bench.FULL)]
+    assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
+                      "prefixroute CACHE_AWARE", "sglang-router cache_aware", "vllm-router cache_aware",
+                      "vllm-router consistent_hash", "haproxy hash-balance-factor"]
+    assert {r.peer for r in bench.router_specs(bench.FULL)} == {"", "sglang-router", "vllm-router", "haproxy"}
+
+
+def test_workloads_are_seeded_and_have_text_sessions():
+    names = [w.name for w in bench.WORKLOADS]
+    assert names == ["shared-prefix", "multi-turn", "long-system-prompt", "zipf-hot-groups", "membership-change"]
+    for w in bench.WORKLOADS:
+        a, b = w.make(3), w.make(3)
+        assert a.describe() == b.describe()
+        sa, sb = next(iter(a.sessions())), next(iter(b.sessions()))
+        assert sa.body(0, []) == sb.body(0, [])
+        assert w.session_key(sa) == w.session_key(sb)
+    assert sum(w.membership is not None for w in bench.WORKLOADS) == 1
+
+
+def test_quick_settings_run_four_replicas_on_one_workload_only():
+    args = bench.parse_args(["--quick"])
+    s = bench.settings_from(args)
+    assert s.duration_s < bench.FULL.duration_s
+    assert s.replicas == (1, 4) and s.multi_replica_workloads == ("shared-prefix",)
+    s = bench.settings_from(bench.parse_args(["--replicas", "1,2", "--duration", "7"]))
+    assert s.replicas == (1, 2) and s.duration_s == 7
+    with pytest.raises(SystemExit):
+        bench.settings_from(bench.parse_args(["--replicas", "0"]))
+
+
+def _run(workload: str, label: str, strategy: str, replicas: int, hit: float, p50: float, p90: float,
+         errors: int = 0) -> bench.RunResult:
+    summary = RunSummary(router=label.split()[0], strategy=strategy, replicas=replicas, requests=100, errors=errors,
+                         p50_ttft_s=p50, p90_ttft_s=p90, p50_latency_s=1.0, cache_hit_rate=hit,
+                         throughput_rps=10.0, instance_share=[0.5, 0.3, 0.2])
+    return bench.RunResult(workload, label, summary)
+
+
+def test_verdicts_say_where_the_subject_loses_and_by_how_much():
+    runs = [
+        _run("w", "prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.90, 0.100, 0.300),
+        _run("w", "sglang-router cache_aware", "cache_aware", 1, 0.92, 0.120, 0.250),
+        _run("w", "prefixroute RANDOM", "RANDOM", 1, 0.40, 0.400, 0.900),
+        _run("w", "prefixroute CACHE_AWARE", "CACHE_AWARE", 4, 0.89, 0.100, 0.300),
+        _run("w", "prefixroute RANDOM", "RANDOM", 4, 0.40, 0.400, 0.900),
+    ]
+    comps = {(c.replicas, c.other): c for c in bench.compare(runs)}
+    sg = comps[(1, "sglang-router cache_aware")]
+    assert sg.hit_points == pytest.approx(-2.0)
+    assert sg.p50_ratio == pytest.approx(100 / 120) and sg.p90_ratio == pytest.approx(1.2)
+    assert not sg.wins and comps[(1, "prefixroute RANDOM")].wins
+    assert bench.replica_drift(runs) == {"w": pytest.approx(-1.0)}
+    lines = bench.verdict_lines(runs)
+    assert "w, 1 replica: vs sglang-router cache_aware: hit -2.0 pts, P90 +20 %" in lines
+    assert any(ln.startswith("w, 4 replicas: CACHE_AWARE has the highest hit rate") for ln in lines)
+    assert "w: CACHE_AWARE hit rate with 4 replicas vs 1: -1.0 pts (within 2 pts)" in lines
+
+
+def test_json_has_spec_fields_and_the_extras(tmp_path):
+    runs = [_run("shared-prefix", "prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.1, 0.2),
+            _run("shared-prefix", "haproxy hash-balance-factor", "hash", 1, 0.8, 0.2, 0.4, errors=1)]
+    out = tmp_path / "r.json"
+    bench.write_json(out, bench.WORKLOADS[:1], {"shared-prefix": "desc"}, runs, bench.QUICK, "cmd", {"x": "why"})
+    doc = json.loads(out.read_text())
+    assert doc["workload"].startswith("policy_vs_peers: shared-prefix (desc)")
+    spec_fields = {"router", "strategy", "replicas", "requests", "errors", "p50_ttft_s", "p90_ttft_s",
+                   "p50_latency_s", "cache_hit_rate", "throughput_rps", "instance_share"}
+    for r in doc["runs"]:
+        assert spec_fields <= set(r)
+        assert r["workload"] == "shared-prefix" and r["busiest_share"] == 0.5
+    assert doc["skipped"] == {"x": "why"} and doc["command"] == "cmd"
+    assert doc["comparisons"][0]["wins"] is True
+
+
+def test_missing_python_peers_are_reported_not_installed(tmp_path):
+    statuses = peers.ensure_python_peers(tmp_path / "no-venv", install=False)
+    assert set(statuses) == {"sglang-router", "vllm-router"}
+    for st in statuses.values():
+        assert not st.available and "no virtual environment" in st.detail
+
+
+@pytest.mark.e2e
+def test_prefixroute_launcher_replicas_and_membership_change():
+    s = bench.BenchSettings(time_scale=0.1, kv_capacity_tokens=20_000)
+    spec = next(r for r in bench.router_specs(s) if r.strategy == "PREFIX_AWARE")
+    with peers.ProcessTracker() as tracker:
+        fleet = bench.start_fleet(tracker, 3, s)
+        urls = [u for _, u in fleet]
+        routers = spec.start_replicas(tracker, 2, urls[:2], all_backends=urls)
+        assert len({r.url for r in routers}) == 2
+        for r in routers:
+            r.add_backend(urls[2])
+            r.remove_backend(urls[0])
+            with urllib.request.urlopen(r.admin_url + "/admin/config", timeout=5) as resp:
+                doc = json.loads(resp.read())
+            assert doc["Endpoints"][0]["ProductionVariants"][0]["Instances"] == urls[1:]
+
+        wl = bench.WORKLOADS[0].make(0)
+        results, wall, log = asyncio.run(bench.drive([r.url for r in routers], iter(wl.sessions()),
+                                                     bench.WORKLOADS[0].session_key, 4, 1.0, s.time_scale))
+        assert results and all(not r.error for r in results)
+        assert {r.instance for r in results} <= {"instance-1", "instance-2"}  # never the removed one
+        assert wall > 0 and log == []
