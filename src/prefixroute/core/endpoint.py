@@ -8,10 +8,13 @@ weight), and asks that variant's pool for an instance.
 from __future__ import annotations
 
 import random
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from prefixroute.core.config import EndpointConfig, FleetConfig, RoutingConfig
 from prefixroute.core.pool import VariantPool
+
+if TYPE_CHECKING:
+    from prefixroute.core.counters import InFlightTable
 
 __all__ = ["UnknownEndpoint", "UnknownVariant", "Endpoint", "Fleet"]
 
@@ -30,11 +33,15 @@ class Endpoint:
     Args:
         config: the validated endpoint configuration.
         seed: seeds variant choice and the pools' random choices (``None`` = OS entropy).
+        counters: the shared in-flight table of ``serve --workers N``, or ``None``
+            (counts local to this process).
     """
 
-    def __init__(self, config: EndpointConfig, seed: int | None = None) -> None:
+    def __init__(self, config: EndpointConfig, seed: int | None = None,
+                 counters: "InFlightTable | None" = None) -> None:
         self.name = config.name
         self._rng = random.Random(seed)
+        self._counters = counters
         self.pools: dict[str, VariantPool] = {}
         self._weights: dict[str, float] = {}
         self.apply(config, seed)
@@ -46,7 +53,9 @@ class Endpoint:
         for i, v in enumerate(config.variants):
             pool = self.pools.get(v.name)
             if pool is None:
-                pool = VariantPool(v.name, v.instances, v.routing, None if seed is None else seed + i)
+                pool = VariantPool(v.name, v.instances, v.routing, None if seed is None else seed + i,
+                                   **({} if self._counters is None
+                                      else {"make_state": self._counters.states(self.name, v.name)}))
             else:
                 pool.set_instances(v.instances)
                 pool.set_routing(v.routing)
@@ -83,10 +92,16 @@ class Endpoint:
 
 
 class Fleet:
-    """All endpoints. The first configured endpoint is the default (serves ``/v1/...``)."""
+    """All endpoints. The first configured endpoint is the default (serves ``/v1/...``).
 
-    def __init__(self, config: FleetConfig, seed: int | None = None) -> None:
+    ``counters``: the shared in-flight table of ``serve --workers N`` (every pool's
+    instances count there), or ``None`` for counts local to this process.
+    """
+
+    def __init__(self, config: FleetConfig, seed: int | None = None,
+                 counters: "InFlightTable | None" = None) -> None:
         self.endpoints: dict[str, Endpoint] = {}
+        self._counters = counters
         self.default_name = config.endpoints[0].name
         self.config = config
         self.apply(config, seed)
@@ -98,7 +113,7 @@ class Fleet:
             ep = self.endpoints.get(e.name)
             sub_seed = None if seed is None else seed + 1000 * j
             if ep is None:
-                ep = Endpoint(e, sub_seed)
+                ep = Endpoint(e, sub_seed, self._counters)
             else:
                 ep.apply(e, sub_seed)
             endpoints[e.name] = ep

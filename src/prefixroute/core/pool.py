@@ -5,6 +5,11 @@ Sans-I/O and single-threaded: a driver (HTTP router, simulator) calls
 request ends on any path (success, error, client abort, timeout, cancellation).
 ``Lease`` is a context manager and its release is idempotent, so a driver can put it
 in a ``finally`` without bookkeeping.
+
+Counts are plain integers on each :class:`InstanceState` by default. A driver running
+several router processes passes ``make_state`` (e.g.
+:meth:`prefixroute.core.counters.InFlightTable.states`) so that every process sees the
+requests in flight of all of them.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, make_strategy
@@ -24,7 +29,7 @@ class NoHealthyInstance(RuntimeError):
     """No instance of the variant can take the request (the HTTP drivers answer 503)."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """Where one request goes and why.
 
@@ -64,7 +69,7 @@ class Lease:
         """Return the in-flight slot. Idempotent: later calls do nothing."""
         if not self._released:
             self._released = True
-            self.decision.instance.in_flight -= 1
+            self.decision.instance.add_in_flight(-1)
 
     def __enter__(self) -> "Lease":
         return self
@@ -81,9 +86,13 @@ class VariantPool:
         instance_ids: instance identities (base URLs), in any order; duplicates rejected.
         routing: the validated routing configuration.
         seed: seed of the random choices (RANDOM, tie breaks); ``None`` = from the OS.
+        make_state: makes the state of an instance from its id; default
+            :class:`InstanceState` (counts local to this process).
 
     Raises:
         ValueError: duplicate instance ids.
+        prefixroute.core.counters.InFlightTableFull: ``make_state`` found no free
+            shared slot.
     """
 
     def __init__(
@@ -92,14 +101,19 @@ class VariantPool:
         instance_ids: Iterable[str],
         routing: RoutingConfig,
         seed: int | None = None,
+        make_state: Callable[[str], InstanceState] = InstanceState,
     ) -> None:
         self.name = name
+        self._make_state = make_state
         self._rng = random.Random(seed)
         self._instances: list[InstanceState] = []
         self._by_id: dict[str, InstanceState] = {}
         # Removed instances that still have requests in flight: if one is added back
         # before they finish, its count must include them.
         self._retired: dict[str, InstanceState] = {}
+        # The healthy instances as one tuple, rebuilt only when membership or health
+        # changes: strategies may cache what they derive from it (by identity).
+        self._healthy: tuple[InstanceState, ...] | None = None
         self._routing = routing
         self._strategy: Strategy = make_strategy(routing, self._rng)
         self.set_instances(instance_ids)
@@ -138,16 +152,18 @@ class VariantPool:
         if len(set(ids)) != len(ids):
             raise ValueError(f"variant {self.name!r}: duplicate instance ids in {ids}")
         known = {**self._retired, **self._by_id}
-        self._instances = [known.get(i) or InstanceState(i) for i in ids]
+        self._instances = [known.get(i) or self._make_state(i) for i in ids]
         self._by_id = {s.instance_id: s for s in self._instances}
         self._retired = {i: s for i, s in known.items() if i not in self._by_id and s.in_flight > 0}
+        self._healthy = None
         self._strategy.on_membership_change(self._instances)
 
     def set_healthy(self, instance_id: str, healthy: bool) -> None:
         """Take an instance out of rotation (``False``) or put it back (``True``)."""
         inst = self._by_id.get(instance_id)
-        if inst is not None:
+        if inst is not None and inst.healthy != healthy:
             inst.healthy = healthy
+            self._healthy = None
 
     # -- decisions ----------------------------------------------------------------
 
@@ -168,25 +184,42 @@ class VariantPool:
         if exclude:
             candidates = [s for s in self._instances if s.healthy and s.instance_id not in exclude]
         else:
-            candidates = [s for s in self._instances if s.healthy]
+            candidates = self._healthy
+            if candidates is None:
+                candidates = self._healthy = tuple(s for s in self._instances if s.healthy)
         if not candidates:
             raise NoHealthyInstance(f"production variant {self.name!r} has no healthy instance")
         inst, kind = self._strategy.choose(key, candidates, blocks)
         return Decision(inst, kind, self._routing.strategy, self.name, time.perf_counter() - t0)
 
     def acquire(
-        self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = ()
+        self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = (),
+        learn: bool = True,
     ) -> Lease:
         """Decide, tell the strategy, and claim one in-flight slot on the chosen instance.
+
+        Args:
+            learn: tell the strategy now (``on_routed``). A driver that wants the
+                learning off the request's latency path passes ``False`` and calls
+                :meth:`learn` once the request is on its way.
 
         Raises:
             NoHealthyInstance: no healthy, non-excluded instance.
         """
         decision = self.choose(key, exclude, blocks)
-        self._strategy.on_routed(decision.instance, blocks)
-        decision.instance.in_flight += 1
-        decision.instance.served += 1
+        if learn:
+            self._strategy.on_routed(decision.instance, blocks)
+        inst = decision.instance
+        inst.add_in_flight(1)
+        inst.served += 1
         return Lease(decision)
+
+    def learn(self, instance: InstanceState, blocks: Sequence[int]) -> None:
+        """Tell the strategy a request with ``blocks`` went to ``instance`` (what
+        :meth:`acquire` does unless ``learn=False``). CACHE_AWARE records the blocks in
+        its view of the instance's cache; the other strategies ignore it."""
+        if blocks:
+            self._strategy.on_routed(instance, blocks)
 
     def total_in_flight(self) -> int:
         return sum(s.in_flight for s in self._instances)

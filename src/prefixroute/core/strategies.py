@@ -12,12 +12,18 @@ from __future__ import annotations
 
 import enum
 import random
+from itertools import repeat
+from operator import attrgetter
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
-from prefixroute.core.hashing import instance_token, rendezvous_order, rendezvous_score
+import xxhash
+
+from prefixroute.core.hashing import instance_token, rendezvous_order
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 __all__ = [
     "DecisionKind",
@@ -59,6 +65,9 @@ class InstanceState:
             Rendezvous scores are computed from it, so it must not change across
             restarts of the router.
         in_flight: requests sent and not yet finished (streams count until their end).
+            Change it with :meth:`add_in_flight`: with ``serve --workers N`` the
+            instances are :class:`prefixroute.core.counters.SharedInstanceState`,
+            whose ``in_flight`` is a read-only sum over the worker processes.
         healthy: whether it takes new requests.
         served: requests ever routed to it (for instance share).
         engine_load: requests the engine itself reports running plus waiting (scraped
@@ -76,6 +85,10 @@ class InstanceState:
         if not self.token:
             self.token = instance_token(self.instance_id)
 
+    def add_in_flight(self, delta: int) -> None:
+        """Count ``delta`` more requests in flight (``-1`` when one ends)."""
+        self.in_flight += delta
+
 
 class Strategy(ABC):
     """A routing policy. Subclasses set ``name`` and implement :meth:`choose`."""
@@ -85,6 +98,25 @@ class Strategy(ABC):
     def __init__(self, config: RoutingConfig, rng: random.Random) -> None:
         self.config = config
         self.rng = rng
+        self._tok_src: Sequence[InstanceState] | None = None
+        self._tok: list[bytes] = []
+
+    def tokens(self, candidates: Sequence[InstanceState]) -> list[bytes]:
+        """The candidates' rendezvous tokens. The pool passes the same tuple while
+        membership and health do not change, so the list is built once per tuple."""
+        if candidates is self._tok_src:
+            return self._tok
+        tok = [c.token for c in candidates]
+        if type(candidates) is tuple:
+            self._tok_src, self._tok = candidates, tok
+        return tok
+
+    def rendezvous(self, key: int, candidates: Sequence[InstanceState]) -> int:
+        """Index of the candidate with the highest rendezvous score for ``key``
+        (:func:`prefixroute.core.hashing.rendezvous_best`; the scores are computed in C
+        by ``map``, the first wins a tie)."""
+        scores = list(map(_xxh3, self.tokens(candidates), repeat(key)))
+        return scores.index(max(scores))
 
     @abstractmethod
     def choose(
@@ -123,11 +155,19 @@ def make_strategy(config: RoutingConfig, rng: random.Random) -> Strategy:
     return STRATEGIES[config.strategy](config, rng)
 
 
+_in_flight = attrgetter("in_flight")
+
+
 def least_outstanding(candidates: Sequence[InstanceState], rng: random.Random) -> InstanceState:
     """The candidate with the fewest in flight; ties broken uniformly at random."""
-    low = min(c.in_flight for c in candidates)
-    tied = [c for c in candidates if c.in_flight == low]
-    return tied[0] if len(tied) == 1 else rng.choice(tied)
+    loads = list(map(_in_flight, candidates))
+    low = min(loads)
+    tied = loads.count(low)
+    i = loads.index(low)
+    if tied > 1:  # the k-th of the tied ones, k uniform
+        for _ in range(rng.randrange(tied)):
+            i = loads.index(low, i + 1)
+    return candidates[i]
 
 
 @register
@@ -184,15 +224,10 @@ class PrefixAwareStrategy(Strategy):
         if key is None:
             return least_outstanding(candidates, self.rng), DecisionKind.FALLBACK
         threshold = self.threshold
-        best = candidates[0]
-        best_score = rendezvous_score(key, best.token)
-        for c in candidates[1:]:
-            s = rendezvous_score(key, c.token)
-            if s > best_score:
-                best, best_score = c, s
+        best = candidates[self.rendezvous(key, candidates)]
         if best.in_flight < threshold:
             return best, DecisionKind.AFFINITY
-        for i in rendezvous_order(key, [c.token for c in candidates])[1:]:
+        for i in rendezvous_order(key, self.tokens(candidates))[1:]:
             if candidates[i].in_flight < threshold:
                 return candidates[i], DecisionKind.OVERFLOW
         return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY

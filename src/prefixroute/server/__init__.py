@@ -5,7 +5,8 @@ pooled client), :mod:`.headers` (header names, what crosses the proxy), :mod:`.e
 (OpenAI and SageMaker error shapes), :mod:`.metrics` (Prometheus), :mod:`.health`
 (active health checks), :mod:`.admin` (admin API), :mod:`.state` (live state,
 reconfiguration), :mod:`.settings`, :mod:`.runner` (:func:`start_router`), :mod:`.cli`
-(``prefixroute serve``).
+(``prefixroute serve``), :mod:`.workers` (``serve --workers N``: supervisor and worker
+processes).
 """
 
 from prefixroute.server.runner import RouterHandle, reload_logged, start_router

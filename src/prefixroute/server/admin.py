@@ -12,7 +12,9 @@ Routes (JSON in and out; errors are ``{"message": ...}``):
 * ``POST /admin/reload``: re-read the ``--config`` file (what SIGHUP does).
 
 An invalid configuration is answered 400 with the validation message and the running
-configuration is kept. If a token is set, every request needs
+configuration is kept. With ``serve --workers N`` every worker runs this app on a
+loopback port for the supervisor, which serves the public admin API, sends changes to
+every worker and adds ``GET /admin/workers`` (:mod:`prefixroute.server.workers`). If a token is set, every request needs
 ``Authorization: Bearer <token>`` (compared in constant time).
 """
 
@@ -29,7 +31,7 @@ from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
 from prefixroute.server.errors import json_response
 from prefixroute.server.state import RouterState
 
-__all__ = ["build_admin_app", "config_document"]
+__all__ = ["build_admin_app", "config_document", "admin_middlewares", "strip_live_state"]
 
 _STATE = web.AppKey("prefixroute_admin_state", RouterState)
 
@@ -73,7 +75,7 @@ async def _json_body(request: web.Request) -> Any:
         raise ConfigError(f"request body is not valid JSON ({exc})") from None
 
 
-def _strip_live_state(doc: Any) -> Any:
+def strip_live_state(doc: Any) -> Any:
     """Let a client PUT back what it GOT: drop the read-only parts of :func:`config_document`."""
     if not isinstance(doc, dict):
         return doc
@@ -97,10 +99,10 @@ async def put_config(request: web.Request) -> web.Response:
     """``PUT /admin/config``: replace the fleet configuration."""
     state = request.app[_STATE]
     try:
-        config = FleetConfig.from_mapping(_strip_live_state(await _json_body(request)))
+        config = FleetConfig.from_mapping(strip_live_state(await _json_body(request)))
+        state.apply_config(config)  # --workers N: InFlightTableFull (a ConfigError), nothing changed
     except ConfigError as exc:
         return _error(400, str(exc))
-    state.apply_config(config)
     return json_response(200, config_document(state))
 
 
@@ -116,6 +118,8 @@ async def put_routing(request: web.Request) -> web.Response:
         state.set_routing(endpoint, variant, routing)
     except (UnknownEndpoint, UnknownVariant) as exc:
         return _error(404, str(exc.args[0]))
+    except ConfigError as exc:
+        return _error(400, str(exc))
     return json_response(200, {"EndpointName": endpoint, "VariantName": variant, "RoutingConfig": routing.to_api()})
 
 
@@ -159,10 +163,16 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
         return _error(exc.status, f"{exc.reason}: {request.method} {request.path[:200]}")
 
 
-def build_admin_app(state: RouterState) -> web.Application:
-    """The admin application for ``state``; requires ``settings.admin_token`` if set."""
-    token = state.settings.admin_token
-    app = web.Application(middlewares=[_json_errors, *([_auth_middleware(token)] if token else [])])
+def admin_middlewares(token: str | None) -> list[Callable[..., Awaitable[web.StreamResponse]]]:
+    """JSON error bodies, and the bearer-token check if ``token`` is set."""
+    return [_json_errors, *([_auth_middleware(token)] if token else [])]
+
+
+def build_admin_app(state: RouterState, token: str | None = None) -> web.Application:
+    """The admin application for ``state``; requires ``token`` (default:
+    ``settings.admin_token``) if set. A worker of ``serve --workers N`` runs it on a
+    loopback port with a token only its supervisor knows."""
+    app = web.Application(middlewares=admin_middlewares(token if token is not None else state.settings.admin_token))
     app[_STATE] = state
     app.router.add_get("/admin/config", get_config, allow_head=False)
     app.router.add_put("/admin/config", put_config)

@@ -8,6 +8,9 @@ admin API is on. Logs go to stderr.
 
 Exit status: 0 after SIGTERM/SIGINT (requests in flight finish first, up to
 ``--shutdown-timeout``), 2 for a configuration error, 1 if the router cannot start.
+
+``--workers N`` (N > 1) runs N router processes on the port under a supervisor
+(:mod:`prefixroute.server.workers`); the lines printed and the exit statuses are the same.
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
+from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.server.runner import reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
-__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size"]
+__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -45,6 +49,18 @@ def parse_size(text: str) -> int:
     if unit not in _SIZE_UNITS or value != value or value in (float("inf"), float("-inf")):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 67108864, 64MiB, 100MB)")
     return int(value * _SIZE_UNITS[unit])
+
+
+def parse_workers(text: str) -> int:
+    """``--workers``: an integer from 1 to 64 (argparse type)."""
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of worker processes") from None
+    if not 1 <= n <= MAX_WORKERS:
+        raise argparse.ArgumentTypeError(f"{n} is out of range (allowed 1-{MAX_WORKERS}; about one per CPU core, "
+                                         f"this machine has {os.cpu_count() or 'an unknown number of'})")
+    return n
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -100,6 +116,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "(the default) or --admin-token-file; none = no check (loopback only)")
     n.add_argument("--admin-token-file", metavar="PATH", default=None,
                    help="read the admin bearer token from this file (its first line; keep it mode 0600)")
+    n.add_argument("--workers", type=parse_workers, default=1, metavar="N",
+                   help=f"router processes, 1-{MAX_WORKERS} (default: 1). With N > 1 a supervisor starts N worker "
+                        "processes listening on the same port (SO_REUSEPORT: the kernel spreads connections); "
+                        "they share their in-flight counts, so --concurrency-threshold and least-outstanding stay "
+                        "exact (a threshold can be exceeded by at most N - 1). Use up to one per CPU core. The "
+                        "admin API, SIGHUP and /metrics cover every worker; a worker that dies is restarted. "
+                        "See docs/WORKERS.md")
 
     o = p.add_argument_group("health, timeouts, limits, shutdown, logging")
     o.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
@@ -204,7 +227,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         stream_idle_timeout_s=args.stream_idle_timeout, max_retries=args.max_retries,
         max_body_bytes=args.max_body_size, metrics_scrape_interval_s=args.metrics_scrape_interval,
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
-        config_path=args.config, record_trace=args.record_trace,
+        config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
     )
 
 
@@ -253,6 +276,10 @@ def run(args: argparse.Namespace) -> int:
     routing = config.endpoints[0].variants[0].routing
     if not args.config and routing.prefix_aware is not None and routing.strategy is not RoutingStrategy.PREFIX_AWARE:
         log.warning("--prefix-length/--concurrency-threshold are ignored with strategy %s", routing.strategy.value)
+    if settings.workers > 1:
+        from prefixroute.server.workers import serve_workers
+
+        return serve_workers(config, settings, args.log_level)
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(config, settings))
 

@@ -8,6 +8,15 @@ The in-flight gauge is not updated per request: a collector reads the pools at s
 time, so it is exactly the pools' counts. The ``prefixroute_backend_*`` families mirror
 what the router last scraped from each engine's own ``/metrics`` (:mod:`.scrape`).
 
+With ``serve --workers N`` every worker calls :func:`use_multiprocess_values` before
+it makes its :class:`RouterMetrics`: counters and histograms then live in
+prometheus-client's per-process files in a directory private to the router, and each
+worker's ``/metrics`` sums every worker's (dead ones' included, so counters never go
+back), whichever worker answers the scrape. The in-flight gauge reads the shared
+table, so it is the count over every worker; the other gauges (health, the
+``prefixroute_backend_*`` mirrors, CACHE_AWARE's view) are those of the worker that
+answered.
+
 ``prefixroute_responses_total{code}`` is the status the client received in full;
 ``499`` when the client went away first, and ``stream_aborted`` when the status line
 was sent but the instance failed or went silent mid-body (the client got an error
@@ -16,9 +25,10 @@ event, or a truncated body).
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Mapping
+import os
+from typing import Any, Callable, Iterable, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, values
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -26,7 +36,7 @@ from prometheus_client.registry import Collector
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.scrape import BackendStats
 
-__all__ = ["RouterMetrics", "CONTENT_TYPE", "METRIC_NAMES"]
+__all__ = ["RouterMetrics", "CONTENT_TYPE", "METRIC_NAMES", "use_multiprocess_values"]
 
 #: Content type of ``GET /metrics``.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -39,6 +49,9 @@ METRIC_NAMES = (
     "prefixroute_retries_total",
     "prefixroute_in_flight",
     "prefixroute_instance_healthy",
+    "prefixroute_approx_cache_blocks",
+    "prefixroute_approx_cache_bytes",
+    "prefixroute_approx_cache_capacity_blocks",
     "prefixroute_routing_decision_seconds",
     "prefixroute_ttft_seconds",
     "prefixroute_request_duration_seconds",
@@ -60,6 +73,15 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75
 _DURATION_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+_STRATEGY_STATS = {
+    "approx_cache_blocks": "CACHE_AWARE: block hashes remembered over every instance's approximate cache view.",
+    "approx_cache_bytes": "CACHE_AWARE: estimated memory of the approximate cache views and their index, bytes "
+                          "(blocks x BYTES_PER_BLOCK_ENTRY).",
+    "approx_cache_capacity_blocks": "CACHE_AWARE: most blocks the views may hold (InstanceCacheTokens x 4 / "
+                                    "BlockSize per instance).",
+}
+
+
 class _PoolCollector(Collector):
     """In-flight and health per instance, read from the live pools at scrape time."""
 
@@ -73,12 +95,18 @@ class _PoolCollector(Collector):
         healthy = GaugeMetricFamily(
             "prefixroute_instance_healthy", "1 if the instance takes requests, 0 if out of rotation.",
             labels=("endpoint", "variant", "instance"))
+        # CACHE_AWARE's learned view (Strategy.stats()); other strategies keep no state.
+        state = {name: GaugeMetricFamily(f"prefixroute_{name}", doc, labels=("endpoint", "variant"))
+                 for name, doc in _STRATEGY_STATS.items()}
         for endpoint, pool in self._fleet().all_pools():
             for inst in pool.instances:
                 labels = (endpoint, pool.name, inst.instance_id)
                 in_flight.add_metric(labels, inst.in_flight)
                 healthy.add_metric(labels, 1.0 if inst.healthy else 0.0)
-        return [in_flight, healthy]
+            for name, value in pool.strategy.stats().items():
+                if name in state:
+                    state[name].add_metric((endpoint, pool.name), value)
+        return [in_flight, healthy, *state.values()]
 
 
 class _BackendCollector(Collector):
@@ -134,54 +162,100 @@ class _BackendCollector(Collector):
         return [queries, hits, rate, fleet, running, waiting, ok]
 
 
+def use_multiprocess_values(path: str) -> None:
+    """Keep every counter and histogram made from now on in prometheus-client's
+    per-process files under ``path`` (its multiprocess mode), for this whole process.
+    Call it in a worker process of ``serve --workers N`` before any metric is made."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+    values.ValueClass = values.MultiProcessValue()
+
+
+class _Labelled:
+    """A labelled metric whose children are looked up once: ``labels(...)`` of
+    prometheus-client takes a lock and validates the values on every call (several
+    microseconds, several times per request); label values here come from the
+    configuration, so the set of children is small and they are kept in a dict."""
+
+    __slots__ = ("metric", "_children")
+
+    def __init__(self, metric: Any) -> None:
+        self.metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class RouterMetrics:
     """The router's metrics and the registry that exports them.
 
     Args:
         fleet: returns the current :class:`Fleet` (it changes on reconfiguration).
         backend_stats: returns the latest scraped engine metrics per instance URL.
+        multiprocess_dir: ``serve --workers N``: the directory given to
+            :func:`use_multiprocess_values`; :meth:`render` then sums the counters and
+            histograms of every process that wrote there.
+
+    Raises:
+        RuntimeError: ``multiprocess_dir`` without :func:`use_multiprocess_values`.
     """
 
     def __init__(self, fleet: Callable[[], Fleet],
-                 backend_stats: Callable[[], Mapping[str, BackendStats]] = dict) -> None:
+                 backend_stats: Callable[[], Mapping[str, BackendStats]] = dict,
+                 multiprocess_dir: str | None = None) -> None:
+        if multiprocess_dir is not None and not getattr(values.ValueClass, "_multiprocess", False):
+            raise RuntimeError("RouterMetrics(multiprocess_dir=...) needs use_multiprocess_values() first")
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter(
+        self.requests = _Labelled(Counter(
             "prefixroute_requests", "Requests routed, per instance and decision kind.",
-            ("endpoint", "variant", "instance", "decision"), registry=r)
-        self.responses = Counter(
+            ("endpoint", "variant", "instance", "decision"), registry=r))
+        self.responses = _Labelled(Counter(
             "prefixroute_responses",
             "Responses per status code the client received in full (499 = the client went away; "
             "stream_aborted = the instance failed or went silent after the status was sent).",
-            ("endpoint", "variant", "code"), registry=r)
-        self.upstream_errors = Counter(
+            ("endpoint", "variant", "code"), registry=r))
+        self.upstream_errors = _Labelled(Counter(
             "prefixroute_upstream_errors",
             "Failures talking to an instance: connect, send, reset, disconnect, headers_timeout, idle_timeout, "
             "http_5xx, no_done (an SSE stream ended without data: [DONE]).",
-            ("instance", "kind"), registry=r)
-        self.retries = Counter(
+            ("instance", "kind"), registry=r))
+        self.retries = _Labelled(Counter(
             "prefixroute_retries",
             "Requests retried on another instance because the first could not have started them "
             "(reason: connect, send).",
-            ("endpoint", "variant", "reason"), registry=r)
-        self.decision_seconds = Histogram(
+            ("endpoint", "variant", "reason"), registry=r))
+        self.decision_seconds = _Labelled(Histogram(
             "prefixroute_routing_decision_seconds", "Time of one routing decision, seconds.",
-            ("endpoint", "variant"), buckets=_DECISION_BUCKETS, registry=r)
-        self.ttft_seconds = Histogram(
+            ("endpoint", "variant"), buckets=_DECISION_BUCKETS, registry=r))
+        self.ttft_seconds = _Labelled(Histogram(
             "prefixroute_ttft_seconds",
             "Router-observed time to first token: request received to first response body byte "
             "from the instance, seconds.",
-            ("endpoint", "variant"), buckets=_TTFT_BUCKETS, registry=r)
-        self.duration_seconds = Histogram(
+            ("endpoint", "variant"), buckets=_TTFT_BUCKETS, registry=r))
+        self.duration_seconds = _Labelled(Histogram(
             "prefixroute_request_duration_seconds", "End-to-end request duration at the router, seconds.",
-            ("endpoint", "variant"), buckets=_DURATION_BUCKETS, registry=r)
-        self.overhead_seconds = Histogram(
+            ("endpoint", "variant"), buckets=_DURATION_BUCKETS, registry=r))
+        self.overhead_seconds = _Labelled(Histogram(
             "prefixroute_router_overhead_seconds",
             "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
-            ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r)
-        r.register(_PoolCollector(fleet))
-        r.register(_BackendCollector(backend_stats))
+            ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r))
+        pool_collector, backend_collector = _PoolCollector(fleet), _BackendCollector(backend_stats)
+        r.register(pool_collector)
+        r.register(backend_collector)
+        # What /metrics shows: this registry, or (several workers) every worker's files.
+        self._exposed = r
+        if multiprocess_dir is not None:
+            from prometheus_client.multiprocess import MultiProcessCollector
+
+            self._exposed = CollectorRegistry()
+            MultiProcessCollector(self._exposed, path=multiprocess_dir)
+            self._exposed.register(pool_collector)
+            self._exposed.register(backend_collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        return generate_latest(self._exposed)

@@ -14,19 +14,40 @@ from dataclasses import dataclass, field
 from aiohttp import web
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
+from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.admin import build_admin_app
 from prefixroute.server.app import build_app
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
-__all__ = ["RouterHandle", "start_router", "reload_logged"]
+__all__ = ["RouterHandle", "WorkerRuntime", "start_router", "reload_logged"]
 
 log = logging.getLogger("prefixroute.server")
 
 
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class WorkerRuntime:
+    """What one worker process of ``serve --workers N`` adds to a router
+    (:mod:`prefixroute.server.workers` makes it).
+
+    Attributes:
+        index: the worker's number, 0 to N - 1.
+        counters: the shared in-flight table, attached with this worker's column.
+        admin_token: token of the worker's own admin listener (loopback, ephemeral
+            port), which only the supervisor calls.
+        metrics_dir: prometheus-client's multiprocess directory
+            (:func:`prefixroute.server.metrics.use_multiprocess_values` was called).
+    """
+
+    index: int
+    counters: InFlightTable
+    admin_token: str = field(repr=False)
+    metrics_dir: str
 
 
 @dataclass
@@ -84,11 +105,12 @@ def reload_logged(state: RouterState) -> bool:
     return True
 
 
-async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float) -> tuple[web.AppRunner, int]:
+async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
+                 reuse_port: bool = False) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port)
+        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         await site.start()
     except BaseException:
         await runner.cleanup()
@@ -96,24 +118,43 @@ async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s:
     return runner, int(runner.addresses[0][1])
 
 
-async def start_router(config: FleetConfig, settings: ServerSettings | None = None) -> RouterHandle:
+async def start_router(config: FleetConfig, settings: ServerSettings | None = None, *,
+                       worker: WorkerRuntime | None = None) -> RouterHandle:
     """Start the router (and its admin API) on the running event loop.
 
     Args:
         config: the validated fleet configuration.
         settings: process settings; default ``ServerSettings()`` (port 8080).
+        worker: set in a worker process of ``serve --workers N``: in-flight counts go
+            to the shared table, the port is bound with ``SO_REUSEPORT``, and the
+            admin API listens on a loopback ephemeral port with ``worker.admin_token``
+            (the supervisor serves the public one; ``settings.admin_*`` are ignored).
 
     Returns:
         A :class:`RouterHandle`; ``await handle.close()`` to stop.
 
     Raises:
         OSError: a port is in use or the address cannot be bound.
+        prefixroute.core.counters.InFlightTableFull: (``worker``) no room in the table.
     """
     settings = settings or ServerSettings()
-    state = RouterState(config, settings)
-    runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s)
+    if worker is not None:
+        state = RouterState(config, settings, counters=worker.counters, metrics_dir=worker.metrics_dir)
+    else:
+        state = RouterState(config, settings)
+    runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
+                                reuse_port=worker is not None)
     handle = RouterHandle(_url(settings.host, port), None, state, [runner])
-    if settings.admin_enabled:
+    if worker is not None:
+        try:
+            admin_runner, admin_port = await _start(build_admin_app(state, token=worker.admin_token), "127.0.0.1",
+                                                    0, 1.0)
+        except BaseException:
+            await handle.close()
+            raise
+        handle._runners.append(admin_runner)
+        handle.admin_url = _url("127.0.0.1", admin_port)
+    elif settings.admin_enabled:
         admin_port = settings.admin_port
         if admin_port is None:
             admin_port = port + 1 if settings.port else 0

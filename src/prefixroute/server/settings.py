@@ -15,6 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from prefixroute.core.config import ConfigError
+from prefixroute.core.counters import MAX_WORKERS
 
 __all__ = ["ServerSettings", "is_loopback", "DEFAULT_MAX_BODY_BYTES"]
 
@@ -99,7 +100,14 @@ class ServerSettings:
         config_path: the YAML file the configuration came from; SIGHUP and
             ``POST /admin/reload`` re-read it.
         record_trace: append a JSONL trace of routed requests (digests, never prompt
-            text; :mod:`prefixroute.server.trace`) to this file, or ``None``.
+            text; :mod:`prefixroute.server.trace`) to this file, or ``None``. With
+            several workers each writes its own file (``NAME.worker-I.EXT``).
+        workers: router processes sharing the port (1-64). ``1``: one process, as
+            always. More: a supervisor starts that many worker processes on the same
+            port (``SO_REUSEPORT``) sharing their in-flight counts
+            (:mod:`prefixroute.server.workers`, docs/WORKERS.md); only
+            :func:`prefixroute.server.cli.run` acts on it, ``start_router`` always
+            runs one.
     """
 
     host: str = "127.0.0.1"
@@ -126,6 +134,7 @@ class ServerSettings:
     log_prompts: bool = False
     config_path: str | None = None
     record_trace: str | None = None
+    workers: int = 1
 
     def __post_init__(self) -> None:
         _count("port", self.port, 0, 65535)
@@ -150,6 +159,7 @@ class ServerSettings:
         _duration("shutdown timeout", self.shutdown_timeout_s)
         _duration("metrics scrape interval", self.metrics_scrape_interval_s)
         _duration("metrics scrape timeout", self.metrics_scrape_timeout_s, positive=True)
+        _count("workers", self.workers, 1, MAX_WORKERS)
         if self.admin_token is not None and not self.admin_token:
             raise ConfigError("admin token: must not be empty")
         if self.admin_enabled and not is_loopback(self.admin_host) and not self.admin_token:

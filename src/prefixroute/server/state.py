@@ -15,6 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
+from prefixroute.core.counters import InFlightTable, config_slot_keys
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
@@ -32,6 +33,10 @@ class RouterState:
     Args:
         config: the validated fleet configuration to start with.
         settings: process settings.
+        counters: with ``serve --workers N``, the shared in-flight table (every
+            worker's requests count); ``None`` = counts local to this process.
+        metrics_dir: with ``serve --workers N``, prometheus-client's multiprocess
+            directory (``/metrics`` then sums every worker's counters).
 
     Attributes:
         fleet: the live :class:`Fleet` (endpoints, variant pools, in-flight counts).
@@ -43,11 +48,15 @@ class RouterState:
         session: the pooled upstream ``aiohttp.ClientSession``; set while the app runs.
     """
 
-    def __init__(self, config: FleetConfig, settings: ServerSettings) -> None:
+    def __init__(self, config: FleetConfig, settings: ServerSettings, *, counters: InFlightTable | None = None,
+                 metrics_dir: str | None = None) -> None:
         self.settings = settings
-        self.fleet = Fleet(config, settings.seed)
+        self.counters = counters
+        if counters is not None:
+            counters.reserve(config_slot_keys(config))
+        self.fleet = Fleet(config, settings.seed, counters)
         self.backend_stats: dict[str, BackendStats] = {}
-        self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats)
+        self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats, multiprocess_dir=metrics_dir)
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
@@ -64,7 +73,13 @@ class RouterState:
 
         Variants and instances that stay keep their in-flight counts, health and
         leases; removed instances get no new requests and their leases still release.
+
+        Raises:
+            prefixroute.core.counters.InFlightTableFull: (``--workers N``) the shared
+                in-flight table has no room for the new instances; nothing changed.
         """
+        if self.counters is not None:
+            self.counters.reserve(config_slot_keys(config))  # all or nothing, before any change
         self.fleet.apply(config, self.settings.seed)
         self.publish_engine_load()
         log.info("configuration applied: %s", _summary(config))

@@ -1,0 +1,654 @@
+"""``prefixroute serve --workers N``: several router processes on one port, in-flight
+counts shared.
+
+A **supervisor** (the process the user started) checks the port is free (picking one
+for ``--port 0``) and holds it, creates the shared in-flight table
+(:class:`prefixroute.core.counters.InFlightTable` in a ``multiprocessing.shared_memory``
+block) and a private directory for prometheus-client's multiprocess files, then starts
+N **worker** processes (``multiprocessing``, ``spawn`` context). Each worker is the
+ordinary aiohttp router bound to the same host and port with ``SO_REUSEPORT`` (the
+kernel spreads connections over them); its pools count requests in its own column of
+the table and decide on the sum over all columns. Each worker also serves the admin API
+on a loopback ephemeral port, with a token only the supervisor knows.
+
+Once every worker is listening the supervisor prints the usual
+``prefixroute-serve listening on http://HOST:PORT`` line, then serves the public admin
+API (``--admin-host``/``--admin-port``/token as in one process): a GET is answered from
+the workers (``Served`` summed over them), a change (PUT, ``POST /admin/reload``) goes
+to every worker and is answered with worker 0's answer, or 502 if they disagree.
+``GET /admin/workers`` lists the workers.
+
+* A worker that dies has its column zeroed (its requests died with it) and is started
+  again with the configuration in force (read from a live worker), after a back-off if
+  it keeps dying young.
+* SIGTERM/SIGINT: every worker drains its requests in flight (``--shutdown-timeout``)
+  and exits; a second signal kills them. SIGHUP is forwarded to every worker (each
+  re-reads ``--config``).
+* On exit the shared block is unlinked and the metrics directory removed. Workers exit
+  by themselves if the supervisor disappears.
+
+The details, and what each metric means with several workers: docs/WORKERS.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import multiprocessing
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from multiprocessing.shared_memory import SharedMemory
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from prefixroute.core.config import ConfigError, FleetConfig
+from prefixroute.core.counters import DEFAULT_CAPACITY, MAX_WORKERS, InFlightTable
+from prefixroute.server.settings import ServerSettings
+
+__all__ = ["SharedCounters", "WorkerSpec", "Supervisor", "serve_workers", "worker_trace_path",
+           "MAX_WORKERS", "READY_TIMEOUT_S"]
+
+log = logging.getLogger("prefixroute.server")
+
+#: Longest wait for a worker process to start listening, seconds.
+READY_TIMEOUT_S = 60.0
+#: A worker that dies sooner than this after it started is restarted after a back-off.
+_YOUNG_S = 10.0
+#: Extra seconds, beyond --shutdown-timeout, a worker gets to exit before it is killed.
+_EXIT_GRACE_S = 10.0
+#: Timeout of one supervisor -> worker admin call, seconds.
+_ADMIN_CALL_TIMEOUT_S = 15.0
+_SHM_PREFIX = "prefixroute-"
+
+
+class SharedCounters:
+    """A shared in-flight table in a ``multiprocessing.shared_memory`` block.
+
+    :meth:`create` makes it (the supervisor, which later :meth:`unlink` s it);
+    :meth:`attach` opens it by name from another process. ``table`` is this process's
+    :class:`InFlightTable` view (its column: ``worker``).
+    """
+
+    def __init__(self, shm: SharedMemory, worker: int, lock: Any, owner: bool) -> None:
+        self.shm = shm
+        self.table = InFlightTable(shm.buf, worker, lock)
+        self._owner = owner
+
+    @property
+    def name(self) -> str:
+        return self.shm.name
+
+    @classmethod
+    def create(cls, workers: int, lock: Any, capacity: int = DEFAULT_CAPACITY) -> "SharedCounters":
+        """A new zeroed table for ``workers`` processes, named ``prefixroute-<pid>-<random>``."""
+        name = f"{_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
+        shm = SharedMemory(name=name, create=True, size=InFlightTable.size(capacity, workers))
+        try:
+            InFlightTable.initialize(shm.buf, capacity, workers)
+            return cls(shm, 0, lock, owner=True)
+        except BaseException:
+            shm.close()
+            shm.unlink()
+            raise
+
+    @classmethod
+    def attach(cls, name: str, worker: int, lock: Any) -> "SharedCounters":
+        """Open the table ``name`` as worker ``worker``."""
+        shm = SharedMemory(name=name)
+        try:
+            return cls(shm, worker, lock, owner=False)
+        except BaseException:
+            shm.close()
+            raise
+
+    def close(self) -> None:
+        """Release this process's mapping (the states made from ``table`` die with it)."""
+        self.table.close()
+        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes at exit
+            self.shm.close()
+
+    def unlink(self) -> None:
+        """Close, and remove the block from the system (the creator, once, at exit)."""
+        self.close()
+        if self._owner:
+            self._owner = False
+            with contextlib.suppress(FileNotFoundError):
+                self.shm.unlink()
+
+
+def worker_trace_path(path: str, index: int) -> str:
+    """``--record-trace`` file of worker ``index``: ``trace.jsonl`` -> ``trace.worker-1.jsonl``."""
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.worker-{index}{p.suffix}"))
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a worker process needs (pickled to it by ``multiprocessing``)."""
+
+    index: int
+    config: FleetConfig
+    settings: ServerSettings
+    shm_name: str
+    lock: Any
+    admin_token: str = field(repr=False)
+    metrics_dir: str
+    log_level: str
+
+
+# -- the worker process -----------------------------------------------------------
+
+
+def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
+    """Entry of a worker process (a fresh interpreter: ``spawn``)."""
+    # Until the event loop handles them: SIGHUP must not kill a starting worker.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
+                        format=f"%(asctime)s %(levelname)s %(name)s [worker {spec.index}]: %(message)s")
+    from prefixroute.server.cli import _loop_factory
+    from prefixroute.server.metrics import use_multiprocess_values
+
+    use_multiprocess_values(spec.metrics_dir)  # before any metric exists in this process
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        code = runner.run(_worker_serve(spec, conn))
+    sys.exit(code)
+
+
+async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
+    from prefixroute.server.runner import WorkerRuntime, reload_logged, start_router
+
+    loop = asyncio.get_running_loop()
+    counters = SharedCounters.attach(spec.shm_name, spec.index, spec.lock)
+    try:
+        try:
+            handle = await start_router(spec.config, spec.settings, worker=WorkerRuntime(
+                spec.index, counters.table, spec.admin_token, spec.metrics_dir))
+        except (OSError, ConfigError) as exc:
+            conn.send(("error", f"worker {spec.index}: cannot start: {exc}"))
+            conn.close()
+            return 1
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, reload_logged, handle.state)
+        parent = multiprocessing.parent_process()
+        if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
+            loop.add_reader(parent.sentinel, stop.set)
+        conn.send(("ready", os.getpid(), handle.admin_url))
+        conn.close()
+        try:
+            await stop.wait()
+            log.info("shutting down: waiting up to %.1f s for requests in flight", spec.settings.shutdown_timeout_s)
+        finally:
+            if parent is not None:
+                loop.remove_reader(parent.sentinel)
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
+            await handle.close()  # SIGHUP still reloads (never kills) while requests drain
+            loop.remove_signal_handler(signal.SIGHUP)
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        return 0
+    finally:
+        counters.close()
+
+
+# -- the supervisor ---------------------------------------------------------------
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def _reserve_port(host: str, port: int) -> tuple[socket.socket, int]:
+    """Check that ``host:port`` is free (pick a free port for 0) and hold it with a
+    bound, non-listening ``SO_REUSEPORT`` socket until the workers listen on it.
+
+    Raises:
+        OSError: in use, or not an address of this machine.
+    """
+    family, type_, proto, _, addr = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+    # Without SO_REUSEPORT: fails if anything listens there, even a router of ours.
+    with socket.socket(family, type_, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(addr)
+        port = probe.getsockname()[1]
+    hold = socket.socket(family, type_, proto)
+    try:
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        hold.bind((addr[0], port, *addr[2:]))
+    except BaseException:
+        hold.close()
+        raise
+    return hold, port
+
+
+@dataclass(eq=False)
+class _Worker:
+    index: int
+    process: BaseProcess | None = None
+    conn: Connection | None = None
+    pid: int = 0
+    admin_url: str | None = None
+    ready: asyncio.Future[None] | None = None
+    started: float = 0.0
+    restarts: int = 0
+    young_deaths: int = 0
+    restarting: asyncio.Task[None] | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.exitcode is None
+
+    @property
+    def serving(self) -> bool:
+        return self.alive and self.ready is not None and self.ready.done() and not self.ready.exception()
+
+
+class Supervisor:
+    """Runs N worker processes on one port; see the module docstring.
+
+    Args:
+        config: the validated fleet configuration to start with.
+        settings: process settings; ``settings.workers`` >= 2.
+        log_level: the workers' log level (``debug``...``error``).
+    """
+
+    def __init__(self, config: FleetConfig, settings: ServerSettings, log_level: str = "warning") -> None:
+        if settings.workers < 2:
+            raise ValueError("Supervisor needs settings.workers >= 2 (1 runs the router in this process)")
+        self.config = config
+        self.settings = settings
+        self.log_level = log_level
+        self.port = 0
+        self.url = ""
+        self.admin_url: str | None = None
+        self.counters: SharedCounters | None = None
+        self.metrics_dir: str | None = None
+        self._ctx = multiprocessing.get_context("spawn")
+        self._lock = self._ctx.Lock()
+        self._token = secrets.token_urlsafe(32)
+        self._workers = [_Worker(i) for i in range(settings.workers)]
+        self._stopping = False
+        self._stop = asyncio.Event()
+        self._killed = False
+        self._config_lock = asyncio.Lock()  # fan-outs and restarts, one at a time
+        self._http: aiohttp.ClientSession | None = None
+        self._admin_runner: web.AppRunner | None = None
+
+    # -- life cycle -----------------------------------------------------------------
+
+    async def run(self) -> int:
+        """Start everything, print the listening lines, serve until SIGTERM/SIGINT,
+        stop everything. Returns the exit status (0, or 1 if it could not start)."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._on_stop_signal)
+        loop.add_signal_handler(signal.SIGHUP, self._forward_sighup)
+        try:
+            code = await self._start()
+            if code or self._stop.is_set():  # could not start, or told to stop while starting
+                return code
+            print(f"prefixroute-serve listening on {self.url}", flush=True)
+            if self.admin_url:
+                print(f"prefixroute-admin listening on {self.admin_url}", flush=True)
+            await self._stop.wait()
+            log.info("shutting down %d workers: waiting up to %.1f s for requests in flight",
+                     len(self._workers), self.settings.shutdown_timeout_s)
+            return 0
+        finally:
+            await self._shutdown()
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+                loop.remove_signal_handler(sig)
+
+    def _on_stop_signal(self) -> None:
+        if self._stop.is_set():  # a second signal: do not wait for the drain
+            self._killed = True
+            for w in self._workers:
+                if w.alive and w.process is not None:
+                    w.process.kill()
+        self._stop.set()
+
+    async def _start(self) -> int:
+        s = self.settings
+        try:
+            hold, self.port = _reserve_port(s.host, s.port)
+        except OSError as exc:
+            print(f"error: cannot listen on {s.host}:{s.port}: {exc}", file=sys.stderr)
+            return 1
+        try:
+            self.url = _url(s.host, self.port)
+            self.counters = SharedCounters.create(s.workers, self._lock)
+            self.metrics_dir = tempfile.mkdtemp(prefix=f"prefixroute-metrics-{os.getpid()}-")
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_ADMIN_CALL_TIMEOUT_S))
+            for w in self._workers:
+                self._spawn(w, self.config)
+            waits = [asyncio.ensure_future(self._wait_ready(w)) for w in self._workers]
+            stop = asyncio.ensure_future(self._stop.wait())
+            try:
+                done, _ = await asyncio.wait([asyncio.gather(*waits), stop], return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                stop.cancel()
+            if self._stop.is_set():
+                return 0
+            failed = [str(t.exception()) for t in waits if t.done() and t.exception() is not None]
+            for t in waits:
+                t.cancel()
+            if failed:
+                print(f"error: {failed[0]}", file=sys.stderr)
+                return 1
+        finally:
+            hold.close()  # the workers listen now (or failed)
+        if s.admin_enabled:
+            from prefixroute.server.runner import _start as start_site
+
+            admin_port = s.admin_port if s.admin_port is not None else (self.port + 1 if s.port else 0)
+            try:
+                self._admin_runner, admin_port = await start_site(self._admin_app(), s.admin_host, admin_port, 1.0)
+            except OSError as exc:
+                print(f"error: cannot listen on the admin port {s.admin_host}:{admin_port}: {exc}", file=sys.stderr)
+                return 1
+            self.admin_url = _url(s.admin_host, admin_port)
+        return 0
+
+    def _worker_settings(self, index: int) -> ServerSettings:
+        s = self.settings
+        return dataclasses.replace(
+            s, port=self.port, admin_port=0, workers=1,
+            seed=None if s.seed is None else s.seed + 1_000_003 * index,
+            record_trace=None if s.record_trace is None else worker_trace_path(s.record_trace, index))
+
+    def _spawn(self, w: _Worker, config: FleetConfig) -> None:
+        assert self.counters is not None and self.metrics_dir is not None
+        spec = WorkerSpec(w.index, config, self._worker_settings(w.index), self.counters.name, self._lock,
+                          self._token, self.metrics_dir, self.log_level)
+        ours, theirs = self._ctx.Pipe(duplex=False)
+        proc = self._ctx.Process(target=_worker_main, args=(spec, theirs), name=f"prefixroute-worker-{w.index}",
+                                 daemon=False)
+        proc.start()
+        theirs.close()
+        w.process, w.conn, w.pid, w.admin_url = proc, ours, proc.pid or 0, None
+        w.started = time.monotonic()
+        loop = asyncio.get_running_loop()
+        w.ready = loop.create_future()
+        loop.add_reader(ours.fileno(), self._on_message, w)
+        loop.add_reader(proc.sentinel, self._on_exit, w, proc)
+
+    def _on_message(self, w: _Worker) -> None:
+        loop = asyncio.get_running_loop()
+        conn = w.conn
+        assert conn is not None and w.ready is not None
+        loop.remove_reader(conn.fileno())
+        try:
+            msg = conn.recv()
+        except (EOFError, OSError):
+            msg = ("error", f"worker {w.index} exited before it was listening (see its log above)")
+        finally:
+            conn.close()
+            w.conn = None
+        if w.ready.done():
+            return
+        if msg[0] == "ready":
+            _, w.pid, w.admin_url = msg
+            w.ready.set_result(None)
+            log.info("worker %d (pid %d) is listening", w.index, w.pid)
+        else:
+            w.ready.set_exception(RuntimeError(msg[1]))
+
+    async def _wait_ready(self, w: _Worker) -> None:
+        assert w.ready is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(w.ready), READY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            if w.process is not None:
+                w.process.kill()
+            raise RuntimeError(f"worker {w.index} was not listening after {READY_TIMEOUT_S:.0f} s") from None
+
+    def _on_exit(self, w: _Worker, proc: BaseProcess) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(proc.sentinel)
+        proc.join(0)
+        if w.conn is not None:
+            loop.remove_reader(w.conn.fileno())
+            w.conn.close()
+            w.conn = None
+        if w.ready is not None and not w.ready.done():
+            w.ready.set_exception(RuntimeError(f"worker {w.index} exited with status {proc.exitcode} before it "
+                                               "was listening (see its log above)"))
+            w.ready.exception()  # retrieved: no "never retrieved" warning if nobody waits
+        if self.counters is not None:
+            self.counters.table.zero_worker(w.index)  # its requests died with it
+        if self._stopping or w.process is not proc:
+            return
+        lived = time.monotonic() - w.started
+        w.young_deaths = w.young_deaths + 1 if lived < _YOUNG_S else 0
+        delay = 0.0 if not w.young_deaths else min(10.0, 0.5 * 2 ** (w.young_deaths - 1))
+        log.error("worker %d (pid %d) exited with status %s after %.1f s; its in-flight counts were zeroed; "
+                  "restarting it in %.1f s", w.index, proc.pid, proc.exitcode, lived, delay)
+        w.restarting = asyncio.ensure_future(self._restart(w, delay))
+
+    async def _restart(self, w: _Worker, delay: float) -> None:
+        await asyncio.sleep(delay)
+        # Holding the lock until it listens: no change can be fanned out meanwhile and
+        # miss it (it starts with the configuration in force).
+        async with self._config_lock:
+            if self._stopping:
+                return
+            config = await self._config_in_force()
+            w.restarts += 1
+            self._spawn(w, config)
+            try:
+                await self._wait_ready(w)
+            except RuntimeError as exc:
+                log.error("%s", exc)  # its exit restarts it again
+
+    async def _config_in_force(self) -> FleetConfig:
+        """The configuration of a live worker (admin changes and reloads included);
+        the last one known if none answers."""
+        from prefixroute.server.admin import strip_live_state
+
+        for w in self._workers:
+            if not w.serving:
+                continue
+            try:
+                status, body = await self._call(w, "GET", "/admin/config")
+                if status == 200:
+                    self.config = FleetConfig.from_mapping(strip_live_state(orjson.loads(body)))
+                    break
+            except (aiohttp.ClientError, asyncio.TimeoutError, ConfigError, orjson.JSONDecodeError) as exc:
+                log.warning("could not read the configuration of worker %d: %s", w.index, exc)
+        return self.config
+
+    def _forward_sighup(self) -> None:
+        if self._stopping:
+            return
+        for w in self._workers:
+            if w.serving:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.pid, signal.SIGHUP)
+
+    async def _shutdown(self) -> None:
+        self._stopping = True
+        self._stop.set()
+        if self._admin_runner is not None:
+            await self._admin_runner.cleanup()
+            self._admin_runner = None
+        for w in self._workers:
+            if w.restarting is not None:
+                w.restarting.cancel()
+            if w.alive and w.process is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(w.process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        deadline = time.monotonic() + self.settings.shutdown_timeout_s + _EXIT_GRACE_S
+        while any(w.alive for w in self._workers) and time.monotonic() < deadline and not self._killed:
+            await asyncio.sleep(0.05)
+        for w in self._workers:
+            if w.alive and w.process is not None:
+                log.error("worker %d (pid %s) did not exit in time: killed", w.index, w.process.pid)
+                w.process.kill()
+        loop = asyncio.get_running_loop()
+        for w in self._workers:
+            if w.process is not None:
+                await loop.run_in_executor(None, w.process.join)
+                with contextlib.suppress(ValueError, OSError):
+                    loop.remove_reader(w.process.sentinel)
+                if w.conn is not None:
+                    with contextlib.suppress(ValueError, OSError):
+                        loop.remove_reader(w.conn.fileno())
+                    w.conn.close()
+                    w.conn = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if self.counters is not None:
+            self.counters.unlink()
+            self.counters = None
+        if self.metrics_dir is not None:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)
+            self.metrics_dir = None
+
+    # -- the public admin API -------------------------------------------------------
+
+    async def _call(self, w: _Worker, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes]:
+        assert self._http is not None and w.admin_url is not None
+        async with self._http.request(method, w.admin_url + path, data=body,
+                                      headers={"Authorization": f"Bearer {self._token}",
+                                               "Content-Type": "application/json"}) as r:
+            return r.status, await r.read()
+
+    def _admin_app(self) -> web.Application:
+        from prefixroute.server.admin import admin_middlewares
+
+        app = web.Application(middlewares=admin_middlewares(self.settings.admin_token))
+        app.router.add_get("/admin/config", self._get_config, allow_head=False)
+        app.router.add_get("/admin/workers", self._get_workers, allow_head=False)
+        app.router.add_put("/admin/config", self._change)
+        app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", self._change)
+        app.router.add_post("/admin/reload", self._change)
+        return app
+
+    async def _gather(self, method: str, path: str, body: bytes | None = None
+                      ) -> list[tuple[_Worker, tuple[int, bytes] | BaseException]]:
+        workers = [w for w in self._workers if w.serving]
+        results = await asyncio.gather(*(self._call(w, method, path, body) for w in workers), return_exceptions=True)
+        return list(zip(workers, results))
+
+    async def _get_config(self, request: web.Request) -> web.Response:
+        """``GET /admin/config``: the first live worker's document, ``Served`` summed
+        over every worker (``InFlight`` is already the shared count)."""
+        from prefixroute.server.errors import json_response
+
+        answers = [(w, r) for w, r in await self._gather("GET", "/admin/config")
+                   if not isinstance(r, BaseException) and r[0] == 200]
+        if not answers:
+            return json_response(503, {"message": "no worker answered"})
+        docs = [orjson.loads(r[1]) for _, r in answers]  # type: ignore[index]
+        served: dict[tuple[str, str, str], int] = {}
+        for doc in docs:
+            for key, st in _instance_states(doc):
+                served[key] = served.get(key, 0) + int(st.get("Served", 0))
+        for key, st in _instance_states(docs[0]):
+            st["Served"] = served[key]
+        return json_response(200, docs[0])
+
+    async def _get_workers(self, request: web.Request) -> web.Response:
+        """``GET /admin/workers``: each worker's pid, state, restarts, requests in
+        flight (its column of the shared table), requests served and routing."""
+        from prefixroute.server.errors import json_response
+
+        answers = dict(await self._gather("GET", "/admin/config"))
+        table = self.counters.table if self.counters is not None else None
+        out = []
+        for w in self._workers:
+            entry: dict[str, Any] = {"Worker": w.index, "Pid": w.pid, "Alive": w.alive, "Listening": w.serving,
+                                     "Restarts": w.restarts,
+                                     "InFlight": table.worker_total(w.index) if table is not None else 0}
+            r = answers.get(w)
+            if r is not None and not isinstance(r, BaseException) and r[0] == 200:
+                doc = orjson.loads(r[1])
+                entry["Served"] = sum(int(st.get("Served", 0)) for _, st in _instance_states(doc))
+                entry["RoutingConfigs"] = {f"{e['EndpointName']}/{v['VariantName']}": v["RoutingConfig"]
+                                           for e in doc["Endpoints"] for v in e["ProductionVariants"]}
+            out.append(entry)
+        slots = {"Used": table.used if table is not None else 0,
+                 "Capacity": table.capacity if table is not None else 0}
+        return json_response(200, {"Port": self.port, "Workers": out, "SharedInFlightSlots": slots})
+
+    async def _change(self, request: web.Request) -> web.Response:
+        """A change: sent to every worker; worker 0's answer if all agree, else 502
+        (and the configuration of the first worker that took the change is pushed to
+        the others, so that they agree again)."""
+        from prefixroute.server.errors import json_response
+
+        body = await request.read()
+        async with self._config_lock:
+            results = await self._gather(request.method, request.path_qs, body)
+            if not results:
+                return json_response(503, {"message": "no worker is listening"})
+            ok: list[tuple[_Worker, tuple[int, bytes]]] = []
+            failed: list[str] = []
+            for w, r in results:
+                if isinstance(r, BaseException):
+                    if w.alive:  # a worker that died gets the configuration in force when it restarts
+                        failed.append(f"worker {w.index}: {type(r).__name__}: {r}")
+                else:
+                    ok.append((w, r))
+            statuses = {r[0] for _, r in ok}
+            if not failed and len(statuses) == 1:
+                status, payload = ok[0][1]
+                if 200 <= status < 300:
+                    await self._config_in_force()
+                return web.Response(status=status, body=payload, content_type="application/json")
+            detail = "; ".join([f"worker {w.index}: {r[0]}" for w, r in ok] + failed)
+            resynced = await self._resync([w for w, r in ok if 200 <= r[0] < 300])
+            return json_response(502, {"message": f"the workers did not all take the change ({detail}); "
+                                                  + ("the configuration of worker "
+                                                     f"{resynced} was applied to every worker" if resynced is not None
+                                                     else "their configurations may differ")})
+
+    async def _resync(self, took: list[_Worker]) -> int | None:
+        if not took:
+            return None
+        src = took[0]
+        try:
+            status, body = await self._call(src, "GET", "/admin/config")
+            if status != 200:
+                return None
+            for w in self._workers:
+                if w is not src and w.serving:
+                    await self._call(w, "PUT", "/admin/config", body)
+            await self._config_in_force()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.error("could not re-synchronise the workers' configurations: %s", exc)
+            return None
+        return src.index
+
+
+def _instance_states(doc: dict[str, Any]) -> list[tuple[tuple[str, str, str], dict[str, Any]]]:
+    return [((e["EndpointName"], v["VariantName"], st["Instance"]), st)
+            for e in doc.get("Endpoints", []) for v in e.get("ProductionVariants", [])
+            for st in v.get("InstanceStates", [])]
+
+
+def serve_workers(config: FleetConfig, settings: ServerSettings, log_level: str = "warning") -> int:
+    """Run ``settings.workers`` router processes until SIGTERM/SIGINT; the exit status."""
+    from prefixroute.server.cli import _loop_factory
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(Supervisor(config, settings, log_level).run())

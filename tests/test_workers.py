@@ -1,0 +1,490 @@
+"""``prefixroute serve --workers N``: the shared in-flight table, and the supervisor with
+real worker processes on loopback in front of real (held) HTTP backends."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import re
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+import yaml
+from aiohttp import web
+
+from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
+from prefixroute.core.counters import (
+    InFlightTable,
+    InFlightTableFull,
+    SharedInstanceState,
+    config_slot_keys,
+    slot_key,
+)
+from prefixroute.core.pool import VariantPool
+from prefixroute.core.strategies import DecisionKind, InstanceState
+from prefixroute.server.cli import configure_parser
+from prefixroute.server.settings import ServerSettings
+from prefixroute.server.state import RouterState
+from prefixroute.server.workers import SharedCounters, worker_trace_path
+
+SPAWN = multiprocessing.get_context("spawn")
+URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
+
+
+# -- the table, in one process ------------------------------------------------------
+
+
+def _table_views(workers: int, capacity: int = 64) -> list[InFlightTable]:
+    buf = bytearray(InFlightTable.size(capacity, workers))
+    InFlightTable.initialize(buf, capacity, workers)
+    return [InFlightTable(buf, w) for w in range(workers)]
+
+
+def test_single_process_state_is_a_plain_int():
+    s = InstanceState("http://a:1")
+    s.add_in_flight(2)
+    s.add_in_flight(-1)
+    assert s.in_flight == 1 and type(s) is InstanceState
+
+
+def test_pools_of_two_workers_see_each_others_requests():
+    w0, w1 = _table_views(2)
+    routing = RoutingConfig.build("prefix-aware", 1024, 3)
+    p0 = VariantPool("v", URLS[:2], routing, seed=1, make_state=w0.states("e", "v"))
+    p1 = VariantPool("v", URLS[:2], routing, seed=2, make_state=w1.states("e", "v"))
+    assert all(isinstance(i, SharedInstanceState) for i in (*p0.instances, *p1.instances))
+    key = 12345
+    leases = [p0.acquire(key), p0.acquire(key), p1.acquire(key)]  # 3 = the threshold, on the key's instance
+    preferred = leases[0].instance.instance_id
+    assert {lease.instance.instance_id for lease in leases} == {preferred}
+    assert p0.get(preferred).in_flight == p1.get(preferred).in_flight == 3
+    assert p0.get(preferred).own_in_flight == 2 and p1.get(preferred).own_in_flight == 1
+    over = p1.acquire(key)  # worker 1 sees worker 0's two: overflow
+    assert over.decision.kind is DecisionKind.OVERFLOW and over.instance.instance_id != preferred
+    for lease in (*leases, over):
+        lease.release()
+        lease.release()  # idempotent
+    assert [i.in_flight for i in p0.instances] == [0, 0] == [i.in_flight for i in p1.instances]
+    with pytest.raises(AttributeError):
+        p0.instances[0].in_flight = 5
+
+
+def test_slot_survives_membership_changes_and_removed_leases_release():
+    (w0,) = _table_views(1)
+    pool = VariantPool("v", URLS[:2], RoutingConfig.build("least-outstanding-requests"), seed=1,
+                       make_state=w0.states("e", "v"))
+    lease = pool.acquire(None)
+    gone = lease.instance.instance_id
+    pool.set_instances([u for u in URLS[:3] if u != gone])
+    assert pool.get(gone) is None
+    pool.set_instances(URLS[:3])  # back, with its request still in flight
+    assert pool.get(gone).in_flight == 1
+    lease.release()
+    assert pool.get(gone).in_flight == 0
+    assert w0.used == 3
+
+
+def test_capacity_error_is_all_or_nothing():
+    (w0,) = _table_views(1, capacity=3)
+    w0.reserve([1, 2])
+    with pytest.raises(InFlightTableFull, match=r"full: 2 of 3 .* needs 2 more"):
+        w0.reserve([2, 3, 4])
+    assert w0.used == 2  # nothing claimed
+    assert w0.reserve([3, 1]) == [2, 0]
+    # Through the router's state: a configuration that does not fit is refused whole.
+    (t,) = _table_views(1, capacity=4)
+    state = RouterState(FleetConfig.single(URLS[:3], RoutingConfig.build("random")),
+                        ServerSettings(port=0), counters=t)
+    bigger = FleetConfig.single(URLS[:2] + [f"http://10.0.1.{i}:8000" for i in range(3)], RoutingConfig.build("random"))
+    with pytest.raises(InFlightTableFull):
+        state.apply_config(bigger)
+    assert [i.instance_id for _, p in state.fleet.all_pools() for i in p.instances] == URLS[:3]
+    assert t.used == 3
+
+
+def test_table_rejects_foreign_buffers_and_bad_columns():
+    with pytest.raises(ValueError, match="not laid out"):
+        InFlightTable(bytearray(InFlightTable.size(8, 2)), 0)
+    buf = bytearray(InFlightTable.size(8, 2))
+    InFlightTable.initialize(buf, 8, 2)
+    with pytest.raises(ValueError, match="worker 2 is out of range"):
+        InFlightTable(buf, 2)
+    with pytest.raises(ValueError, match="workers 65 is out of range"):
+        InFlightTable.initialize(bytearray(InFlightTable.size(8, 65)), 8, 65)
+
+
+@pytest.mark.parametrize("value, message", [
+    ("0", "0 is out of range (allowed 1-64"), ("-1", "-1 is out of range (allowed 1-64"),
+    ("65", "65 is out of range (allowed 1-64"), ("two", "'two' is not a whole number of worker processes")])
+def test_invalid_worker_counts_are_refused(value, message, capsys):
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    assert parser.parse_args(["--backend", "http://a:1"]).workers == 1
+    assert parser.parse_args(["--workers", "64", "--backend", "http://a:1"]).workers == 64
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(["--workers", value, "--backend", "http://a:1"])
+    assert exc.value.code == 2
+    assert f"argument --workers: {message}" in capsys.readouterr().err
+    assert "--workers N" in parser.format_help() and "SO_REUSEPORT" in parser.format_help()
+    with pytest.raises(ConfigError, match="workers: 0 is out of range"):
+        ServerSettings(workers=0)
+
+
+def test_worker_trace_path():
+    assert worker_trace_path("/x/trace.jsonl", 1) == "/x/trace.worker-1.jsonl"
+    assert worker_trace_path("trace", 0) == "trace.worker-0"
+
+
+# -- the table, across processes ---------------------------------------------------
+
+
+def _child(name, lock, keys, go, done, out) -> None:
+    counters = SharedCounters.attach(name, 1, lock)
+    t = counters.table
+    slots = t.reserve(keys)  # another order than the parent's
+    for s in slots:
+        t.add(s, 10 + s)
+    done.set()
+    go.wait(10)
+    out.send((slots, [t.total(s) for s in slots], t.worker_total(0), t.worker_total(1)))
+    counters.close()
+
+
+def test_two_processes_count_in_their_own_columns_and_see_the_sums():
+    lock = SPAWN.Lock()
+    counters = SharedCounters.create(2, lock, capacity=16)
+    try:
+        t = counters.table
+        keys = [slot_key("e", "v", u) for u in URLS[:3]]
+        mine = t.reserve(keys[:2])
+        for s in mine:
+            t.add(s, 1)
+        go, done = SPAWN.Event(), SPAWN.Event()
+        ours, theirs = SPAWN.Pipe(duplex=False)
+        p = SPAWN.Process(target=_child, args=(counters.name, lock, list(reversed(keys)), go, done, theirs))
+        p.start()
+        try:
+            assert done.wait(60)
+            assert t.used == 3  # the child's new key is visible here
+            child_slots = list(reversed(t.reserve(keys)))
+            assert [t.total(s) for s in t.reserve(keys)] == [1 + 10 + mine[0], 1 + 10 + mine[1], 10 + 2]
+            go.set()
+            slots, totals, w0, w1 = ours.recv()
+            assert slots == child_slots  # same slot for the same instance in both processes
+            assert totals == [t.total(s) for s in slots]
+            assert (w0, w1) == (2, (10 + 0) + (10 + 1) + (10 + 2))
+        finally:
+            p.join(20)
+        assert p.exitcode == 0
+        t.zero_worker(1)  # what the supervisor does when a worker dies
+        assert [t.total(s) for s in t.reserve(keys)] == [1, 1, 0]
+    finally:
+        counters.unlink()
+    assert not Path("/dev/shm", counters.name).exists()
+
+
+# -- real worker processes ------------------------------------------------------------
+
+T = 4  # ConcurrencyThreshold of the e2e tests
+BODY = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "You are terse. " * 100},
+                                                {"role": "user", "content": "same prefix for everyone"}]})
+
+
+class HoldBackend:
+    """An engine instance that holds every generation request until ``release``; it
+    records how many it held at once (the number the threshold bounds)."""
+
+    def __init__(self) -> None:
+        self.current = 0
+        self.max = 0
+        self.total = 0
+        self.release = asyncio.Event()
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def _generate(self, request: web.Request) -> web.Response:
+        await request.read()
+        self.current += 1
+        self.total += 1
+        self.max = max(self.max, self.current)
+        try:
+            await self.release.wait()
+        finally:
+            self.current -= 1
+        return web.json_response({"id": "x", "object": "chat.completion", "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    async def start(self) -> "HoldBackend":
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/health", self._health)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        self.release.set()
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.fixture
+async def backends():
+    bs = [await HoldBackend().start() for _ in range(3)]
+    yield bs
+    for b in bs:
+        await b.stop()
+
+
+class Serve:
+    """``prefixroute serve --workers N`` as a child process."""
+
+    def __init__(self, proc: asyncio.subprocess.Process, url: str, admin: str) -> None:
+        self.proc, self.url, self.admin = proc, url, admin
+
+    @classmethod
+    async def start(cls, *args: str, workers: int = 2) -> "Serve":
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "prefixroute.server.cli", "--workers", str(workers), "--port", "0",
+            "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "5",
+            "--log-level", "info", *args,
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        assert proc.stdout is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
+        assert m, line
+        admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
+                             (await asyncio.wait_for(proc.stdout.readline(), 10)).decode())
+        assert admin
+        return cls(proc, m.group(1), admin.group(1))
+
+    async def stop(self) -> int:
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                return await asyncio.wait_for(self.proc.wait(), 30)
+            except asyncio.TimeoutError:
+                self.proc.kill()
+        return await self.proc.wait()
+
+    async def workers(self) -> list[dict]:
+        async with aiohttp.ClientSession() as http, http.get(self.admin + "/admin/workers") as r:
+            assert r.status == 200
+            return (await r.json())["Workers"]
+
+    async def metric(self, name: str) -> float:
+        """Sum of a metric family's samples, from one scrape on a new connection."""
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http, \
+                http.get(self.url + "/metrics") as r:
+            text = await r.text()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+async def _eventually(pred, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if await pred():
+            return True
+        await asyncio.sleep(0.05)
+    return bool(await pred())
+
+
+async def _send(url: str, n: int) -> list[asyncio.Task]:
+    """``n`` requests with the same prefix, each on its own connection (the kernel
+    spreads connections, not requests, over the workers)."""
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True, limit=0))
+
+    async def one() -> int:
+        async with http.post(url + "/v1/chat/completions", data=BODY,
+                             headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            return r.status
+
+    tasks = [asyncio.create_task(one()) for _ in range(n)]
+    done = asyncio.gather(*tasks, return_exceptions=True)
+    done.add_done_callback(lambda _: asyncio.ensure_future(http.close()))
+    return tasks
+
+
+async def _round(serve: Serve, backends: list[HoldBackend], n: int) -> None:
+    tasks = await _send(serve.url, n)
+
+    async def all_held() -> bool:
+        return sum(b.current for b in backends) == n
+
+    assert await _eventually(all_held), [b.current for b in backends]
+    for b in backends:
+        b.release.set()
+    assert await asyncio.gather(*tasks) == [200] * n
+    for b in backends:
+        b.release = asyncio.Event()
+
+
+async def test_threshold_holds_across_workers_and_admin_reaches_all(backends):
+    serve = await Serve.start(*[a for b in backends for a in ("--backend", b.url)], "--strategy", "prefix-aware",
+                              "--prefix-length", "1024", "--concurrency-threshold", str(T))
+    try:
+        # 2T requests with one prefix: T on the key's instance, T on its next one. Two
+        # workers counting alone could each send T to the first: 2T there.
+        rounds, n = 4, 2 * T
+        for _ in range(rounds):
+            await _round(serve, backends, n)
+        maxima = sorted(b.max for b in backends)
+        assert maxima[-1] >= T, maxima  # the preferred instance filled up to the threshold
+        assert maxima[-1] <= T + 2, maxima  # and never beyond it by more than the workers
+        workers = await serve.workers()
+        assert [w["Worker"] for w in workers] == [0, 1]
+        assert all(w["Served"] > 0 for w in workers), workers  # both workers routed requests
+        assert sum(w["Served"] for w in workers) == rounds * n == sum(b.total for b in backends)
+        # Counters do not depend on which worker answers the scrape.
+        scrapes = {await serve.metric("prefixroute_requests_total") for _ in range(6)}
+        assert scrapes == {float(rounds * n)}
+        assert await serve.metric("prefixroute_in_flight") == 0
+
+        # A change through the public admin API reaches every worker.
+        async with aiohttp.ClientSession() as http:
+            async with http.put(serve.admin + "/admin/endpoints/default/variants/AllTraffic/routing", json={
+                    "RoutingStrategy": "PREFIX_AWARE",
+                    "PrefixAwareRoutingConfig": {"PrefixLength": 1024, "ConcurrencyThreshold": 2}}) as r:
+                assert r.status == 200, await r.text()
+                assert (await r.json())["RoutingConfig"]["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 2
+            async with http.put(serve.admin + "/admin/config", json={"Endpoints": "nope"}) as r:
+                assert r.status == 400  # every worker refused it; worker 0's answer
+            async with http.get(serve.admin + "/admin/config") as r:
+                doc = await r.json()
+        for w in await serve.workers():
+            assert w["RoutingConfigs"]["default/AllTraffic"]["PrefixAwareRoutingConfig"]["ConcurrencyThreshold"] == 2
+        states = doc["Endpoints"][0]["ProductionVariants"][0]["InstanceStates"]
+        assert sum(s["Served"] for s in states) == rounds * n  # summed over the workers
+        for b in backends:
+            b.max = 0
+        for _ in range(2):
+            await _round(serve, backends, 4)
+        assert max(b.max for b in backends) <= 2 + 2, [b.max for b in backends]
+    finally:
+        assert await serve.stop() == 0
+
+
+async def test_killed_worker_is_replaced_and_its_counts_zeroed(backends):
+    serve = await Serve.start(*[a for b in backends for a in ("--backend", b.url)],
+                              "--strategy", "least-outstanding-requests")
+    try:
+        n = 12
+        tasks = await _send(serve.url, n)
+
+        async def all_held() -> bool:
+            return sum(b.current for b in backends) == n
+
+        assert await _eventually(all_held)
+        workers = await serve.workers()
+        assert sum(w["InFlight"] for w in workers) == n
+        assert await serve.metric("prefixroute_in_flight") == n
+        victim = max(workers, key=lambda w: w["InFlight"])
+        survivor = next(w for w in workers if w is not victim)
+        os.kill(victim["Pid"], signal.SIGKILL)
+
+        async def replaced() -> bool:
+            ws = {w["Worker"]: w for w in await serve.workers()}
+            new = ws[victim["Worker"]]
+            return new["Listening"] and new["Pid"] != victim["Pid"] and new["Restarts"] == 1
+
+        assert await _eventually(replaced, 60)
+        ws = {w["Worker"]: w for w in await serve.workers()}
+        assert ws[victim["Worker"]]["InFlight"] == 0  # zeroed: its requests died with it
+        assert ws[survivor["Worker"]]["InFlight"] == survivor["InFlight"]
+        assert await serve.metric("prefixroute_in_flight") == survivor["InFlight"]
+        with pytest.raises(ProcessLookupError):
+            os.kill(victim["Pid"], 0)
+        for b in backends:
+            b.release.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert results.count(200) == survivor["InFlight"]  # the victim's clients got errors
+        assert all(isinstance(r, aiohttp.ClientError) for r in results if r != 200)
+
+        async def drained() -> bool:
+            return await serve.metric("prefixroute_in_flight") == 0 and \
+                all(w["InFlight"] == 0 for w in await serve.workers())
+
+        assert await _eventually(drained)
+        for b in backends:
+            b.release = asyncio.Event()
+        await _round(serve, backends, 4)  # the replacement serves with the other one
+    finally:
+        assert await serve.stop() == 0
+
+
+def _leftovers(pid: int) -> list[str]:
+    shm = [p.name for p in Path("/dev/shm").glob(f"prefixroute-{pid}-*")]
+    tmp = [p.name for p in Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{pid}-*")]
+    return shm + tmp
+
+
+async def test_sighup_reaches_every_worker_and_sigterm_drains_and_cleans_up(backends, tmp_path):
+    cfg = tmp_path / "fleet.yaml"
+
+    def write(strategy: str) -> None:
+        cfg.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [
+            {"VariantName": "AllTraffic", "Instances": [backends[0].url], "RoutingConfig": {
+                "RoutingStrategy": strategy}}]}]}))
+
+    write("RANDOM")
+    serve = await Serve.start("--config", str(cfg))
+    try:
+        pid = serve.proc.pid
+        assert len(_leftovers(pid)) == 2  # the shared block and the metrics directory exist
+        workers = await serve.workers()
+        write("LEAST_OUTSTANDING_REQUESTS")
+        serve.proc.send_signal(signal.SIGHUP)
+
+        async def reloaded() -> bool:
+            return all(w["RoutingConfigs"]["default/AllTraffic"]["RoutingStrategy"] == "LEAST_OUTSTANDING_REQUESTS"
+                       for w in await serve.workers())
+
+        assert await _eventually(reloaded)
+        # SIGTERM with a request in flight: it finishes, then everything is gone.
+        [task] = await _send(serve.url, 1)
+
+        async def held() -> bool:
+            return backends[0].current == 1
+
+        assert await _eventually(held)
+        serve.proc.send_signal(signal.SIGTERM)
+        await asyncio.sleep(0.5)
+        assert serve.proc.returncode is None  # draining
+        backends[0].release.set()
+        assert await task == 200
+        assert await asyncio.wait_for(serve.proc.wait(), 20) == 0
+    finally:
+        await serve.stop()
+    for w in workers:
+        with pytest.raises(ProcessLookupError):
+            os.kill(w["Pid"], 0)
+    assert _leftovers(pid) == []
+
+
+async def test_port_in_use_is_an_error(backends):
+    serve = await Serve.start("--backend", backends[0].url)
+    try:
+        port = serve.url.rsplit(":", 1)[1]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "prefixroute.server.cli", "--workers", "2", "--port", port, "--admin-port", "0",
+            "--backend", backends[0].url, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 1 and out == b""
+        assert b"error: cannot listen on 127.0.0.1:" + port.encode() in err
+    finally:
+        assert await serve.stop() == 0
