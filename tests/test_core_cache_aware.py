@@ -1,14 +1,17 @@
 """CACHE_AWARE: chained blocks, bounded LRU view, threshold rule, replica agreement."""
 
+import bisect
 import random
+
+import xxhash
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.core.cache_aware import ApproxPrefixCache, CacheAwareStrategy
+from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy
 from prefixroute.core.config import ConfigError, RoutingConfig
-from prefixroute.core.keys import byte_block_hashes, openai_block_hashes, openai_route, text_block_hashes
+from prefixroute.core.keys import block_ends, byte_block_hashes, openai_block_hashes, openai_route, text_block_hashes
 from prefixroute.core.pool import VariantPool
 from prefixroute.core.strategies import DecisionKind
 
@@ -38,14 +41,37 @@ def test_block_hashes_cap_and_scope():
     assert byte_block_hashes(b"y" * 130, 64, 4096, "ep")[:2] == byte_block_hashes(b"y" * 200, 64, 4096, "ep")[:2]
 
 
-@settings(max_examples=100)
-@given(common=st.text(min_size=0, max_size=400), a=st.text(max_size=100), b=st.text(max_size=100))
+@settings(max_examples=200)
+@given(common=st.text(min_size=0, max_size=3000), a=st.text(max_size=100), b=st.text(max_size=100))
 def test_shared_prefix_shares_exactly_its_full_blocks(common, a, b):
     ha = text_block_hashes(common + "\x00" + a, 16, 10_000, "m")
     hb = text_block_hashes(common + "\x01" + b, 16, 10_000, "m")
-    full = len(common) // 16
+    # blocks are counted in UTF-8 bytes on the doubling schedule of block_ends
+    full = bisect.bisect_right(block_ends(16, 40_000), len(common.encode("utf-8", "surrogatepass")))
     assert ha[:full] == hb[:full]
-    assert ha[full] != hb[full]
+    assert ha[full] != hb[full]  # the block holding the first difference, and every later one
+    assert not set(ha[full:]) & set(hb[full:])
+
+
+def test_block_schedule_doubles_every_sixteen_blocks():
+    ends = block_ends(64, 131_072)
+    assert ends[:3] == (64, 128, 192) and ends[15] == 1024
+    assert ends[16] - ends[15] == 128 and ends[32] - ends[31] == 256
+    # 64 KB of text is 96 full blocks plus a partial one
+    chain = text_block_hashes("q" * 65_536, 64, 131_072, "m")
+    assert len(chain) == 97 and chain.ends[-1] == 65_536 and chain.ends[-2] == 64_512
+    assert sum(chain.sizes()) == 65_536
+    # past the first 16 blocks, a block is at most 1/8 of the text before it
+    assert all((e - s) * 8 <= max(s, 64 * 8) for s, e in zip((0,) + ends, ends))
+
+
+def test_chain_reads_lazily_and_agrees_with_the_streaming_pass():
+    text = "".join(f"line {i} " for i in range(3000))
+    lazy = text_block_hashes(text, 64, 131_072, "m")
+    lazy_values = [lazy[k] for k in (len(lazy) - 1, 0, 17, -2)]
+    full = text_block_hashes(text, 64, 131_072, "m").hashes()
+    assert lazy_values == [full[-1], full[0], full[17], full[-2]]
+    assert xxhash.xxh3_64_intdigest(text.encode()[:64], lazy.root) == full[0]
 
 
 def test_openai_route_gives_blocks_only_for_cache_aware():
@@ -110,7 +136,9 @@ def test_memory_stays_within_budget_over_a_million_routed_requests():
     assert all(len(c) == budget for c in strategy.caches.values())
     stats = strategy.stats()
     assert stats["approx_cache_blocks"] == 4 * budget
-    assert stats["approx_cache_bytes"] == stats["approx_cache_blocks"] * 132
+    assert stats["approx_cache_bytes"] == stats["approx_cache_blocks"] * BYTES_PER_BLOCK_ENTRY
+    # the fleet-wide index holds exactly the blocks some view remembers
+    assert set(strategy._index) == {h for c in strategy.caches.values() for h in c.lru_order()}
 
 
 # -- decisions -------------------------------------------------------------------------
@@ -274,3 +302,47 @@ def test_config_validation():
     cfg = ca(threshold=5, block_size=128)
     assert RoutingConfig.model_validate(cfg.to_api()) == cfg
     assert cfg.concurrency_threshold == 5
+
+
+def test_fleet_index_gives_every_instance_its_own_match():
+    # Differential: the one binary search over the fleet-wide index must find, for every
+    # instance, the match its own LRU view reports.
+    urls = [f"http://10.0.0.{i}:8000" for i in range(9)]
+    pool = VariantPool("v", urls, ca(threshold=3, instance_cache_tokens=4_000))
+    strategy = pool.strategy
+    rng = random.Random(3)
+    bases = ["s" * 700, "t" * 3000, "u" * 64]
+    live = []
+    for i in range(3000):
+        text = rng.choice(bases) + f"|{rng.randrange(40)}|" + "v" * rng.randrange(0, 6000)
+        blocks = text_block_hashes(text, 64, 131_072, "m")
+        held0 = strategy._index.get(blocks[0], 0)
+        levels = strategy._levels(blocks, held0) if held0 else []
+        for inst in pool.instances:
+            bit = strategy._bits.get(inst.instance_id, 0)
+            want = strategy.caches[inst.instance_id].match(blocks) if inst.instance_id in strategy.caches else 0
+            got = next((d for m, d in levels if m & bit), 0)
+            assert got == want
+        live.append(pool.acquire(None, blocks=blocks))
+        if len(live) > 10:
+            live.pop(rng.randrange(len(live))).release()
+    assert all(c.used <= strategy.capacity_units for c in strategy.caches.values())
+
+
+def test_reported_memory_matches_what_the_views_take():
+    # prefixroute_approx_cache_bytes = blocks x BYTES_PER_BLOCK_ENTRY: within 25 % of the
+    # memory tracemalloc sees the views and the index take.
+    import tracemalloc
+
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    pool = VariantPool("v", URLS, ca(threshold=1024, instance_cache_tokens=200_000))
+    for i in range(400):
+        text = f"doc {i} " + "lorem ipsum " * 700 + f"question {i}"
+        pool.acquire(None, blocks=text_block_hashes(text, 64, 131_072, "m")).release()
+    strategy = pool.strategy
+    blocks = strategy.stats()["approx_cache_blocks"]
+    taken = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert blocks > 10_000
+    assert abs(strategy.stats()["approx_cache_bytes"] - taken) <= 0.25 * taken, (taken, blocks)

@@ -7,49 +7,71 @@ routers of the field fix that with a per-instance prefix tree but ignore load or
 by coarse thresholds, grow without bound, send every miss to the same instance, and
 disagree when several router replicas run (SPEC §5). This strategy:
 
-1. **Chained blocks.** The routing text is cut into blocks of ``BlockSize`` units whose
-   hashes chain (:func:`prefixroute.core.keys.text_block_hashes`), up to
-   ``MaxPrefixLength``: a block matches only if everything before it matches too.
+1. **Chained blocks.** The routing text is cut into blocks whose hashes chain
+   (:class:`prefixroute.core.keys.BlockChain`), up to ``MaxPrefixLength``: a block
+   matches only if everything before it matches too. Blocks are ``BlockSize`` units for
+   the first 16 and then double every 16 blocks (64 KB of text is 97 blocks), so a long
+   prompt costs a few dozen hashes and index entries, and a match is still known to
+   within 1/8 of its length.
 2. **Bounded approximate cache per instance.** :class:`ApproxPrefixCache` remembers the
-   blocks routed to each instance, an LRU bounded by ``InstanceCacheTokens`` (set near
-   the engine's KV capacity, so the view forgets roughly when the engine does). Blocks
-   are touched deepest-first, so a prefix's parents are always more recent than its
-   children and eviction removes the tails first (as vLLM frees blocks in reverse): the
-   set of a chain's remembered blocks is always a prefix, and a match is a binary search.
+   blocks routed to each instance, an LRU bounded by the text they cover
+   (``InstanceCacheTokens`` x 4 characters, set near the engine's KV capacity, so the
+   view forgets roughly when the engine does). Blocks are touched deepest-first, so a
+   prefix's parents are always more recent than its children and eviction removes the
+   tails first (as vLLM frees blocks in reverse): the remembered blocks of a chain
+   always form a prefix. A fleet-wide index maps each block hash to the bitmask of
+   instances holding it, so one binary search over the request's chain finds every
+   instance's match at once (a few xxh3 passes, whatever the number of instances).
 3. **Threshold first.** An instance at or over ``ConcurrencyThreshold`` in flight never
    gets a request while another is below it; when all are at it, the least outstanding
    one does (``all_busy``).
-4. **Prefill saved against load.** Among the instances below the threshold, each scores
-   ``matched_blocks - LoadWeight x load``, where load is the larger of the router's own
+4. **Placement by rendezvous.** A prefix no candidate holds meaningfully more of than
+   the others (the longest and the shortest match within ``LoadWeight`` blocks: a new
+   prefix, or only a shared header) is placed on the first instance below the threshold
+   in the rendezvous order of its first block past the longest match: new prefixes
+   spread over the fleet (never "the same instance on every miss"), and independent
+   router replicas place them identically whatever their load views.
+5. **Prefill saved against load.** Otherwise the "homes" are the instances below the
+   threshold whose match is within ``LoadWeight`` blocks of the longest; each scores
+   ``matched_blocks - LoadWeight x load``, load being the larger of the router's own
    in-flight count and what the engine reports running plus waiting (so replicas see
    each other's load when engine metrics are scraped). The cost model follows NVIDIA
-   Dynamo's "prefill blocks not cached + load" idea, in blocks.
-5. **Rendezvous placement and tie-breaks.** A prefix no instance below the threshold
-   holds meaningfully more of than the others (within ``LoadWeight`` blocks) is
-   placed on the first of them in the rendezvous order of its first block past the
-   longest match:
-   new prefixes spread over the fleet (never "the same instance on every miss"), and
-   independent router replicas place them identically whatever their load views.
-   Otherwise every instance within two requests' worth (``2 x LoadWeight``) of the
-   best score is a candidate; among them the longest match wins, matches within
-   ``LoadWeight`` blocks of it counting as equal, and equal ones go to the highest
-   rendezvous score for the request's first block beyond the longest match —
-   conversations that share only a system prompt or a short header spread out.
+   Dynamo's "prefill blocks not cached + load" idea, in blocks. The best home (homes
+   within ``TIE_REQUESTS`` requests' worth of it tie, broken by rendezvous) gets the
+   request unless the instance rule 4 would pick scores higher by more than
+   ``TIE_REQUESTS`` requests' worth: then that one does (``overflow``). Conversations
+   that share only a system prompt thus spread out once its holder is busy, and a
+   hot document overflows to the same second instance on every replica.
 
-Decision kinds: ``affinity`` (the chosen instance has the longest match anywhere, or
-nothing matched anywhere), ``overflow`` (a longer match existed but its instance was at
-the threshold or too loaded), ``all_busy``, ``fallback`` (no blocks: an empty prompt).
+Decision kinds: ``affinity`` (a home, or the first choice of a placement), ``overflow``
+(a longer match existed but its instance was at the threshold or too loaded, or the
+placement's first choice was at the threshold), ``all_busy``, ``fallback`` (no blocks:
+an empty prompt).
 """
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from itertools import repeat
 from typing import Sequence
 
+import xxhash
+
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
-from prefixroute.core.hashing import rendezvous_score
+from prefixroute.core.keys import BlockChain
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, register
+
+_xxh3 = xxhash.xxh3_64_intdigest
+
+
+def _value_of(bit: int, levels: Sequence[tuple[int, int]], values: Sequence[float]) -> float:
+    """``values[l]`` of the first level whose mask holds ``bit`` (0.0 if none)."""
+    for (m, _), v in zip(levels, values):
+        if bit & m:
+            return v
+    return 0.0
+
 
 __all__ = ["ApproxPrefixCache", "CacheAwareStrategy", "BYTES_PER_BLOCK_ENTRY", "TIE_REQUESTS"]
 
@@ -58,25 +80,37 @@ __all__ = ["ApproxPrefixCache", "CacheAwareStrategy", "BYTES_PER_BLOCK_ENTRY", "
 #: by a request or two; treating those as ties keeps their choices identical.
 TIE_REQUESTS = 2.0
 
-#: Approximate memory of one remembered block: an OrderedDict entry (~100 B on CPython
-#: 3.11, measured with tracemalloc over 1e6 entries) plus the int key (32 B).
-BYTES_PER_BLOCK_ENTRY = 132
+#: Approximate memory of one remembered block: its OrderedDict entry, the int hash, the
+#: int size, and its share of the fleet-wide index (a dict slot and a bitmask), measured
+#: with tracemalloc by ``bench/cache_memory.py`` on views filled to their default budget
+#: (33.9 MiB for 244,590 blocks on CPython 3.11).
+BYTES_PER_BLOCK_ENTRY = 145
 
 
 class ApproxPrefixCache:
-    """The router's view of one instance's prefix cache: an LRU set of block hashes.
+    """The router's view of one instance's prefix cache: an LRU of block hashes, bounded
+    by the routing-text units (characters) its blocks cover.
 
     Args:
-        capacity_blocks: most blocks remembered (>= 1).
+        capacity: most units remembered (>= 1); a block with no size given counts 1.
+        index: optional fleet-wide index ``block hash -> bitmask of instances holding
+            it``, kept up to date on every insertion and eviction.
+        bit: this instance's bit in ``index``.
+
+    Raises:
+        ValueError: ``capacity`` < 1.
     """
 
-    __slots__ = ("capacity", "_lru")
+    __slots__ = ("capacity", "used", "_lru", "_index", "_bit")
 
-    def __init__(self, capacity_blocks: int) -> None:
-        if capacity_blocks < 1:
-            raise ValueError(f"capacity_blocks must be >= 1, got {capacity_blocks}")
-        self.capacity = capacity_blocks
-        self._lru: OrderedDict[int, None] = OrderedDict()
+    def __init__(self, capacity: int, index: dict[int, int] | None = None, bit: int = 0) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self.capacity = capacity
+        self.used = 0
+        self._lru: OrderedDict[int, int] = OrderedDict()
+        self._index = index
+        self._bit = bit
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -103,20 +137,51 @@ class ApproxPrefixCache:
                 hi = mid
         return lo
 
-    def insert(self, blocks: Sequence[int]) -> None:
-        """Remember ``blocks`` as most recent, deepest first, then evict LRU blocks over
+    def insert(self, blocks: Sequence[int], sizes: Sequence[int] | None = None) -> None:
+        """Remember ``blocks`` (each of ``sizes[k]`` units, default 1) as most recent,
+        deepest first, then evict least recently used blocks until the total is within
         capacity. When a chain is longer than the capacity only its head is kept."""
         lru = self._lru
         move = lru.move_to_end
-        for h in reversed(blocks):
+        index, bit = self._index, self._bit
+        used = self.used
+        hashes = blocks.hashes() if isinstance(blocks, BlockChain) else blocks
+        k = len(hashes)
+        while k:
+            k -= 1
+            h = hashes[k]
             if h in lru:
                 move(h)
             else:
-                lru[h] = None
-        over = len(lru) - self.capacity
+                size = sizes[k] if sizes is not None else 1
+                lru[h] = size
+                used += size
+                if index is not None:
+                    index[h] = index.get(h, 0) | bit
         pop = lru.popitem
-        for _ in range(over):
-            pop(last=False)
+        while used > self.capacity:
+            h, size = pop(last=False)
+            used -= size
+            if index is not None:
+                self._unindex(h)
+        self.used = used
+
+    def _unindex(self, h: int) -> None:
+        index = self._index
+        assert index is not None
+        rest = index.get(h, 0) & ~self._bit
+        if rest:
+            index[h] = rest
+        else:
+            index.pop(h, None)
+
+    def clear(self) -> None:
+        """Forget everything (and drop this instance from the index)."""
+        if self._index is not None:
+            for h in self._lru:
+                self._unindex(h)
+        self._lru.clear()
+        self.used = 0
 
     def lru_order(self) -> list[int]:
         """Blocks from least to most recently used (for tests and debugging)."""
@@ -125,7 +190,13 @@ class ApproxPrefixCache:
 
 @register
 class CacheAwareStrategy(Strategy):
-    """``CACHE_AWARE`` (see the module docstring for the rule and its sources)."""
+    """``CACHE_AWARE`` (see the module docstring for the rule and its sources).
+
+    State: one :class:`ApproxPrefixCache` per instance and a fleet-wide index from block
+    hash to the bitmask of instances holding it, so one binary search over a request's
+    chain finds every instance's match at once (a few xxh3 passes and dict lookups,
+    whatever the number of instances).
+    """
 
     name = RoutingStrategy.CACHE_AWARE
 
@@ -136,63 +207,183 @@ class CacheAwareStrategy(Strategy):
         self.threshold = ca.concurrency_threshold
         self.load_weight = ca.load_weight
         self.tie_requests = TIE_REQUESTS
-        self.capacity_blocks = ca.instance_cache_blocks
+        self.block_size = ca.block_size
+        #: Units (characters) each instance's view may cover: InstanceCacheTokens x 4.
+        self.capacity_units = ca.instance_cache_tokens * 4
+        #: Most blocks one view can hold (all of the smallest size).
+        self.capacity_blocks = max(1, self.capacity_units // ca.block_size)
         self.caches: dict[str, ApproxPrefixCache] = {}
+        self._index: dict[int, int] = {}
+        self._bits: dict[str, int] = {}
+        self._free: list[int] = []
+        self._next_slot = 0
+        self._bits_src: Sequence[InstanceState] | None = None
+        self._bits_list: list[int] = []
+        self._bits_mask = 0
+        self._by_bit: dict[int, InstanceState] = {}
+
+    # -- state ------------------------------------------------------------------------
 
     def _cache(self, inst: InstanceState) -> ApproxPrefixCache:
         cache = self.caches.get(inst.instance_id)
         if cache is None:
-            cache = self.caches[inst.instance_id] = ApproxPrefixCache(self.capacity_blocks)
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot, self._next_slot = self._next_slot, self._next_slot + 1
+            bit = 1 << slot
+            self._bits[inst.instance_id] = bit
+            cache = self.caches[inst.instance_id] = ApproxPrefixCache(self.capacity_units, self._index, bit)
         return cache
+
+    def _levels(self, blocks: Sequence[int], held0: int) -> list[tuple[int, int]]:
+        """``[(instances bitmask, matched blocks), ...]``, longest match first: every
+        instance holding ``blocks[0]`` appears in exactly one level."""
+        index = self._index
+        levels: list[tuple[int, int]] = []
+        remaining, hi = held0, len(blocks)
+        while remaining:
+            lo = 0  # blocks[lo] is held by someone in `remaining`; blocks[hi:] by none
+            top = hi - 1
+            if index.get(blocks[top], 0) & remaining:
+                lo = top
+            else:
+                miss = top
+                while miss - lo > 1:
+                    mid = (lo + miss) >> 1
+                    if index.get(blocks[mid], 0) & remaining:
+                        lo = mid
+                    else:
+                        miss = mid
+            holders = index.get(blocks[lo], 0) & remaining
+            levels.append((holders, lo + 1))
+            remaining &= ~holders
+            hi = lo
+        return levels
+
+    # -- decisions --------------------------------------------------------------------
+
+    def _bits_of(self, insts: Sequence[InstanceState]) -> tuple[list[int], int, dict[int, InstanceState]]:
+        """Each instance's bit in the index (0 for one never routed to), their union and
+        the instance of each bit; cached for the pool's candidate tuple, which stays the
+        same object until membership or health changes."""
+        if insts is self._bits_src:
+            return self._bits_list, self._bits_mask, self._by_bit
+        get = self._bits.get
+        out = [get(c.instance_id, 0) for c in insts]
+        mask = 0
+        for b in out:
+            mask |= b
+        by_bit = dict(zip(out, insts))
+        if type(insts) is tuple and all(out):
+            self._bits_src, self._bits_list, self._bits_mask, self._by_bit = insts, out, mask, by_bit
+        return out, mask, by_bit
 
     def choose(
         self, key: int | None, candidates: Sequence[InstanceState], blocks: Sequence[int] = ()
     ) -> tuple[InstanceState, DecisionKind]:
-        if not blocks:
+        n = len(blocks)
+        if not n:
             return least_outstanding(candidates, self.rng), DecisionKind.FALLBACK
-        threshold = self.threshold
-        caches = self.caches
-        matches = [caches[c.instance_id].match(blocks) if c.instance_id in caches else 0 for c in candidates]
-        best_match = max(matches)
-        eligible = [i for i, c in enumerate(candidates) if c.in_flight < threshold]
-        if not eligible:
-            return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
+        held0 = self._index.get(blocks[0], 0)
+        bits, cmask, by_bit = self._bits_of(candidates)
+        if not held0 & cmask:  # no candidate holds even the first block: a new prefix
+            return self._place(blocks[0], candidates, 0.0, bits, ())
+        # Levels of candidates holding part of the chain, longest match first, with the
+        # match in BlockSize units (a chain's later blocks are longer), so LoadWeight
+        # keeps its meaning whatever the block schedule.
+        levels = [(m & cmask, d) for m, d in self._levels(blocks, held0) if m & cmask]
+        if isinstance(blocks, BlockChain):
+            ends, shift, bs = blocks.ends, blocks.unit_shift, self.block_size
+            units = [(ends[d - 1] >> shift) / bs for _, d in levels]
+        else:
+            units = [float(d) for _, d in levels]
+        top = units[0]
+        covered = 0
+        for m, _ in levels:
+            covered |= m
+        common = 0.0 if cmask & ~covered else units[-1]
         w = self.load_weight
-        held_anywhere = max(matches[i] for i in eligible)
-        common = min(matches[i] for i in eligible)
-        if held_anywhere - common <= w:
-            # No instance holds meaningfully more than the others (a new prefix, or only a
-            # shared header): place by rendezvous order of the first block past the longest
-            # match, bounded by the threshold only. Load views differ between router
-            # replicas; this choice does not depend on them, so replicas agree.
-            anchor = blocks[min(held_anywhere, len(blocks) - 1)]
-            chosen = max(eligible, key=lambda i: rendezvous_score(anchor, candidates[i].token))
-            return candidates[chosen], (DecisionKind.OVERFLOW if matches[chosen] < best_match
-                                        else DecisionKind.AFFINITY)
-        scores = {i: matches[i] - w * max(candidates[i].in_flight, candidates[i].engine_load) for i in eligible}
-        top = max(scores.values())
-        band = [i for i in eligible if scores[i] >= top - w * self.tie_requests]
-        # Within the band the longest match wins, but matches within one request's worth
-        # (LoadWeight blocks) of it count as equal: a shared header of a block or two must
-        # not decide. Equal ones go by rendezvous score of the first block beyond the
-        # longest match, so the choice depends on what is new in this request and is the
-        # same on every replica whose load view is close.
-        held = max(matches[i] for i in band)
-        band = [i for i in band if matches[i] >= held - w]
-        anchor = blocks[min(held, len(blocks) - 1)]
-        chosen = max(band, key=lambda i: rendezvous_score(anchor, candidates[i].token))
-        kind = DecisionKind.OVERFLOW if matches[chosen] < best_match else DecisionKind.AFFINITY
-        return candidates[chosen], kind
+        anchor = blocks[min(levels[0][1], n - 1)]  # the first block past the longest match
+        if top - common <= w:
+            # No instance holds meaningfully more than the others (only a shared header,
+            # or the same on all): placed like a new prefix, by the rendezvous order of
+            # what is new in it. Independent of load views, so router replicas agree.
+            return self._place(anchor, candidates, top, bits, levels, units)
+        # Some instances hold meaningfully more ("homes": within LoadWeight of the
+        # longest match). The best home (match - LoadWeight x load, ties within
+        # TIE_REQUESTS requests by rendezvous) gets the request unless the instance a
+        # new prefix would go to scores better by more than TIE_REQUESTS requests.
+        threshold = self.threshold
+        tie = w * self.tie_requests
+        homes: list[tuple[float, InstanceState]] = []
+        for (m, _), u in zip(levels, units):
+            if u < top - w:
+                break
+            while m:
+                low = m & -m
+                m ^= low
+                inst = by_bit[low]
+                if inst.in_flight < threshold:
+                    homes.append((u - w * max(inst.in_flight, inst.engine_load), inst))
+        if homes:
+            best = max(sc for sc, _ in homes)
+            # The alternative (not a home) matches at most the longest match outside
+            # the homes: when the best home beats even that with no load, skip the
+            # rendezvous pass over every candidate.
+            rest = next((u for u in units if u < top - w), 0.0)
+            if best >= rest - tie:
+                band = [inst for sc, inst in homes if sc >= best - tie]
+                home = band[0] if len(band) == 1 else band[self.rendezvous(anchor, band)]
+                return home, DecisionKind.AFFINITY
+        alt, alt_kind = self._place(anchor, candidates, top, bits, levels, units)
+        alt_match = _value_of(bits[candidates.index(alt)], levels, units)
+        alt_score = alt_match - w * max(alt.in_flight, alt.engine_load)
+        if homes:
+            if best >= alt_score - tie:
+                band = [inst for sc, inst in homes if sc >= best - tie]
+                home = band[0] if len(band) == 1 else band[self.rendezvous(anchor, band)]
+                return home, DecisionKind.AFFINITY
+        return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
+
+    def _place(self, anchor: int, candidates: Sequence[InstanceState], top: float, bits: list[int],
+               levels: Sequence[tuple[int, int]], units: Sequence[float] = ()) -> tuple[InstanceState, DecisionKind]:
+        """Rendezvous placement: the first candidate below the threshold in ``anchor``'s
+        rendezvous order (``overflow`` if that is not the first one, or holds less than
+        ``top``); ``all_busy`` (least outstanding) when every one is at it."""
+        scores = list(map(_xxh3, self.tokens(candidates), repeat(anchor)))
+        i = scores.index(max(scores))
+        threshold = self.threshold
+        if candidates[i].in_flight < threshold:
+            kind = DecisionKind.AFFINITY
+        else:
+            for i in sorted(range(len(scores)), key=scores.__getitem__, reverse=True):
+                if candidates[i].in_flight < threshold:
+                    break
+            else:
+                return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
+            kind = DecisionKind.OVERFLOW
+        if levels and _value_of(bits[i], levels, units) < top:
+            kind = DecisionKind.OVERFLOW
+        return candidates[i], kind
 
     def on_routed(self, instance: InstanceState, blocks: Sequence[int]) -> None:
         if blocks:
-            self._cache(instance).insert(blocks)
+            if isinstance(blocks, BlockChain):
+                self._cache(instance).insert(blocks, blocks.sizes())
+            else:
+                self._cache(instance).insert(blocks, [self.block_size] * len(blocks))
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.
         keep = {i.instance_id for i in instances}
         for gone in [k for k in self.caches if k not in keep]:
-            del self.caches[gone]
+            self.caches.pop(gone).clear()
+            bit = self._bits.pop(gone)
+            self._free.append(bit.bit_length() - 1)
+        for inst in instances:  # every member gets its bit now: candidate bit lists stay valid
+            self._cache(inst)
+        self._bits_src, self._bits_list = None, []
 
     def stats(self) -> dict[str, float]:
         blocks = sum(len(c) for c in self.caches.values())

@@ -13,20 +13,28 @@ Two APIs, two rules (SPEC §2, as in SageMaker's ``PREFIX_AWARE`` routing):
 
 The model name and the tenant id are always part of the key, so identical prompts
 for different models or tenants are routed independently. The key is
-``xxh3_64(seed=KEY_SEED)`` over ``model NUL tenant NUL prefix`` — deterministic across
-processes, machines and restarts (never Python's randomised ``hash()``).
+derived from ``model``, ``tenant`` and ``prefix`` only — deterministic across
+processes, machines and restarts (never Python's randomised ``hash()``): the prefix's
+``xxh3_64`` seeded with ``xxh3_64(scope NUL tenant NUL, seed=KEY_SEED)``.
 """
 
 from __future__ import annotations
 
 import base64
+from bisect import bisect_right
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import orjson
 import xxhash
 
+from prefixroute.core.config import RoutingStrategy
+
 if TYPE_CHECKING:
     from prefixroute.core.config import RoutingConfig
+
+_PREFIX_AWARE = RoutingStrategy.PREFIX_AWARE
+_CACHE_AWARE = RoutingStrategy.CACHE_AWARE
 
 __all__ = [
     "KEY_SEED",
@@ -38,6 +46,9 @@ __all__ = [
     "text_routing_key",
     "token_routing_key",
     "openai_routing_key",
+    "BLOCKS_PER_DOUBLING",
+    "block_ends",
+    "BlockChain",
     "text_block_hashes",
     "byte_block_hashes",
     "token_block_hashes",
@@ -48,6 +59,8 @@ __all__ = [
 
 #: Seed of every routing-key hash. Changing it reassigns every key, so it is fixed.
 KEY_SEED = 0x7072_6566_6978  # "prefix"
+
+_xxh3 = xxhash.xxh3_64_intdigest
 
 _TENANT_MAX = 64
 
@@ -181,30 +194,24 @@ def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> st
     size = 0
     tools = payload.get("tools")
     if tools:
-        out.append("<|tools|>\n")
-        out.append(_canonical_json(tools))
-        out.append("\n")
-        size = sum(len(x) for x in out)
+        out.append(f"<|tools|>\n{_canonical_json(tools)}\n")
+        size = len(out[0])
     for msg in messages:
         if limit is not None and size >= limit:
             break
-        start = len(out)
-        if not isinstance(msg, Mapping):
+        if type(msg) is not dict and not isinstance(msg, Mapping):
             raise InvalidRequest("each message must be an object with 'role' and 'content'")
         role = msg.get("role")
         if not isinstance(role, str):
             raise InvalidRequest("each message must have a string 'role'")
-        out.append(f"<|{role}|>\n")
+        content = msg.get("content")
+        text = content if type(content) is str else _content_text(content)
         name = msg.get("name")
-        if isinstance(name, str) and name:
-            out.append(f"name={name}\n")
-        out.append(_content_text(msg.get("content")))
         calls = msg.get("tool_calls")
-        if calls:
-            out.append(_canonical_json(calls))
-        out.append("\n")
-        if limit is not None:
-            size += sum(len(x) for x in out[start:])
+        head = f"<|{role}|>\nname={name}\n" if isinstance(name, str) and name else f"<|{role}|>\n"
+        tail = _canonical_json(calls) + "\n" if calls else "\n"
+        out += (head, text, tail)  # one copy of a long content, in the final join
+        size += len(head) + len(text) + len(tail)
     return "".join(out)
 
 
@@ -237,14 +244,15 @@ def completion_prompt(payload: Mapping[str, Any]) -> str | list[int]:
 # ----------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=4096)
+def _root(scope: str, tenant: str) -> int:
+    """Seed of every hash for one scope (model or endpoint) and tenant: ``xxh3_64`` of
+    ``scope NUL tenant NUL`` with seed :data:`KEY_SEED` (cached: a handful of models)."""
+    return _xxh3(scope.encode("utf-8", "surrogatepass") + b"\0" + tenant.encode() + b"\0", KEY_SEED)
+
+
 def _key(scope: str, tenant: str, prefix: bytes) -> int:
-    h = xxhash.xxh3_64(seed=KEY_SEED)
-    h.update(scope.encode())
-    h.update(b"\0")
-    h.update(tenant.encode())
-    h.update(b"\0")
-    h.update(prefix)
-    return h.intdigest()
+    return _xxh3(prefix, _root(scope, tenant))
 
 
 def native_routing_key(body: bytes, prefix_length: int, scope: str, tenant: str = "") -> int:
@@ -263,7 +271,9 @@ def native_routing_key(body: bytes, prefix_length: int, scope: str, tenant: str 
 
 def text_routing_key(text: str, prefix_length: int, model: str, tenant: str = "") -> int:
     """Key of extracted text: its first ``prefix_length`` **characters** (UTF-8 encoded)."""
-    return _key(model, tenant, text[:prefix_length].encode("utf-8", "surrogatepass"))
+    if len(text) > prefix_length:
+        text = text[:prefix_length]
+    return _xxh3(text.encode("utf-8", "surrogatepass"), _root(model, tenant))
 
 
 def token_routing_key(tokens: Sequence[int], prefix_length: int, model: str, tenant: str = "") -> int:
@@ -297,53 +307,161 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
 # Chained block hashes (CACHE_AWARE)
 # ----------------------------------------------------------------------------------
 
-
-def _chain(root: int, chunks: Sequence[bytes]) -> list[int]:
-    out: list[int] = []
-    h = root
-    xxh = xxhash.xxh3_64_intdigest
-    for c in chunks:
-        h = xxh(c, h)
-        out.append(h)
-    return out
+#: Blocks keep ``BlockSize`` for this many blocks, then double, and double again after as
+#: many more: block ends fall at ``BlockSize x 16 x (2**g - 1)`` after ``g`` groups. A
+#: long prompt then costs a few dozen blocks (64 KB of text: 97 with BlockSize 64, not
+#: 1,024), and a match is still known to within 1/8 of its length (a block is at most
+#: 1/8 of the text before it), finer than any prefill-time difference a routing choice
+#: can act on.
+BLOCKS_PER_DOUBLING = 16
 
 
-def text_block_hashes(text: str, block_size: int, max_length: int, model: str, tenant: str = "") -> list[int]:
-    """Chained hashes of successive ``block_size``-character blocks of ``text``.
+@lru_cache(maxsize=64)
+def block_ends(block_size: int, max_length: int) -> tuple[int, ...]:
+    """Where the full blocks of a routing text end, in units (characters/bytes), up to
+    ``max_length``: ``block_size`` each for :data:`BLOCKS_PER_DOUBLING` blocks, then
+    twice that for as many, and so on.
 
-    Block ``k``'s hash is ``xxh3_64(block_k, seed=hash_{k-1})``, rooted in the model
-    and tenant, so equal hashes at position ``k`` mean equal text up to the end of
-    block ``k`` (a match is always a true prefix match). Only the first
-    ``max_length`` characters are hashed; the last block may be shorter.
+    Raises:
+        ValueError: ``block_size`` < 1.
+    """
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    ends: list[int] = []
+    pos, size = 0, block_size
+    while pos + size <= max_length:
+        pos += size
+        ends.append(pos)
+        if len(ends) % BLOCKS_PER_DOUBLING == 0:
+            size *= 2
+    return tuple(ends)
+
+
+class BlockChain(Sequence[int]):
+    """The chained block hashes of one routing text, computed when first read.
+
+    Block ``k``'s hash is ``xxh3_64(data[:ends[k]], seed=root)``: the hash of the whole
+    text up to the end of the block, so equal hashes at position ``k`` mean equal text
+    up to there (a match is always a true prefix match; the same chaining idea as vLLM's
+    block hashes, where each block's hash includes its parent's). ``root`` folds in the
+    model (or endpoint) and the tenant.
+
+    Reading one hash costs one xxh3 pass over the prefix (about 1.5 µs for 64 KB), so a
+    strategy that binary-searches a chain reads a handful of them; :meth:`hashes`
+    computes all of them in one streaming pass (what learning needs).
+
+    Args:
+        data: the routing text's bytes (UTF-8 text, a raw body, or token ids).
+        root: the 64-bit seed of every hash of this chain.
+        ends: increasing block end offsets into ``data`` (the last may be ``len(data)``:
+            a final partial block).
+        unit_shift: block sizes in routing-text units are byte counts ``>> unit_shift``
+            (0 for text and raw bodies; 1 for token ids: 8 bytes = 4 characters' worth).
+    """
+
+    __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift")
+
+    def __init__(self, data: bytes, root: int, ends: Sequence[int], unit_shift: int = 0) -> None:
+        self._mv = memoryview(data)
+        self.root = root
+        self.ends = ends
+        self._memo: dict[int, int] = {}
+        self._all: list[int] | None = None
+        self.unit_shift = unit_shift
+
+    def __len__(self) -> int:
+        return len(self.ends)
+
+    def __getitem__(self, k):  # type: ignore[override]
+        if isinstance(k, slice):
+            return self.hashes()[k]
+        if self._all is not None:
+            return self._all[k]
+        n = len(self.ends)
+        if k < 0:
+            k += n
+        if not 0 <= k < n:
+            raise IndexError("block index out of range")
+        h = self._memo.get(k)
+        if h is None:
+            h = self._memo[k] = _xxh3(self._mv[: self.ends[k]], self.root)
+        return h
+
+    def __iter__(self):  # type: ignore[override]
+        return iter(self.hashes())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (BlockChain, list, tuple)):
+            return self.hashes() == list(other)
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"BlockChain({len(self.ends)} blocks, {self.ends[-1] if self.ends else 0} bytes)"
+
+    def hashes(self) -> list[int]:
+        """Every block's hash, in order (one streaming xxh3 pass; cached)."""
+        if self._all is None:
+            h = xxhash.xxh3_64(seed=self.root)
+            mv, prev, out = self._mv, 0, []
+            for e in self.ends:
+                h.update(mv[prev:e])
+                out.append(h.intdigest())
+                prev = e
+            self._all = out
+        return self._all
+
+    def sizes(self) -> list[int]:
+        """Each block's size in routing-text units (characters; token ids count 4)."""
+        shift, prev, out = self.unit_shift, 0, []
+        for e in self.ends:
+            out.append((e - prev) >> shift)
+            prev = e
+        return out
+
+
+
+def _chain(data: bytes, root: int, block_size: int, max_length: int, unit_shift: int = 0) -> BlockChain:
+    """Chain over ``data`` (already cut to the cap): full blocks on the schedule of
+    :func:`block_ends`, plus a final partial block when text is left over."""
+    n = len(data)
+    ends_all = block_ends(block_size, max_length)
+    full = bisect_right(ends_all, n)
+    ends = list(ends_all[:full])
+    if n and (not ends or ends[-1] < n):
+        ends.append(n)
+    return BlockChain(data, root, ends, unit_shift)
+
+
+def text_block_hashes(text: str, block_size: int, max_length: int, model: str, tenant: str = "") -> BlockChain:
+    """Chained block hashes of a routing text (see :class:`BlockChain`).
+
+    Blocks are counted in bytes of the UTF-8 text (characters, for ASCII) on the
+    schedule of :func:`block_ends`; only the first ``max_length`` characters are hashed
+    and the last block may be partial. Rooted in the model and the tenant.
 
     Returns:
-        One unsigned 64-bit hash per block (empty for empty text).
+        A :class:`BlockChain` (a sequence of unsigned 64-bit hashes; empty for empty text).
     """
-    head = text[:max_length]
-    root = _key(model, tenant, b"")
-    return _chain(root, [head[i:i + block_size].encode("utf-8", "surrogatepass")
-                         for i in range(0, len(head), block_size)])
+    data = text[:max_length].encode("utf-8", "surrogatepass")
+    return _chain(data, _root(model, tenant), block_size, 4 * max_length)  # UTF-8: <= 4 bytes a character
 
 
-def byte_block_hashes(body: bytes, block_size: int, max_length: int, scope: str, tenant: str = "") -> list[int]:
-    """Chained hashes of successive ``block_size``-byte blocks of a raw body (native API)."""
-    head = bytes(body[:max_length])
-    root = _key(scope, tenant, b"")
-    return _chain(root, [head[i:i + block_size] for i in range(0, len(head), block_size)])
+def byte_block_hashes(body: bytes, block_size: int, max_length: int, scope: str, tenant: str = "") -> BlockChain:
+    """Chained block hashes of a raw body's first ``max_length`` bytes (native API)."""
+    return _chain(bytes(body[:max_length]), _root(scope, tenant), block_size, max_length)
 
 
 def token_block_hashes(tokens: Sequence[int], block_size: int, max_length: int, model: str,
-                       tenant: str = "") -> list[int]:
+                       tenant: str = "") -> BlockChain:
     """Chained block hashes of a token-id prompt: ``block_size // 4`` tokens per block
     (a token is about 4 characters), at most ``max_length // 4`` tokens."""
     per = max(1, block_size // 4)
     head = tokens[: max(1, max_length // 4)]
-    root = _key(model, tenant, b"\1")
-    return _chain(root, [b"".join((t & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") for t in head[i:i + per])
-                         for i in range(0, len(head), per)])
+    data = b"".join((t & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") for t in head)
+    return _chain(data, _xxh3(b"\1", _root(model, tenant)), per * 8, max(1, max_length // 4) * 8, unit_shift=1)
 
 
-def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int, max_length: int) -> list[int]:
+def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int, max_length: int) -> BlockChain:
     """Chained block hashes of an OpenAI request body (see :func:`text_block_hashes`).
 
     Raises:
@@ -361,7 +479,7 @@ def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int,
     return token_block_hashes(prompt, block_size, max_length, model, tenant)
 
 
-def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig") -> tuple[int | None, list[int]]:
+def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig") -> tuple[int | None, Sequence[int]]:
     """What the variant's strategy needs from an OpenAI request: ``(key, blocks)``.
 
     ``PREFIX_AWARE`` gets a key, ``CACHE_AWARE`` chained block hashes, the others
@@ -370,24 +488,20 @@ def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig
     Raises:
         InvalidRequest: a malformed field.
     """
-    from prefixroute.core.config import RoutingStrategy
-
-    if routing.strategy is RoutingStrategy.PREFIX_AWARE and routing.prefix_aware is not None:
+    if routing.strategy is _PREFIX_AWARE and routing.prefix_aware is not None:
         return openai_routing_key(payload, chat, routing.prefix_aware.prefix_length), []
-    if routing.strategy is RoutingStrategy.CACHE_AWARE and routing.cache_aware is not None:
+    if routing.strategy is _CACHE_AWARE and routing.cache_aware is not None:
         ca = routing.cache_aware
         return None, openai_block_hashes(payload, chat, ca.block_size, ca.max_prefix_length)
     openai_routing_key(payload, chat, 1)  # validation only: renders at most one message
     return None, []
 
 
-def native_route(body: bytes, scope: str, tenant: str, routing: "RoutingConfig") -> tuple[int | None, list[int]]:
+def native_route(body: bytes, scope: str, tenant: str, routing: "RoutingConfig") -> tuple[int | None, Sequence[int]]:
     """``(key, blocks)`` of a native request for the variant's strategy (never raises)."""
-    from prefixroute.core.config import RoutingStrategy
-
-    if routing.strategy is RoutingStrategy.PREFIX_AWARE and routing.prefix_aware is not None:
+    if routing.strategy is _PREFIX_AWARE and routing.prefix_aware is not None:
         return native_routing_key(body, routing.prefix_aware.prefix_length, scope, tenant), []
-    if routing.strategy is RoutingStrategy.CACHE_AWARE and routing.cache_aware is not None:
+    if routing.strategy is _CACHE_AWARE and routing.cache_aware is not None:
         ca = routing.cache_aware
         return None, byte_block_hashes(body, ca.block_size, ca.max_prefix_length, scope, tenant)
     return None, []

@@ -39,7 +39,7 @@ import hmac
 import inspect
 import io
 import logging
-import socket
+import select
 import time
 import weakref
 from dataclasses import dataclass
@@ -77,7 +77,6 @@ _MODELS_TIMEOUT_S = 30.0  # GET /v1/models is not inference: it answers at once 
 _UploadTracker: Any = getattr(aiohttp, "UploadTracker", None)
 if _UploadTracker is not None and "upload_tracker" not in inspect.signature(aiohttp.ClientSession._request).parameters:
     _UploadTracker = None
-_MSG_PEEK_NOWAIT = socket.MSG_PEEK | getattr(socket, "MSG_DONTWAIT", 0)
 
 
 class Api(enum.Enum):
@@ -119,26 +118,21 @@ class RoutedRequest:
 
 
 def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
-    """True if the peer already closed (or reset) this idle connection: a non-blocking
-    ``MSG_PEEK`` read sees end-of-file, an error, or bytes nobody asked for."""
+    """True if the peer already closed (or reset) this idle connection: its socket is
+    readable (end-of-file, an error, or bytes nobody asked for) though no request is
+    outstanding on it. One ``poll`` with a zero timeout: no syscall that reads."""
     if transport is None or transport.is_closing():
         return True
     sock = transport.get_extra_info("socket")
     if sock is None:
         return False
     try:
-        probe = socket.socket(fileno=sock.fileno())
-    except OSError:
-        return False
-    try:
-        probe.recv(1, _MSG_PEEK_NOWAIT)
-    except BlockingIOError:
-        return False  # open and idle: nothing to read
-    except OSError:
-        return True  # reset
-    finally:
-        probe.detach()
-    return True  # b"" (closed) or unsolicited bytes: not reusable
+        fd = sock.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN | select.POLLPRI)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
 
 
 class PoolConnector(aiohttp.TCPConnector):
@@ -281,7 +275,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
-                lease = pool.acquire(rr.key, exclude, rr.blocks)
+                lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
             except NoHealthyInstance as exc:
                 code = 503
                 if exclude:
@@ -289,6 +283,10 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                                   f"request (tried {', '.join(sorted(exclude))})", "upstream_unavailable",
                                   base_headers)
                 return _error(rr.api, 503, str(exc), "no_healthy_instance", base_headers)
+            if rr.blocks:
+                # CACHE_AWARE learns what it sent once the request is on its way (the next
+                # loop turn, after aiohttp wrote it), off this request's latency path.
+                asyncio.get_running_loop().call_soon(pool.learn, lease.decision.instance, rr.blocks)
             if retry is not None:
                 m.retries.labels(rr.endpoint, variant, retry).inc()
             try:
@@ -420,13 +418,19 @@ async def _relay(
     idle_s = state.settings.stream_idle_timeout_s
     first = True
     tail = b""
-    chunks = upstream.content.iter_any().__aiter__()
+    content = upstream.content
+    loop = asyncio.get_running_loop()
     while True:
         try:
-            async with asyncio.timeout(idle_s):
-                chunk = await chunks.__anext__()
-        except StopAsyncIteration:
-            break
+            # What is already buffered needs no timer; otherwise wait at most idle_s.
+            chunk = content.read_nowait()
+            if not chunk:
+                if content.at_eof():
+                    break
+                async with asyncio.timeout_at(loop.time() + idle_s):
+                    chunk = await content.readany()
+                if not chunk:
+                    break
         except _UPSTREAM_ERRORS as exc:
             await _end_broken(state, rr, resp, instance, exc, sse, tail, idle_s)
             return resp, STREAM_ABORTED
