@@ -1,0 +1,307 @@
+"""The overhead benchmark's parts on real processes: the fast backend's answers (the
+``openai`` client, SSE framing, chunked and pipelined request bodies), the wrk script
+cycling through its bodies (as the backend saw them), and one measurement through
+``prefixroute serve``.
+
+wrk is the benchmark's load generator (Debian package ``wrk``); the tests that drive
+load fail, with how to install it, when it is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+import xxhash
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import fast_backend  # noqa: E402  (bench/ is a folder of scripts, not a package)
+import overhead  # noqa: E402
+import peers  # noqa: E402
+
+EVENTS = 8
+
+
+def _wrk() -> str:
+    exe = overhead.find_wrk()
+    if exe is None:
+        pytest.fail("wrk is not installed: `apt-get install -y wrk` (the overhead benchmark's load generator)")
+    return exe
+
+
+@pytest.fixture(scope="module")
+def tracker():
+    with peers.ProcessTracker() as t:
+        yield t
+
+
+@pytest.fixture(scope="module")
+def backend(tracker):
+    return overhead.start_fast_backend(tracker, 2, stream_events=EVENTS, record_bodies=True)
+
+
+@pytest.fixture(scope="module")
+def script(tracker):
+    p = tracker.path("bodies", ".lua")
+    p.write_text(overhead.WRK_SCRIPT)
+    return p
+
+
+def _exchange(url: str, raw: bytes, responses: int) -> list[tuple[bytes, bytes]]:
+    """Send ``raw`` on one connection and read ``responses`` responses (head, body),
+    bodies by Content-Length or chunked."""
+    host, port = url.removeprefix("http://").split(":")
+    out = []
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(raw)
+        buf = b""
+
+        def fill(n_min: int) -> None:
+            nonlocal buf
+            while len(buf) < n_min:
+                d = s.recv(65536)
+                assert d, "connection closed early"
+                buf += d
+
+        for _ in range(responses):
+            while b"\r\n\r\n" not in buf:
+                fill(len(buf) + 1)
+            head, buf = buf.split(b"\r\n\r\n", 1)
+            if b"transfer-encoding: chunked" in head.lower():
+                body = b""
+                while True:
+                    while b"\r\n" not in buf:
+                        fill(len(buf) + 1)
+                    line, buf = buf.split(b"\r\n", 1)
+                    size = int(line, 16)
+                    fill(size + 2)
+                    body, buf = body + buf[:size], buf[size + 2:]
+                    if size == 0:
+                        break
+            else:
+                n = int(next(ln for ln in head.split(b"\r\n") if ln.lower().startswith(b"content-length")).split(
+                    b":")[1])
+                fill(n)
+                body, buf = buf[:n], buf[n:]
+            out.append((head, body))
+    return out
+
+
+# -- the fast backend -----------------------------------------------------------------------------
+
+
+def test_fast_backend_answers_the_openai_client_on_every_port(backend):
+    for url in backend.urls:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=10)
+        chat = client.chat.completions.create(model=fast_backend.MODEL,
+                                              messages=[{"role": "user", "content": "hello"}])
+        assert chat.object == "chat.completion" and chat.model == fast_backend.MODEL
+        assert chat.choices[0].message.role == "assistant"
+        assert chat.choices[0].message.content == " ".join(["token"] * 16)
+        assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 16
+        comp = client.completions.create(model=fast_backend.MODEL, prompt="hello")
+        assert comp.object == "text_completion" and comp.choices[0].text == " ".join(["token"] * 16)
+        chunks = list(client.chat.completions.create(model=fast_backend.MODEL, stream=True,
+                                                     messages=[{"role": "user", "content": "hello"}]))
+        assert len(chunks) == EVENTS
+        assert "".join(c.choices[0].delta.content for c in chunks) == "token " * EVENTS
+        assert [c.choices[0].finish_reason for c in chunks] == [None] * (EVENTS - 1) + ["stop"]
+        texts = [c.choices[0].text for c in client.completions.create(model=fast_backend.MODEL, prompt="hi",
+                                                                        stream=True)]
+        assert texts == ["token "] * EVENTS
+        assert [m.id for m in client.models.list()] == [fast_backend.MODEL]
+
+
+async def test_fast_backend_streams_each_event_as_its_own_http_chunk(backend):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(backend.urls[0] + "/v1/chat/completions", data=b'{"stream":true}',
+                             headers={"Content-Type": "application/json"}) as resp:
+            assert resp.status == 200
+            assert resp.headers["Content-Type"] == "text/event-stream"
+            assert resp.headers["Transfer-Encoding"] == "chunked"
+            http_chunks, current = [], b""
+            async for data, end_of_http_chunk in resp.content.iter_chunks():
+                current += data
+                if end_of_http_chunk:
+                    http_chunks.append(current)
+                    current = b""
+    assert current == b""
+    assert len(http_chunks) == EVENTS + 1
+    for ev in http_chunks[:-1]:
+        assert ev.startswith(b"data: {") and ev.endswith(b"\n\n")
+        assert json.loads(ev[6:])["object"] == "chat.completion.chunk"
+    assert http_chunks[-1] == b"data: [DONE]\n\n"
+
+
+def test_fast_backend_reads_chunked_and_pipelined_bodies_on_one_connection(backend):
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "chunked"}], "stream" :\n true}'
+    parts = [body[:7], body[7:40], body[40:]]  # the stream flag is cut across chunks
+    chunked = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\nX-Trailer: 1\r\n\r\n"
+    plain = b'{"messages": [], "stream": false, "note": "\\"stream\\": true"}'
+    before = backend.stats()
+    raw = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+           b"Content-Type: application/json\r\n\r\n" + chunked
+           + b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(plain) + plain
+           + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+           + b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n")
+    (h1, b1), (h2, b2), (h3, b3), (h4, b4) = _exchange(backend.urls[1], raw, 4)
+    assert h1.startswith(b"HTTP/1.1 200") and b"text/event-stream" in h1
+    assert b1.count(b"data: {") == EVENTS and b1.endswith(b"data: [DONE]\n\n")
+    assert h2.startswith(b"HTTP/1.1 200") and json.loads(b2)["object"] == "text_completion"
+    assert h3.startswith(b"HTTP/1.1 200") and b3 == b""
+    assert h4.startswith(b"HTTP/1.1 404") and "no route" in json.loads(b4)["error"]["message"]
+    after = backend.stats()
+    digest = xxhash.xxh3_64_hexdigest(body)
+    assert after["bodies"].get(digest, 0) - before["bodies"].get(digest, 0) == 1  # de-chunked exactly
+    assert after["requests"] - before["requests"] == 2
+    port = backend.urls[1].rsplit(":", 1)[1]
+    assert after["by_port"][port] - before["by_port"].get(port, 0) == 2
+    assert after["unknown"]["GET /nowhere"] - before["unknown"].get("GET /nowhere", 0) == 1
+
+
+def test_fast_backend_get_routes(backend):
+    import urllib.request
+
+    def get(path: str) -> tuple[int, bytes]:
+        with urllib.request.urlopen(backend.urls[0] + path, timeout=5) as r:
+            return r.status, r.read()
+
+    assert get("/health") == (200, b"") and get("/ping") == (200, b"")
+    status, models = get("/v1/models")
+    assert status == 200 and json.loads(models)["data"][0]["id"] == fast_backend.MODEL
+    status, metrics = get("/metrics")
+    assert status == 200 and b"# TYPE fast_backend_requests_total counter" in metrics
+    for path in ("/info", "/get_server_info", "/server_info", "/get_model_info", "/model_info"):
+        status, info = get(path)
+        assert status == 200 and json.loads(info)["model_path"] == fast_backend.MODEL
+
+
+def test_wants_stream_finds_the_stream_key_not_the_word():
+    yes = [b'{"stream": true}', b'{"stream":true}', b'{"a": 1, "stream" :\n  true }',
+           b'{"stream": false, "x": {"stream": true}}']
+    no = [b'{"stream": false}', b'{"content": "say \\"stream\\": true"}', b'{"messages": []}', b'{"stream": "true"}',
+          b'{"stream_options": {"include_usage": true}}']
+    assert all(fast_backend.wants_stream(b) for b in yes)
+    assert not any(fast_backend.wants_stream(b) for b in no)
+    assert not fast_backend.wants_stream(b'xx{"stream": true}', 0, 10)  # only the given range counts
+
+
+# -- request bodies and wrk -------------------------------------------------------------------------
+
+
+def test_bodies_are_exact_in_size_distinct_from_the_first_prompt_byte_and_valid():
+    for size in (1024, 32 * 1024):
+        for stream in (False, True):
+            bodies = overhead.make_bodies(size, stream, 16, seed=1)
+            assert [len(b) for b in bodies] == [size] * 16
+            docs = [json.loads(b) for b in bodies]
+            assert all(d["stream"] is stream and d["model"] == fast_backend.MODEL for d in docs)
+            assert fast_backend.wants_stream(bodies[0]) is stream
+            firsts = {d["messages"][0]["content"][:16] for d in docs}
+            assert len(firsts) == 16  # HAProxy's and PREFIX_AWARE's keys differ for every body
+    assert overhead.make_bodies(1024, True, 4, seed=3) == overhead.make_bodies(1024, True, 4, seed=3)
+    with pytest.raises(ValueError, match="cannot hold"):
+        overhead.make_bodies(100, False, 1)
+    assert [overhead.parse_size(x) for x in ("1K", "32KB", "256k", "1m", "1000")] == [
+        1024, 32768, 262144, 1048576, 1000]
+
+
+def test_wrk_script_cycles_through_every_body(tracker, backend, script):
+    wrk = _wrk()
+    bodies = overhead.make_bodies(1024, False, 16, seed=7)
+    files = overhead.write_bodies(tracker.workdir / "cycle", bodies, "cycle")
+    digests = [xxhash.xxh3_64_hexdigest(b) for b in bodies]
+    before = backend.stats()
+    result = overhead.run_wrk(tracker, backend.urls[0] + "/v1/chat/completions", files, 1, 1, wrk=wrk,
+                              script=script)
+    after = backend.stats()
+    counts = [after["bodies"].get(d, 0) - before["bodies"].get(d, 0) for d in digests]
+    assert result.error_count == 0 and result.requests > 100
+    # One connection sends body 1, 2, ..., 16, 1, 2...: every body, evenly, nothing else.
+    assert min(counts) >= 1 and max(counts) - min(counts) <= 1
+    assert result.requests <= sum(counts) <= result.requests + 1  # + the one cut off at the end
+    assert after["requests"] - before["requests"] == sum(counts)
+
+
+def test_parse_wrk_output_needs_the_summary_line():
+    with pytest.raises(ValueError, match="no summary"):
+        overhead.parse_wrk_output("unable to connect to 127.0.0.1:1 Connection refused\n")
+
+
+# -- one measurement through prefixroute ---------------------------------------------------------------
+
+
+def test_measure_direct_and_through_prefixroute(tracker, backend, script):
+    wrk = _wrk()
+    spec = next(r for r in overhead.router_specs(overhead.FULL) if r.label == "prefixroute CACHE_AWARE")
+    router = spec.start(tracker, backend.urls)
+    cell = overhead.Cell(1, 1024, False)
+    files = overhead.write_bodies(tracker.workdir / "measure", overhead.make_bodies(1024, False, 16), "m")
+    direct = overhead.Target(overhead.DIRECT, "none", "direct", backend.urls[0], None)
+    target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid)
+    ms = [overhead.measure(tracker, t, cell, files, 1, backend=backend, wrk=wrk, script=script)
+          for t in (direct, target)]
+    d, m = ms
+    for x in ms:
+        assert x.wrk.error_count == 0
+        assert x.wrk.requests > 50 and x.wrk.rps > 50
+        assert 0 < x.wrk.p50_ms <= x.wrk.p99_ms
+        assert x.backend_requests >= x.wrk.requests
+    assert d.router_cpu_s is None and d.router_peak_rss_bytes is None
+    assert d.instance_requests[1] == 0  # direct goes to the first port only
+    assert m.router_cpu_s > 0 and m.router_cpu_us_per_request > 0
+    assert m.router_peak_rss_bytes > 10 * 2**20 and m.peak_rss_reset
+    assert sum(m.instance_requests) == m.backend_requests  # every request reached an instance...
+    assert min(m.instance_requests) > 0  # ...and CACHE_AWARE spread the 16 prompts over both
+    assert m.backend_unknown == {}  # prefixroute sends nothing but the requests themselves
+    [rd, rm] = overhead.aggregate(ms, [direct, target])
+    assert rd.added_p50_ms is None and rm.added_p50_ms == pytest.approx(m.wrk.p50_ms - d.wrk.p50_ms)
+    run = rm.to_json()
+    assert run["router"] == "prefixroute" and run["strategy"] == "CACHE_AWARE" and run["errors"] == 0
+    assert run["throughput_rps"] > 0 and sum(run["instance_share"]) == pytest.approx(1.0)
+    tracker.stop([router.process])
+
+
+def test_settings_from_flags():
+    q = overhead.settings_from(overhead.parse_args(["--quick"]))
+    assert q == overhead.QUICK and q.concurrency == (1, 64) and q.body_sizes == (32768,)
+    s = overhead.settings_from(overhead.parse_args(["--concurrency", "2,4", "--body-sizes", "1K,2K", "--modes",
+                                                    "stream", "--duration", "3", "--rounds", "2", "--streams", "0"]))
+    assert (s.concurrency, s.body_sizes, s.streaming, s.duration_s, s.rounds, s.streams) == (
+        (2, 4), (1024, 2048), (True,), 3, 2, 0)
+    assert overhead.settings_from(overhead.parse_args([])) == overhead.FULL
+    with pytest.raises(SystemExit):
+        overhead.select_routers(overhead.router_specs(overhead.FULL), "no-such-router")
+    labels = [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "prefixroute")]
+    assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
+                      "prefixroute CACHE_AWARE", "prefixroute CACHE_AWARE --workers 2"]
+
+
+def test_process_tree_readings_of_this_process():
+    import os
+
+    assert overhead.process_tree(os.getpid())[0] == os.getpid()
+    assert overhead.tree_cpu_seconds(os.getpid()) > 0
+    assert overhead.tree_peak_rss_bytes(os.getpid()) > 10 * 2**20
+    assert overhead.process_tree(2**22 + 12345) == []
+
+
+async def test_streams_client_counts_completed_streams(tracker):
+    slow = overhead.start_fast_backend(tracker, 1, stream_events=3, stream_delay_ms=200)
+    res = overhead.StreamsResult("direct", 40)
+    bodies = overhead.make_bodies(1024, True, 4)
+    await overhead._streams_client(slow.urls[0] + "/v1/chat/completions", bodies, 40, 3, res, connecting=10)
+    assert res.errors == {} and res.completed == 40
+    assert res.peak_open == 40 == slow.stats()["streams_peak"]  # 3 events 200 ms apart outlast 40 connects
+    res2 = overhead.StreamsResult("direct", 5)
+    await overhead._streams_client(slow.urls[0] + "/v1/chat/completions", bodies, 5, 4, res2)
+    assert res2.completed == 0 and res2.errors == {"3 events instead of 4": 5}
+    tracker.stop([slow.process])
+    await asyncio.sleep(0)
