@@ -938,7 +938,7 @@ def run_streams_phase(tracker: ProcessTracker, s: OverheadSettings, spec: Router
         log(f"warning: RLIMIT_NOFILE is {nofile}, below the {need} that {s.streams} streams may need")
     backend = start_fast_backend(tracker, s.instances, stream_events=s.streams_events,
                                  stream_delay_ms=s.streams_delay_ms)
-    router = spec.start(tracker, backend.urls)
+    router = spec.start_retrying(tracker, backend.urls)
     res = StreamsResult(spec.label, s.streams, events_per_stream=s.streams_events, delay_ms=s.streams_delay_ms,
                         nofile_limit=nofile)
     try:
@@ -1257,7 +1257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for spec in specs:
             try:
                 st = statuses.get(spec.peer)
-                rr = spec.start(tracker, backend.urls, st.executable if st else "")
+                rr = spec.start_retrying(tracker, backend.urls, st.executable if st else "")
             except PeerError as exc:
                 skipped[spec.label] = f"did not start: {exc}"[:1000]
                 console.print(f"[red]{spec.label} did not start:[/red] {escape(str(exc))}")

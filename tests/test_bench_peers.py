@@ -163,3 +163,45 @@ def test_prefixroute_launcher_replicas_and_membership_change():
         assert results and all(not r.error for r in results)
         assert {r.instance for r in results} <= {"instance-1", "instance-2"}  # never the removed one
         assert wall > 0 and log == []
+
+
+class _BindSpec(peers.RouterSpec):
+    """A stand-in router: a real process that binds the next port of ``ports``."""
+
+    def __init__(self, ports: list[int]) -> None:
+        super().__init__("bind", "bind", "bind")
+        self.ports = ports
+
+    def start(self, tracker, backends, executable="", all_backends=(), ready_timeout_s=10.0):
+        port = self.ports.pop(0)
+        code = ("import socket, time; s = socket.socket(); s.bind(('127.0.0.1', %d)); s.listen(); "
+                "time.sleep(60)" % port)
+        proc = tracker.start("bind", [sys.executable, "-c", code])
+
+        def listening() -> bool:
+            import socket
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                return True
+            except OSError:
+                return False
+
+        proc.wait_ready(listening, ready_timeout_s)
+        return peers.RunningRouter(self, proc, f"http://127.0.0.1:{port}", backends)
+
+
+def test_a_router_that_cannot_bind_is_started_again_on_another_port(tmp_path):
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))  # held, not listening: a bind elsewhere fails with EADDRINUSE
+    busy = taken.getsockname()[1]
+    try:
+        with peers.ProcessTracker(tmp_path) as tracker:
+            spec = _BindSpec([busy, peers.free_port()])
+            router = spec.start_retrying(tracker, [])
+            assert router.url != f"http://127.0.0.1:{busy}" and spec.ports == []
+            with pytest.raises(peers.PeerError, match="in use"):
+                _BindSpec([busy, busy]).start_retrying(tracker, [], attempts=2)
+    finally:
+        taken.close()

@@ -238,24 +238,33 @@ class CacheAwareStrategy(Strategy):
 
     def _levels(self, blocks: Sequence[int], held0: int) -> list[tuple[int, int]]:
         """``[(instances bitmask, matched blocks), ...]``, longest match first: every
-        instance holding ``blocks[0]`` appears in exactly one level."""
+        instance holding ``blocks[0]`` appears in exactly one level.
+
+        The search gallops down from the end of the chain (1, 2, 4... blocks back), then
+        bisects: a follow-up request (a new question about a held document, the next
+        turn of a conversation) matches all but its last blocks and is found in two or
+        three reads, each an xxh3 pass over the prefix."""
         index = self._index
+        get = blocks.hash if isinstance(blocks, BlockChain) else blocks.__getitem__
         levels: list[tuple[int, int]] = []
         remaining, hi = held0, len(blocks)
         while remaining:
-            lo = 0  # blocks[lo] is held by someone in `remaining`; blocks[hi:] by none
-            top = hi - 1
-            if index.get(blocks[top], 0) & remaining:
-                lo = top
-            else:
-                miss = top
-                while miss - lo > 1:
-                    mid = (lo + miss) >> 1
-                    if index.get(blocks[mid], 0) & remaining:
-                        lo = mid
-                    else:
-                        miss = mid
-            holders = index.get(blocks[lo], 0) & remaining
+            lo = 0  # get(lo) is held by someone in `remaining`; nothing from hi on is
+            miss = hi
+            step = 1
+            while miss - step > lo:
+                probe = miss - step
+                if index.get(get(probe), 0) & remaining:
+                    lo = probe
+                    break
+                miss, step = probe, step * 2
+            while miss - lo > 1:
+                mid = (lo + miss) >> 1
+                if index.get(get(mid), 0) & remaining:
+                    lo = mid
+                else:
+                    miss = mid
+            holders = index.get(get(lo), 0) & remaining
             levels.append((holders, lo + 1))
             remaining &= ~holders
             hi = lo

@@ -398,6 +398,15 @@ class BlockChain(Sequence[int]):
     def __repr__(self) -> str:
         return f"BlockChain({len(self.ends)} blocks, {self.ends[-1] if self.ends else 0} bytes)"
 
+    def hash(self, k: int) -> int:
+        """Block ``k``'s hash, ``0 <= k < len(self)`` (``self[k]`` without the checks)."""
+        if self._all is not None:
+            return self._all[k]
+        h = self._memo.get(k)
+        if h is None:
+            h = self._memo[k] = _xxh3(self._mv[: self.ends[k]], self.root)
+        return h
+
     def hashes(self) -> list[int]:
         """Every block's hash, in order (one streaming xxh3 pass; cached)."""
         if self._all is None:
