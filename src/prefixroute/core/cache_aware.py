@@ -53,16 +53,12 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from itertools import repeat
 from typing import Sequence
 
-import xxhash
-
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
+from prefixroute.core.hashing import rendezvous_best, rendezvous_order
 from prefixroute.core.keys import BlockChain
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, register
-
-_xxh3 = xxhash.xxh3_64_intdigest
 
 
 def _value_of(bit: int, levels: Sequence[tuple[int, int]], values: Sequence[float]) -> float:
@@ -360,13 +356,13 @@ class CacheAwareStrategy(Strategy):
         """Rendezvous placement: the first candidate below the threshold in ``anchor``'s
         rendezvous order (``overflow`` if that is not the first one, or holds less than
         ``top``); ``all_busy`` (least outstanding) when every one is at it."""
-        scores = list(map(_xxh3, self.tokens(candidates), repeat(anchor)))
-        i = scores.index(max(scores))
+        tokens = self.tokens(candidates)
+        i = rendezvous_best(anchor, tokens)
         threshold = self.threshold
         if candidates[i].in_flight < threshold:
             kind = DecisionKind.AFFINITY
         else:
-            for i in sorted(range(len(scores)), key=scores.__getitem__, reverse=True):
+            for i in rendezvous_order(anchor, tokens)[1:]:
                 if candidates[i].in_flight < threshold:
                     break
             else:

@@ -12,18 +12,13 @@ from __future__ import annotations
 
 import enum
 import random
-from itertools import repeat
 from operator import attrgetter
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import ClassVar, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
-import xxhash
-
-from prefixroute.core.hashing import instance_token, rendezvous_order
-
-_xxh3 = xxhash.xxh3_64_intdigest
+from prefixroute.core.hashing import instance_token, rendezvous_best, rendezvous_order
 
 __all__ = [
     "DecisionKind",
@@ -113,10 +108,8 @@ class Strategy(ABC):
 
     def rendezvous(self, key: int, candidates: Sequence[InstanceState]) -> int:
         """Index of the candidate with the highest rendezvous score for ``key``
-        (:func:`prefixroute.core.hashing.rendezvous_best`; the scores are computed in C
-        by ``map``, the first wins a tie)."""
-        scores = list(map(_xxh3, self.tokens(candidates), repeat(key)))
-        return scores.index(max(scores))
+        (:func:`prefixroute.core.hashing.rendezvous_best` on the cached tokens)."""
+        return rendezvous_best(key, self.tokens(candidates))
 
     @abstractmethod
     def choose(
