@@ -15,7 +15,7 @@ really takes (measured with ``tracemalloc`` on a copy built from the final views
 
 Usage::
 
-    python bench/cache_memory.py [--requests 1000000] [--json PATH]
+    python bench/cache_memory.py [--requests 1000000] [--report-every 100000] [--json PATH]
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--instances", type=int, default=8, help="instances (default: 8)")
     p.add_argument("--documents", type=int, default=20_000, help="distinct documents (default: 20,000)")
     p.add_argument("--in-flight", type=int, default=32, help="requests in flight at a time (default: 32)")
-    p.add_argument("--report-every", type=int, default=100_000, help="print a line every N requests")
+    p.add_argument("--report-every", type=int, default=100_000, help="print a line every N requests (default: 100,000)")
     p.add_argument("--seed", type=int, default=0, help="traffic seed (default: 0)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)

@@ -633,7 +633,8 @@ def write_json(path: Path, workloads: Sequence[WorkloadSpec], descriptions: dict
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/policy_vs_peers.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
-                   help=f"short runs ({QUICK.duration_s:g} s of traffic each instead of {FULL.duration_s:g} s)")
+                   help=f"smoke run: {QUICK.duration_s:g} s of traffic per run instead of {FULL.duration_s:g} s, and "
+                        "4 replicas on the shared-prefix workload only")
     p.add_argument("--json", metavar="PATH", help="write SPEC §7 JSON (every run, plus settings and verdicts)")
     p.add_argument("--out-dir", default="prefixroute-bench", help="plots go here (default: ./prefixroute-bench)")
     p.add_argument("--no-plots", action="store_true", help="do not write plots")

@@ -50,6 +50,24 @@ def test_strategy_spellings(spelling, expected):
     assert ep.variants[0].routing.strategy is expected
 
 
+@pytest.mark.parametrize("strategy,flags,ignored", [
+    ("random", ["--concurrency-threshold", "5"], "--concurrency-threshold"),
+    ("least-outstanding-requests", ["--prefix-length", "2048"], "--prefix-length"),
+    ("random", ["--block-size", "3"], "--block-size"),  # out of range, but not this strategy's
+    ("prefix-aware", ["--prefix-length", "2048", "--concurrency-threshold", "4", "--load-weight", "2"],
+     "--load-weight"),
+    ("cache-aware", ["--concurrency-threshold", "4", "--prefix-length", "2048"], "--prefix-length"),
+])
+def test_flags_of_another_strategy_are_ignored_with_a_warning(strategy, flags, ignored, caplog):
+    with caplog.at_level("WARNING", logger="prefixroute.server"):
+        cfg = build_config(_parse("--backend", "http://h:1", "--strategy", strategy, *flags))
+    routing = cfg.endpoints[0].variants[0].routing
+    assert routing.strategy is RoutingStrategy.parse(strategy)
+    assert [r.getMessage() for r in caplog.records] == [f"{ignored} ignored with strategy {routing.strategy.value}"]
+    if routing.strategy in (RoutingStrategy.RANDOM, RoutingStrategy.LEAST_OUTSTANDING_REQUESTS):
+        assert routing.prefix_aware is None and routing.cache_aware is None
+
+
 def test_settings_defaults():
     s = build_settings(_parse("--backend", "http://h:1"))
     assert (s.host, s.port, s.admin_host, s.admin_port) == ("127.0.0.1", 8080, "127.0.0.1", None)

@@ -140,8 +140,8 @@ def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, Varian
 
 class _BodyTooLarge(Exception):
     def __init__(self, limit: int, size: int | None) -> None:
-        got = f"{size:,} bytes" if size is not None else "more"
-        super().__init__(f"request body too large: {got}; the limit is {limit:,} bytes (--max-body-size)")
+        got = f"{size:,} bytes" if size is not None else "a chunked body went past it"
+        super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:

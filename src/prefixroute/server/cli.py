@@ -83,13 +83,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "overflows to another; required with prefix-aware and cache-aware")
     g.add_argument("--block-size", type=int, metavar="N",
                    help="CACHE_AWARE BlockSize, 16-4096: characters (OpenAI API) or bytes (native API) of routing "
-                        "text per hashed block (default: 64, about one 16-token KV block)")
+                        "text per hashed block for the first 16 blocks; then blocks double every 16 "
+                        "(default: 64, about one 16-token KV block)")
     g.add_argument("--max-prefix-length", type=int, metavar="N",
                    help="CACHE_AWARE MaxPrefixLength, 1024-1048576: how much routing text is hashed into blocks "
                         "(default: 131072)")
     g.add_argument("--instance-cache-tokens", type=int, metavar="N",
                    help="CACHE_AWARE InstanceCacheTokens: prompt tokens the router remembers per instance, "
-                        "set near the engine's KV capacity; memory is about 130 bytes per 16 tokens "
+                        "set near the engine's KV capacity; memory is at most about 145 bytes per BlockSize "
+                        "characters (blocks double in length every 16, so long prompts take far less) "
                         "(default: 1200000)")
     g.add_argument("--load-weight", type=float, metavar="W",
                    help="CACHE_AWARE LoadWeight: matched blocks one extra request in flight is worth; higher "
@@ -187,10 +189,28 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
         return FleetConfig.from_yaml(text)
     if not args.backend:
         raise ConfigError("no instances: give --backend URL (repeatable) or --config PATH")
-    routing = RoutingConfig.build(args.strategy, args.prefix_length, args.concurrency_threshold,
-                                  block_size=args.block_size, max_prefix_length=args.max_prefix_length,
-                                  instance_cache_tokens=args.instance_cache_tokens, load_weight=args.load_weight)
+    strategy = RoutingStrategy.parse(args.strategy)
+    uses = _STRATEGY_FLAGS.get(strategy, set())
+    given = {flag for flag, dest in _ROUTING_FLAGS.items() if getattr(args, dest) is not None}
+    if given - uses:  # the same rule for every flag another strategy takes: warn, do not fail
+        log.warning("%s ignored with strategy %s", "/".join(sorted(given - uses)), strategy.value)
+    value = {dest: (getattr(args, dest) if flag in uses else None) for flag, dest in _ROUTING_FLAGS.items()}
+    routing = RoutingConfig.build(strategy, value["prefix_length"], value["concurrency_threshold"],
+                                  block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
+                                  instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"])
     return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
+
+
+#: Routing flags and their argparse destinations.
+_ROUTING_FLAGS = {"--prefix-length": "prefix_length", "--concurrency-threshold": "concurrency_threshold",
+                  "--block-size": "block_size", "--max-prefix-length": "max_prefix_length",
+                  "--instance-cache-tokens": "instance_cache_tokens", "--load-weight": "load_weight"}
+#: The routing flags each strategy takes (the others are ignored with a warning).
+_STRATEGY_FLAGS = {
+    RoutingStrategy.PREFIX_AWARE: {"--prefix-length", "--concurrency-threshold"},
+    RoutingStrategy.CACHE_AWARE: {"--concurrency-threshold", "--block-size", "--max-prefix-length",
+                                  "--instance-cache-tokens", "--load-weight"},
+}
 
 
 def admin_token(args: argparse.Namespace) -> str | None:
@@ -273,9 +293,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    routing = config.endpoints[0].variants[0].routing
-    if not args.config and routing.prefix_aware is not None and routing.strategy is not RoutingStrategy.PREFIX_AWARE:
-        log.warning("--prefix-length/--concurrency-threshold are ignored with strategy %s", routing.strategy.value)
     if settings.workers > 1:
         from prefixroute.server.workers import serve_workers
 

@@ -423,7 +423,9 @@ class Supervisor:
     def _on_exit(self, w: _Worker, proc: BaseProcess) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(proc.sentinel)
-        proc.join(0)
+        # The sentinel turns readable as the process closes its descriptors, an instant
+        # before it can be reaped: wait for that (bounded) so exitcode is known.
+        proc.join(1.0)
         if w.conn is not None:
             loop.remove_reader(w.conn.fileno())
             w.conn.close()
