@@ -46,7 +46,7 @@ from typing import Any
 
 import orjson
 
-from prefixroute.core.config import RoutingConfig, RoutingStrategy
+from prefixroute.core.config import RoutingConfig
 from prefixroute.core.keys import openai_route
 from prefixroute.core.pool import VariantPool
 

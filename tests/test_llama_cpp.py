@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import subprocess
 import time
 import urllib.request

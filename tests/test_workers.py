@@ -25,7 +25,6 @@ from prefixroute.core.counters import (
     InFlightTable,
     InFlightTableFull,
     SharedInstanceState,
-    config_slot_keys,
     slot_key,
 )
 from prefixroute.core.pool import VariantPool

@@ -17,7 +17,6 @@ import asyncio
 import itertools
 import signal
 import sys
-import time
 from pathlib import Path
 
 from prefixroute.core.config import ConfigError, RoutingConfig, RoutingStrategy

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
