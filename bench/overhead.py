@@ -81,7 +81,6 @@ import os
 import platform
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -102,6 +101,7 @@ from peers import (  # noqa: E402
     PeerStatus,
     PrefixrouteSpec,
     ProcessTracker,
+    run_main,
     RouterSpec,
     RunningRouter,
     SGLangRouterSpec,
@@ -1374,15 +1374,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _stop_on_signal(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 if __name__ == "__main__":
-    for _sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_sig, _stop_on_signal)
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; every process the benchmark started has been stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)

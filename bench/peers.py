@@ -806,3 +806,19 @@ class _HAProxyRouter(RunningRouter):
     def remove_backend(self, url, timeout_s=30.0):
         self._set_state(url, "maint")
         self.backends.remove(_norm(url))
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Run a benchmark's ``main`` as a program: SIGTERM and SIGHUP stop it like Ctrl-C
+    (the :class:`ProcessTracker` stops every child on the way out), exit status 130."""
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        print("interrupted; every process the benchmark started has been stopped", file=sys.stderr)
+        sys.exit(130)

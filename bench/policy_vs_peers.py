@@ -42,7 +42,6 @@ import argparse
 import asyncio
 import itertools
 import re
-import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +61,7 @@ from peers import (  # noqa: E402  (bench/ is a folder of scripts, not a package
     PeerStatus,
     PrefixrouteSpec,
     ProcessTracker,
+    run_main,
     RouterSpec,
     RunningRouter,
     SGLangRouterSpec,
@@ -768,15 +768,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0 if runs and all(r.summary.errors == 0 for r in runs) else 1
 
 
-def _stop_on_signal(signum: int, _frame: object) -> None:
-    raise KeyboardInterrupt(f"signal {signum}")
-
-
 if __name__ == "__main__":
-    for _sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(_sig, _stop_on_signal)
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; every process the benchmark started has been stopped", file=sys.stderr)
-        sys.exit(130)
+    run_main(main)
