@@ -204,6 +204,7 @@ class FaultBackend:
         self.response_headers: dict[str, str] = {}
         self.port = 0
         self.url = ""
+        self.accepted = 0  # connections accepted since start
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -256,6 +257,7 @@ class FaultBackend:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = _Conn(reader, writer)
         self._conns.add(conn)
+        self.accepted += 1
         task = asyncio.current_task()
         assert task is not None
         self._handlers.add(task)

@@ -39,8 +39,8 @@ async def _router(urls, **kw):
 
 
 @pytest.fixture
-async def router(backends):
-    handle = await _router([b.url for b in backends])
+async def router(backends, data_plane):
+    handle = await _router([b.url for b in backends], data_plane=data_plane)
     yield handle
     await handle.close()
 

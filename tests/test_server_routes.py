@@ -27,8 +27,8 @@ async def backends():
 
 
 @pytest.fixture
-async def router(backends):
-    handle = await router_for([b.url for b in backends])
+async def router(backends, data_plane):
+    handle = await router_for([b.url for b in backends], data_plane=data_plane)
     yield handle
     await handle.close()
 

@@ -28,8 +28,8 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable
+from random import getrandbits
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import orjson
 from aiohttp import web
@@ -47,7 +47,8 @@ from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
 from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
-__all__ = ["STATE", "build_app", "parse_openai_request", "native_request_key", "validate_openai_body"]
+__all__ = ["STATE", "BodyTooLarge", "build_app", "error_for_path", "parse_openai_request", "native_request_key",
+           "prepare_inference", "request_id", "validate_openai_body"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -123,9 +124,11 @@ def native_request_key(body: bytes, routing: RoutingConfig, scope: str, tenant: 
     return native_route(body, scope, tenant, routing)
 
 
-def _request_id(request: web.Request) -> str:
-    rid = request.headers.get(H.REQUEST_ID)
-    return rid if rid is not None and H.valid_request_id(rid) else uuid.uuid4().hex
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's ``X-Request-Id`` if worth propagating, else 32 new random hex
+    digits (128 bits, as a uuid4 hex has; from ``random``: an id, not a secret)."""
+    rid = headers.get(H.REQUEST_ID)
+    return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
 
 
 def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response) -> web.Response:
@@ -133,30 +136,24 @@ def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response) 
     return resp
 
 
-def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, VariantPool]:
-    endpoint = state.fleet.endpoint(request.match_info.get("endpoint"))
-    return endpoint, endpoint.variant(request.headers.get(H.TARGET_VARIANT))
+class BodyTooLarge(Exception):
+    """A request body over ``--max-body-size`` (declared, or found while reading it)."""
 
-
-class _BodyTooLarge(Exception):
     def __init__(self, limit: int, size: int | None) -> None:
         got = f"{size:,} bytes" if size is not None else "a chunked body went past it"
         super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, at most ``limit`` bytes (a chunked body is de-chunked).
-
-    Raises:
-        _BodyTooLarge: the declared or actual size is over ``limit``.
-    """
+async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge:
+    """The whole body, at most ``limit`` bytes (a chunked body is de-chunked), or the
+    :class:`BodyTooLarge` error if its declared or actual size is over ``limit``."""
     declared = request.content_length
     if declared is not None and declared > limit:
-        raise _BodyTooLarge(limit, declared)
+        return BodyTooLarge(limit, declared)
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
-        raise _BodyTooLarge(limit, None) from None
+        return BodyTooLarge(limit, None)
 
 
 def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
@@ -164,59 +161,123 @@ def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
         log.debug("request %s prompt head: %r", rid, body[:_PROMPT_LOG_BYTES])
 
 
-async def _openai_inference(request: web.Request, chat: bool) -> web.StreamResponse:
-    t0 = time.perf_counter()
-    state = request.app[STATE]
-    rid = _request_id(request)
-    hdrs = {H.REQUEST_ID: rid}
-    try:
-        endpoint, pool = _resolve(state, request)
-    except UnknownEndpoint as exc:
-        return _count(state, "unknown", "", openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs))
-    except UnknownVariant as exc:
-        return _count(state, endpoint_label(state, request), "",
-                      openai_error(400, str(exc), code="variant_not_found", headers=hdrs))
-    hdrs[H.INVOKED_VARIANT] = pool.name
-    try:
-        body = await _read_body(request, state.settings.max_body_bytes)
-    except _BodyTooLarge as exc:
-        return _count(state, endpoint.name, pool.name, openai_error(413, str(exc), code="request_too_large",
-                                                                   headers=hdrs))
-    try:
-        payload, key, blocks = parse_openai_request(body, chat, pool.routing)
-    except InvalidRequest as exc:
-        return _count(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs))
-    _log_prompt(state, rid, body)
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    rr = RoutedRequest(request, Api.OPENAI, endpoint.name, pool, key, body, path, rid, t0, blocks)
-    recorder = request.app.get(TRACE_RECORDER)
-    if recorder is not None:  # --record-trace: digests of the routing text, never the text
-        return await recorder.forward_openai(forward(state, rr), payload, chat, endpoint.name, pool.name)
-    return await forward(state, rr)
-
-
-def endpoint_label(state: RouterState, request: web.Request) -> str:
-    """The endpoint name for metrics labels: configured names only, else ``unknown``."""
-    name = request.match_info.get("endpoint")
+def _endpoint_label(state: RouterState, name: str | None) -> str:
     if name is None:
         return state.fleet.default_name
     return name if name in state.fleet.endpoints else "unknown"
 
 
+def endpoint_label(state: RouterState, request: web.Request) -> str:
+    """The endpoint name for metrics labels: configured names only, else ``unknown``."""
+    return _endpoint_label(state, request.match_info.get("endpoint"))
+
+
+def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping[str, str],
+                      raw_headers: H.RawHeaders, endpoint_name: str | None, body: bytes | BodyTooLarge | None, rid: str, t0: float,
+                      request: web.Request | None = None) -> RoutedRequest | web.Response:
+    """Everything between an inference request's arrival and its forwarding, for both
+    data planes: resolve the endpoint and production variant, check the body's size,
+    validate it and compute what its variant routes on.
+
+    Args:
+        api: OpenAI, SageMaker native, or SageMaker response stream.
+        chat: (OpenAI) ``/v1/chat/completions``, else ``/v1/completions``.
+        headers: the client's request headers.
+        raw_headers: the same as received, ``(name, value)`` bytes.
+        endpoint_name: the ``{endpoint}`` of the path, ``None`` for the default one.
+        body: the body read, a :class:`BodyTooLarge` if it was over the limit, or
+            ``None`` when not read yet (only the checks before the body are done; a
+            :class:`RoutedRequest` with an empty body is returned if they pass).
+        rid: the request id; ``t0``: ``time.perf_counter()`` at arrival.
+        request: the aiohttp request, if it came through aiohttp.
+
+    Returns:
+        The :class:`RoutedRequest` to forward, or the error response to send (already
+        counted in ``prefixroute_responses_total``), in the API's shape: 404 unknown
+        endpoint, 400 unknown variant or invalid request, 413 body too large.
+    """
+    openai = api is Api.OPENAI
+    hdrs = {H.REQUEST_ID: rid}
+    try:
+        endpoint = state.fleet.endpoint(endpoint_name)
+        pool = endpoint.variant(headers.get(H.TARGET_VARIANT))
+    except UnknownEndpoint as exc:
+        resp = openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(exc), status=404, headers=hdrs)
+        return _count(state, "unknown", "", resp)
+    except UnknownVariant as exc:
+        resp = openai_error(400, str(exc), code="variant_not_found", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(exc), headers=hdrs)
+        return _count(state, _endpoint_label(state, endpoint_name), "", resp)
+    hdrs[H.INVOKED_VARIANT] = pool.name
+    tenant = ""
+    if not openai:
+        try:
+            tenant = validate_tenant_id(headers.get(H.PREFIX_AWARE_ID))
+        except InvalidRequest as exc:
+            return _count(state, endpoint.name, pool.name,
+                          sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs))
+    if isinstance(body, BodyTooLarge):
+        resp = openai_error(413, str(body), code="request_too_large", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(body), status=413, headers=hdrs)
+        return _count(state, endpoint.name, pool.name, resp)
+    if body is None:
+        return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0)
+    if openai:
+        try:
+            _, key, blocks = parse_openai_request(body, chat, pool.routing)
+        except InvalidRequest as exc:
+            return _count(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs))
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+    else:
+        component = headers.get(H.INFERENCE_COMPONENT)
+        scope = f"{endpoint.name}:{component}" if component else endpoint.name
+        key, blocks = native_request_key(body, pool.routing, scope, tenant)
+        path = "/invocations"
+    _log_prompt(state, rid, body)
+    return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks)
+
+
+async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.StreamResponse:
+    t0 = time.perf_counter()
+    state = request.app[STATE]
+    rid = request_id(request.headers)
+    endpoint_name = request.match_info.get("endpoint")
+    first = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, None, rid, t0,
+                              request)
+    if not isinstance(first, RoutedRequest):
+        return first
+    body = await _read_body(request, state.settings.max_body_bytes)
+    rr = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, body, rid, t0,
+                           request)
+    if not isinstance(rr, RoutedRequest):
+        return rr
+    recorder = request.app.get(TRACE_RECORDER)
+    if recorder is not None:  # --record-trace: digests of the routing text, never the text
+        if api is Api.OPENAI:
+            return await recorder.forward_openai(forward(state, rr), orjson.loads(rr.body), chat, rr.endpoint,
+                                                 rr.pool.name)
+        component = request.headers.get(H.INFERENCE_COMPONENT)
+        scope = f"{rr.endpoint}:{component}" if component else rr.endpoint
+        tenant = validate_tenant_id(request.headers.get(H.PREFIX_AWARE_ID))
+        return await recorder.forward_native(forward(state, rr), rr.body, scope, tenant, rr.endpoint, rr.pool.name)
+    return await forward(state, rr)
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """``POST .../v1/chat/completions`` (streaming or not)."""
-    return await _openai_inference(request, chat=True)
+    return await _inference(request, Api.OPENAI, chat=True)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
     """``POST .../v1/completions`` (streaming or not)."""
-    return await _openai_inference(request, chat=False)
+    return await _inference(request, Api.OPENAI, chat=False)
 
 
 async def models(request: web.Request) -> web.Response:
     """``GET .../v1/models``: the model list of one healthy instance of the endpoint."""
     state = request.app[STATE]
-    rid = _request_id(request)
+    rid = request_id(request.headers)
     try:
         _, pool = _resolve(state, request)
     except UnknownEndpoint as exc:
@@ -226,38 +287,9 @@ async def models(request: web.Request) -> web.Response:
     return await forward_get(state, request, pool, "/v1/models", rid)
 
 
-async def _native(request: web.Request, api: Api) -> web.StreamResponse:
-    t0 = time.perf_counter()
-    state = request.app[STATE]
-    rid = _request_id(request)
-    hdrs = {H.REQUEST_ID: rid}
-    try:
-        endpoint, pool = _resolve(state, request)
-    except UnknownEndpoint as exc:
-        return _count(state, "unknown", "", sagemaker_error("ValidationError", str(exc), status=404, headers=hdrs))
-    except UnknownVariant as exc:
-        return _count(state, endpoint_label(state, request), "", sagemaker_error("ValidationError", str(exc),
-                                                                                 headers=hdrs))
-    hdrs[H.INVOKED_VARIANT] = pool.name
-    try:
-        tenant = validate_tenant_id(request.headers.get(H.PREFIX_AWARE_ID))
-    except InvalidRequest as exc:
-        return _count(state, endpoint.name, pool.name,
-                      sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs))
-    try:
-        body = await _read_body(request, state.settings.max_body_bytes)
-    except _BodyTooLarge as exc:
-        return _count(state, endpoint.name, pool.name, sagemaker_error("ValidationError", str(exc), status=413,
-                                                                       headers=hdrs))
-    component = request.headers.get(H.INFERENCE_COMPONENT)
-    scope = f"{endpoint.name}:{component}" if component else endpoint.name
-    key, blocks = native_request_key(body, pool.routing, scope, tenant)
-    _log_prompt(state, rid, body)
-    rr = RoutedRequest(request, api, endpoint.name, pool, key, body, "/invocations", rid, t0, blocks)
-    recorder = request.app.get(TRACE_RECORDER)
-    if recorder is not None:  # --record-trace: digests of the body's blocks, never the body
-        return await recorder.forward_native(forward(state, rr), body, scope, tenant, endpoint.name, pool.name)
-    return await forward(state, rr)
+def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, VariantPool]:
+    endpoint = state.fleet.endpoint(request.match_info.get("endpoint"))
+    return endpoint, endpoint.variant(request.headers.get(H.TARGET_VARIANT))
 
 
 async def invocations(request: web.Request) -> web.StreamResponse:
@@ -268,7 +300,7 @@ async def invocations(request: web.Request) -> web.StreamResponse:
     ``X-Amzn-SageMaker-Inference-Component``, with ``X-Amzn-SageMaker-Prefix-Aware-Id``
     as the tenant. Errors use SageMaker's shapes (``x-amzn-ErrorType``).
     """
-    return await _native(request, Api.NATIVE)
+    return await _inference(request, Api.NATIVE)
 
 
 async def invocations_response_stream(request: web.Request) -> web.StreamResponse:
@@ -278,7 +310,7 @@ async def invocations_response_stream(request: web.Request) -> web.StreamRespons
     of an ``application/vnd.amazon.eventstream`` response, with the container's
     content type in ``X-Amzn-SageMaker-Content-Type``. A failure mid-stream ends it with
     a ``ModelStreamError`` event. Routing as :func:`invocations`."""
-    return await _native(request, Api.NATIVE_STREAM)
+    return await _inference(request, Api.NATIVE_STREAM)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -295,7 +327,7 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def _error_for_path(path: str, status: int, message: str, code: str) -> web.Response:
+def error_for_path(path: str, status: int, message: str, code: str) -> web.Response:
     """An error in the shape the API of ``path`` uses."""
     if "/v1/" in path:
         return openai_error(status, message, code=code)
@@ -313,16 +345,16 @@ async def _error_shapes(request: web.Request,
     except web.HTTPNotFound:
         state = request.app[STATE]
         state.metrics.responses.labels("unknown", "", "404").inc()
-        return _error_for_path(request.path, 404, f"no route for {request.method} {request.path[:200]}",
+        return error_for_path(request.path, 404, f"no route for {request.method} {request.path[:200]}",
                                "not_found")
     except web.HTTPMethodNotAllowed as exc:
-        resp = _error_for_path(request.path, 405, f"method {request.method} is not allowed on this path "
+        resp = error_for_path(request.path, 405, f"method {request.method} is not allowed on this path "
                                f"(allowed: {', '.join(sorted(exc.allowed_methods))})", "method_not_allowed")
         resp.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
         return resp
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[STATE].settings.max_body_bytes
-        return _error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
+        return error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
                                "(--max-body-size)", "request_too_large")
 
 

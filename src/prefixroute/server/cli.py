@@ -26,6 +26,7 @@ from typing import Any
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
 from prefixroute.core.counters import MAX_WORKERS
+from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
@@ -125,6 +126,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "exact (a threshold can be exceeded by at most N - 1). Use up to one per CPU core. The "
                         "admin API, SIGHUP and /metrics cover every worker; a worker that dies is restarted. "
                         "See docs/WORKERS.md")
+    n.add_argument("--data-plane", choices=DATA_PLANES, default="fast",
+                   help="how the public port is served: 'fast' (default) relays inference requests on raw "
+                        "asyncio protocols with httptools and passes everything else to the aiohttp app; "
+                        "'aiohttp' lets the aiohttp app serve everything (same behaviour, more CPU per "
+                        "request). See docs/PERFORMANCE.md")
 
     o = p.add_argument_group("health, timeouts, limits, shutdown, logging")
     o.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
@@ -248,6 +254,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         max_body_bytes=args.max_body_size, metrics_scrape_interval_s=args.metrics_scrape_interval,
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
         config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
+        data_plane=getattr(args, "data_plane", "fast"),
     )
 
 

@@ -3,21 +3,30 @@
 Hop-by-hop headers (RFC 9110 §7.6.1: ``Connection`` and the headers it names,
 ``Keep-Alive``, ``TE``, ``Transfer-Encoding``, ``Upgrade``, ``Proxy-*``) are never
 forwarded in either direction; ``Host`` and ``Content-Length`` are recomputed.
+
+The functions take and return raw ``(name, value)`` byte pairs, so both data planes
+(aiohttp's ``raw_headers``, httptools' callbacks) share one implementation.
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Mapping
+import hmac
+from typing import Sequence
 
 from multidict import CIMultiDict
+
+from prefixroute.server import eventstream
 
 __all__ = [
     "TARGET_VARIANT", "INFERENCE_COMPONENT", "CUSTOM_ATTRIBUTES", "PREFIX_AWARE_ID",
     "SAGEMAKER_ACCEPT", "SAGEMAKER_CONTENT_TYPE",
     "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "valid_request_id",
     "openai_upstream_headers", "native_upstream_headers", "openai_response_headers",
-    "native_response_headers",
+    "native_response_headers", "strip_secrets", "to_multidict", "RawHeaders", "EVENTSTREAM_CONTENT_TYPE",
 ]
+
+#: ``Content-Type`` of ``InvokeEndpointWithResponseStream`` answers (AWS event-stream).
+EVENTSTREAM_CONTENT_TYPE = eventstream.CONTENT_TYPE.encode()
 
 # Request headers (SageMaker runtime names).
 TARGET_VARIANT = "X-Amzn-SageMaker-Target-Variant"
@@ -39,7 +48,7 @@ DECISION = "X-Prefixroute-Decision"
 #: Router time spent on the request in milliseconds (float): handler entry to upstream
 #: send, plus upstream response headers received to our response headers prepared.
 OVERHEAD_MS = "X-Prefixroute-Overhead-Ms"
-#: Propagated from the request (or a generated uuid4 hex), sent upstream and back.
+#: Propagated from the request (or 32 generated random hex digits), sent upstream and back.
 REQUEST_ID = "X-Request-Id"
 _REQUEST_ID_MAX = 200
 
@@ -50,71 +59,112 @@ def valid_request_id(value: str | None) -> bool:
     return value is not None and 0 < len(value) <= _REQUEST_ID_MAX and all("!" <= c <= "~" for c in value)
 
 
+#: A header as it came on the wire: ``(name, value)`` bytes (aiohttp's ``raw_headers``,
+#: what httptools reports).
+RawHeaders = Sequence[tuple[bytes, bytes]]
+
 _HOP_BY_HOP = frozenset({
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-    "te", "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length", "expect",
+    b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+    b"te", b"trailer", b"trailers", b"transfer-encoding", b"upgrade", b"host", b"content-length", b"expect",
 })
 # Our own response headers: an upstream (e.g. another prefixroute) must not override them.
-_OURS = frozenset({INVOKED_VARIANT.lower(), INSTANCE.lower(), DECISION.lower(), OVERHEAD_MS.lower(),
-                   REQUEST_ID.lower(), "date", "server"})
-_DROP_UPSTREAM = frozenset({"x-request-id", "content-encoding"})
+_OURS = frozenset({INVOKED_VARIANT.lower().encode(), INSTANCE.lower().encode(), DECISION.lower().encode(),
+                   OVERHEAD_MS.lower().encode(), REQUEST_ID.lower().encode(), b"date", b"server"})
+_DROP_UPSTREAM = frozenset({b"x-request-id", b"content-encoding"})
+_NATIVE_PASS = (b"content-type", b"accept")
+_SAGEMAKER = b"x-amzn-sagemaker-"
 
 
-def _connection_listed(headers: Mapping[str, str]) -> frozenset[str]:
-    value = headers.get("Connection")
-    if not value:
-        return frozenset()
-    return frozenset(t.strip().lower() for t in value.split(","))
+def _end_to_end(headers: RawHeaders, also_drop: frozenset[bytes]) -> list[tuple[bytes, bytes]]:
+    listed: frozenset[bytes] = frozenset()
+    for k, v in headers:
+        if k.lower() == b"connection":
+            listed = listed | {t.strip().lower() for t in v.split(b",")}
+    return [(k, v) for k, v in headers
+            if (low := k.lower()) not in _HOP_BY_HOP and low not in also_drop and not low.startswith(b"proxy-")
+            and low not in listed]
 
 
-def _end_to_end(headers: Mapping[str, str], also_drop: frozenset[str]) -> Iterable[tuple[str, str]]:
-    listed = _connection_listed(headers)
-    for k, v in headers.items():
-        low = k.lower()
-        if low in _HOP_BY_HOP or low.startswith("proxy-") or low in also_drop or (listed and low in listed):
-            continue
-        yield k, v
+def _has(headers: RawHeaders, low_name: bytes) -> bool:
+    return any(k.lower() == low_name for k, _ in headers)
 
 
-def openai_upstream_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+def to_multidict(headers: RawHeaders) -> CIMultiDict[str]:
+    """Raw headers as aiohttp's ``CIMultiDict`` (names Latin-1; values UTF-8 with
+    surrogate escapes, so any byte round-trips, as aiohttp decodes them)."""
+    return CIMultiDict((k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in headers)
+
+
+def openai_upstream_headers(headers: RawHeaders, request_id: str) -> list[tuple[bytes, bytes]]:
     """Headers sent to the instance for an OpenAI request: the client's end-to-end
     headers (including ``Authorization``, which an engine run with ``--api-key`` needs),
     ``X-Request-Id``, and ``Accept-Encoding: identity`` unless the client chose one (we
     relay bytes undecoded, so the client must be able to read what the engine sends).
     ``Content-Encoding`` is dropped: aiohttp has already decoded a compressed request
     body, and the decoded bytes are what we forward."""
-    out = CIMultiDict(_end_to_end(headers, _DROP_UPSTREAM))
-    out[REQUEST_ID] = request_id
-    if "Accept-Encoding" not in out:
-        out["Accept-Encoding"] = "identity"
+    out = _end_to_end(headers, _DROP_UPSTREAM)
+    out.append((b"X-Request-Id", request_id.encode()))
+    if not _has(out, b"accept-encoding"):
+        out.append((b"Accept-Encoding", b"identity"))
     return out
 
 
-def native_upstream_headers(headers: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+def native_upstream_headers(headers: RawHeaders, request_id: str, stream: bool = False) -> list[tuple[bytes, bytes]]:
     """Headers sent to the instance for a native invocation. Like SageMaker, only the
     API's own headers pass (``Content-Type``, ``Accept``, ``X-Amzn-SageMaker-*``); the
-    caller's AWS signature does not reach the model."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
+    caller's AWS signature does not reach the model. ``stream``
+    (``InvokeEndpointWithResponseStream``): the HTTP ``Accept`` is the event-stream's,
+    so the container gets ``X-Amzn-SageMaker-Accept`` as its ``Accept``."""
+    out = []
+    for k, v in headers:
         low = k.lower()
-        if low in ("content-type", "accept") or low.startswith("x-amzn-sagemaker-"):
-            out.add(k, v)
-    out[REQUEST_ID] = request_id
-    out["Accept-Encoding"] = "identity"
+        if (low in _NATIVE_PASS and not (stream and low == b"accept")) or low.startswith(_SAGEMAKER):
+            out.append((k, v))
+    if stream:
+        accept = next((v for k, v in headers if k.lower() == SAGEMAKER_ACCEPT.lower().encode()), None)
+        if accept:
+            out.append((b"Accept", accept))
+    out.append((b"X-Request-Id", request_id.encode()))
+    out.append((b"Accept-Encoding", b"identity"))
     return out
 
 
-def openai_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+def strip_secrets(headers: list[tuple[bytes, bytes]], token: str | None) -> list[tuple[bytes, bytes]]:
+    """``headers`` without any header carrying ``token`` (the router's admin token: a
+    client that sent it to the inference port must not leak it to the engines),
+    compared in constant time, bare or as ``Bearer TOKEN``."""
+    if not token:
+        return headers
+    secret = token.encode()
+    return [(k, v) for k, v in headers
+            if not hmac.compare_digest(v.strip().removeprefix(b"Bearer ").strip(), secret)]
+
+
+def openai_response_headers(upstream: RawHeaders) -> list[tuple[bytes, bytes]]:
     """The instance's end-to-end response headers, minus the ones the router sets."""
-    return CIMultiDict(_end_to_end(upstream, _OURS))
+    return _end_to_end(upstream, _OURS)
 
 
-def native_response_headers(upstream: Mapping[str, str]) -> CIMultiDict[str]:
+def native_response_headers(upstream: RawHeaders, stream: bool = False) -> list[tuple[bytes, bytes]]:
     """What SageMaker returns of the model's headers: ``Content-Type`` and
-    ``X-Amzn-SageMaker-*`` (custom attributes, session ids)."""
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in upstream.items():
+    ``X-Amzn-SageMaker-*`` (custom attributes, session ids). ``stream``: the model's
+    ``Content-Type`` becomes ``X-Amzn-SageMaker-Content-Type`` and ``Content-Type`` is
+    the AWS event-stream's."""
+    out = []
+    content_type = None
+    for k, v in upstream:
         low = k.lower()
-        if low == "content-type" or low.startswith("x-amzn-sagemaker-"):
-            out.add(k, v)
+        if low == b"content-type":
+            if stream:
+                content_type = content_type or v
+                continue
+            out.append((k, v))
+        elif low.startswith(_SAGEMAKER):
+            out.append((k, v))
+    if stream and content_type is not None:
+        out = [(k, v) for k, v in out if k.lower() != SAGEMAKER_CONTENT_TYPE.lower().encode()]
+    if stream:
+        if content_type is not None:
+            out.append((SAGEMAKER_CONTENT_TYPE.encode(), content_type))
+        out.append((b"Content-Type", EVENTSTREAM_CONTENT_TYPE))
     return out

@@ -26,6 +26,7 @@ event, or a truncated body).
 from __future__ import annotations
 
 import os
+from bisect import bisect_left
 from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, values
@@ -170,6 +171,81 @@ def use_multiprocess_values(path: str) -> None:
     values.ValueClass = values.MultiProcessValue()
 
 
+class _LoopValue:
+    """prometheus-client's ``MutexValue`` without its lock: a single-process router
+    touches its metrics from its event loop's thread only, so the lock (taken on every
+    increment, 10 times per request) buys nothing. Same methods, same results."""
+
+    __slots__ = ("_value", "_exemplar")
+
+    def __init__(self) -> None:
+        self._value = 0.0
+        self._exemplar: Any = None
+
+    def inc(self, amount: float) -> None:
+        self._value += amount
+
+    def set(self, value: float, timestamp: float | None = None) -> None:
+        self._value = value
+
+    def set_exemplar(self, exemplar: Any) -> None:
+        self._exemplar = exemplar
+
+    def get(self) -> float:
+        return self._value
+
+    def get_exemplar(self) -> Any:
+        return self._exemplar
+
+
+class _FastCounter:
+    """A counter child's ``inc`` on a :class:`_LoopValue`."""
+
+    __slots__ = ("_value",)
+
+    def __init__(self, value: _LoopValue) -> None:
+        self._value = value
+
+    def inc(self, amount: float = 1.0) -> None:
+        self._value._value += amount
+
+
+class _FastHistogram:
+    """A histogram child's ``observe``: the bucket found by bisection (prometheus-client
+    walks the bounds one by one) on :class:`_LoopValue` s. ``bounds`` end with +Inf."""
+
+    __slots__ = ("_sum", "_buckets", "_bounds")
+
+    def __init__(self, sum_: _LoopValue, buckets: list[_LoopValue], bounds: list[float]) -> None:
+        self._sum, self._buckets, self._bounds = sum_, buckets, bounds
+
+    def observe(self, amount: float) -> None:
+        self._sum._value += amount
+        self._buckets[bisect_left(self._bounds, amount)]._value += 1.0
+
+
+def _fast(child: Any) -> Any:
+    """``child`` with lock-free values and a fast ``inc``/``observe``, when it is a
+    fresh single-process Counter or Histogram child; else ``child`` itself (multiprocess
+    values, or a prometheus-client whose internals differ)."""
+    if getattr(values.ValueClass, "_multiprocess", False):
+        return child
+    try:
+        if isinstance(child, Counter) and child._value.get() == 0:
+            child._value = _LoopValue()
+            return _FastCounter(child._value)
+        if isinstance(child, Histogram) and child._sum.get() == 0:
+            bounds = list(child._upper_bounds)
+            if len(child._buckets) != len(bounds) or bounds[-1] != float("inf"):
+                return child
+            child._sum = _LoopValue()
+            child._buckets = [_LoopValue() for _ in bounds]
+            return _FastHistogram(child._sum, child._buckets, bounds)
+    except AttributeError:
+        return child
+    return child
+
+
 class _Labelled:
     """A labelled metric whose children are looked up once: ``labels(...)`` of
     prometheus-client takes a lock and validates the values on every call (several
@@ -185,7 +261,7 @@ class _Labelled:
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
-            child = self._children[values] = self.metric.labels(*values)
+            child = self._children[values] = _fast(self.metric.labels(*values))
         return child
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import hmac
 import inspect
 import io
 import logging
@@ -43,7 +42,7 @@ import select
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import aiohttp
 import orjson
@@ -58,7 +57,7 @@ from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
 __all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get",
-           "STREAM_ABORTED"]
+           "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -93,7 +92,10 @@ class RoutedRequest:
     """A validated request, ready to be sent.
 
     Attributes:
-        request: the incoming aiohttp request.
+        request: the incoming aiohttp request (``None`` on the fast data plane,
+            :mod:`prefixroute.server.dataplane`).
+        headers: the client's request headers.
+        raw_headers: the same, as received (``(name, value)`` bytes).
         api: OpenAI-compatible, SageMaker native, or SageMaker response stream.
         endpoint: the endpoint's name (a metrics label).
         pool: the production variant chosen for it.
@@ -105,7 +107,9 @@ class RoutedRequest:
         blocks: chained block hashes (CACHE_AWARE), or empty.
     """
 
-    request: web.Request
+    request: web.Request | None
+    headers: Mapping[str, str]
+    raw_headers: H.RawHeaders
     api: Api
     endpoint: str
     pool: VariantPool
@@ -203,18 +207,6 @@ def _error(api: Api, status: int, message: str, code: str, headers: dict[str, st
     return openai_error(status, message, type_="server_error", code=code, headers=headers)
 
 
-def _strip_secrets(headers: CIMultiDict[str], token: str | None) -> None:
-    """Drop any header carrying the router's admin token (a client that sent it to the
-    inference port must not leak it to the engines)."""
-    if not token:
-        return
-    secret = token.encode()
-    for name in {k for k, v in headers.items()
-                 if hmac.compare_digest(v.strip().removeprefix("Bearer ").strip().encode("utf-8", "surrogateescape"),
-                                        secret)}:
-        del headers[name]
-
-
 def _not_sent(tracker: Any) -> bool:
     """True if the upload tracker proves the request body was not sent in full."""
     if tracker is None:
@@ -233,19 +225,15 @@ def _error_kind(exc: BaseException) -> str:
     return "other"
 
 
-def _upstream_headers(state: RouterState, rr: RoutedRequest) -> CIMultiDict[str]:
+def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes, bytes]]:
+    """The headers ``rr`` is sent to an instance with (raw pairs, no ``Host`` or
+    ``Content-Length``): :mod:`headers`' rules for its API, without any header that
+    carries the router's admin token."""
     if rr.api is Api.OPENAI:
-        out = H.openai_upstream_headers(rr.request.headers, rr.request_id)
+        out = H.openai_upstream_headers(rr.raw_headers, rr.request_id)
     else:
-        out = H.native_upstream_headers(rr.request.headers, rr.request_id)
-        if rr.api is Api.NATIVE_STREAM:
-            # The HTTP Accept is the event-stream's; the container's is X-Amzn-SageMaker-Accept.
-            out.popall("Accept", None)
-            accept = rr.request.headers.get(H.SAGEMAKER_ACCEPT)
-            if accept:
-                out["Accept"] = accept
-    _strip_secrets(out, state.settings.admin_token)
-    return out
+        out = H.native_upstream_headers(rr.raw_headers, rr.request_id, stream=rr.api is Api.NATIVE_STREAM)
+    return H.strip_secrets(out, state.settings.admin_token)
 
 
 async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
@@ -266,7 +254,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     pool = rr.pool
     variant = pool.name
     base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
-    up_headers = _upstream_headers(state, rr)
+    up_headers = H.to_multidict(upstream_headers(state, rr))
     exclude: set[str] = set()
     router_s = 0.0  # router time before the upstream send, summed over attempts
     mark = rr.t0
@@ -356,22 +344,16 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
 
 def _response_headers(rr: RoutedRequest, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
     if rr.api is Api.OPENAI:
-        return H.openai_response_headers(upstream.headers)
-    out = H.native_response_headers(upstream.headers)
-    if rr.api is Api.NATIVE_STREAM:
-        content_type = out.popall("Content-Type", [])
-        if content_type:
-            out[H.SAGEMAKER_CONTENT_TYPE] = content_type[0]
-        out["Content-Type"] = eventstream.CONTENT_TYPE
-    return out
+        return H.to_multidict(H.openai_response_headers(upstream.raw_headers))
+    return H.to_multidict(H.native_response_headers(upstream.raw_headers, stream=rr.api is Api.NATIVE_STREAM))
 
 
-def _sse_error_event(message: str, code: str) -> bytes:
+def sse_error_event(message: str, code: str) -> bytes:
     err = {"error": {"message": message, "type": "server_error", "param": None, "code": code}}
     return b"data: " + orjson.dumps(err) + b"\n\n"
 
 
-def _at_event_boundary(tail: bytes) -> bool:
+def at_event_boundary(tail: bytes) -> bool:
     return not tail or tail.endswith((b"\n\n", b"\r\n\r\n", b"\r\r"))
 
 
@@ -410,6 +392,7 @@ async def _relay(
     h[H.OVERHEAD_MS] = f"{overhead * 1e3:.3f}"
     m.overhead_seconds.labels(rr.endpoint, variant).observe(overhead)
     request = rr.request
+    assert request is not None, "the aiohttp relay needs the aiohttp request"
     try:
         await resp.prepare(request)
     except ConnectionError:
@@ -482,13 +465,13 @@ async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamRes
                 message, "ModelInvocationTimeExceeded" if timeout else "StreamBroken"))
             await resp.write_eof()
             return
-        if sse and _at_event_boundary(tail):
-            await resp.write(_sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected"))
+        if sse and at_event_boundary(tail):
+            await resp.write(sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected"))
             await resp.write_eof()
             return
     except ConnectionError:
         return
-    if rr.request.transport is not None:
+    if rr.request is not None and rr.request.transport is not None:
         rr.request.transport.abort()
 
 
@@ -528,8 +511,8 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
     after any failure to get an answer."""
     session = state.session
     assert session is not None, "the router app is not running"
-    up_headers = H.openai_upstream_headers(request.headers, request_id)
-    _strip_secrets(up_headers, state.settings.admin_token)
+    up_headers = H.to_multidict(H.strip_secrets(H.openai_upstream_headers(request.raw_headers, request_id),
+                                                state.settings.admin_token))
     exclude: set[str] = set()
     rid = {H.REQUEST_ID: request_id}
     for _attempt in range(1 + state.settings.max_retries):
@@ -543,7 +526,7 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
             async with asyncio.timeout(min(_MODELS_TIMEOUT_S, state.settings.response_headers_timeout_s)):
                 async with session.get(instance + path, headers=up_headers) as upstream:
                     body = await upstream.read()
-            resp = web.Response(status=upstream.status, body=body, headers=H.openai_response_headers(upstream.headers))
+            resp = web.Response(status=upstream.status, body=body, headers=H.to_multidict(H.openai_response_headers(upstream.raw_headers)))
             resp.headers[H.REQUEST_ID] = request_id
             resp.headers[H.INVOKED_VARIANT] = pool.name
             resp.headers[H.INSTANCE] = instance

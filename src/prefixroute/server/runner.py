@@ -8,7 +8,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 from dataclasses import dataclass, field
 
 from aiohttp import web
@@ -18,6 +20,7 @@ from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.admin import build_admin_app
 from prefixroute.server.app import build_app
+from prefixroute.server.dataplane import FrontServer, internal_socket_path
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -64,6 +67,8 @@ class RouterHandle:
     admin_url: str | None
     state: RouterState
     _runners: list[web.AppRunner] = field(default_factory=list, repr=False)
+    _front: FrontServer | None = field(default=None, repr=False)
+    _socket_path: str | None = field(default=None, repr=False)
 
     @property
     def fleet(self) -> Fleet:
@@ -89,9 +94,17 @@ class RouterHandle:
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (up to
         ``settings.shutdown_timeout_s``), then close the upstream client."""
+        front, self._front = self._front, None
+        if front is not None:
+            await front.close(self.state.settings.shutdown_timeout_s)
         runners, self._runners = self._runners, []
         for runner in reversed(runners):
             await runner.cleanup()
+        if self._socket_path is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._socket_path)
+                os.rmdir(os.path.dirname(self._socket_path))
+            self._socket_path = None
 
 
 def reload_logged(state: RouterState) -> bool:
@@ -106,16 +119,20 @@ def reload_logged(state: RouterState) -> bool:
 
 
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
-                 reuse_port: bool = False) -> tuple[web.AppRunner, int]:
+                 reuse_port: bool = False, unix_path: str | None = None) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s)
     await runner.setup()
     try:
-        site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
+        site: web.BaseSite
+        if unix_path is not None:
+            site = web.UnixSite(runner, unix_path)
+        else:
+            site = web.TCPSite(runner, host, port, reuse_port=reuse_port or None)
         await site.start()
     except BaseException:
         await runner.cleanup()
         raise
-    return runner, int(runner.addresses[0][1])
+    return runner, 0 if unix_path is not None else int(runner.addresses[0][1])
 
 
 async def start_router(config: FleetConfig, settings: ServerSettings | None = None, *,
@@ -142,9 +159,24 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         state = RouterState(config, settings, counters=worker.counters, metrics_dir=worker.metrics_dir)
     else:
         state = RouterState(config, settings)
-    runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
-                                reuse_port=worker is not None)
-    handle = RouterHandle(_url(settings.host, port), None, state, [runner])
+    if settings.data_plane == "fast":
+        # The aiohttp app behind the fast data plane, on a private Unix socket.
+        socket_path = internal_socket_path()
+        runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path)
+        handle = RouterHandle("", None, state, [runner], _socket_path=socket_path)
+        front = FrontServer(state, socket_path)
+        try:
+            port = await front.start(settings.host, settings.port, reuse_port=worker is not None)
+        except BaseException:
+            await front.close(0)
+            await handle.close()
+            raise
+        handle._front = front
+        handle.url = _url(settings.host, port)
+    else:
+        runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
+                                    reuse_port=worker is not None)
+        handle = RouterHandle(_url(settings.host, port), None, state, [runner])
     if worker is not None:
         try:
             admin_runner, admin_port = await _start(build_admin_app(state, token=worker.admin_token), "127.0.0.1",

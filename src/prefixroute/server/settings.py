@@ -17,7 +17,10 @@ from dataclasses import dataclass, field
 from prefixroute.core.config import ConfigError
 from prefixroute.core.counters import MAX_WORKERS
 
-__all__ = ["ServerSettings", "is_loopback", "DEFAULT_MAX_BODY_BYTES"]
+__all__ = ["ServerSettings", "is_loopback", "DEFAULT_MAX_BODY_BYTES", "DATA_PLANES"]
+
+#: Values of ``ServerSettings.data_plane`` (``--data-plane``).
+DATA_PLANES = ("fast", "aiohttp")
 
 #: Default largest request body, bytes: a 128k-token context is about 0.5 MB of text,
 #: a few inline base64 images add a few MB each; 64 MiB leaves room for both.
@@ -108,6 +111,11 @@ class ServerSettings:
             (:mod:`prefixroute.server.workers`, docs/WORKERS.md); only
             :func:`prefixroute.server.cli.run` acts on it, ``start_router`` always
             runs one.
+        data_plane: ``"fast"`` (default): the public port runs on raw asyncio
+            protocols with httptools, inference requests relayed there and everything
+            else passed to the aiohttp app (:mod:`prefixroute.server.dataplane`);
+            ``"aiohttp"``: the aiohttp app serves the port itself (the reference
+            implementation, same behaviour, about 0.4 ms more CPU per request).
     """
 
     host: str = "127.0.0.1"
@@ -135,6 +143,7 @@ class ServerSettings:
     config_path: str | None = None
     record_trace: str | None = None
     workers: int = 1
+    data_plane: str = "fast"
 
     def __post_init__(self) -> None:
         _count("port", self.port, 0, 65535)
@@ -160,6 +169,8 @@ class ServerSettings:
         _duration("metrics scrape interval", self.metrics_scrape_interval_s)
         _duration("metrics scrape timeout", self.metrics_scrape_timeout_s, positive=True)
         _count("workers", self.workers, 1, MAX_WORKERS)
+        if self.data_plane not in DATA_PLANES:
+            raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.admin_token is not None and not self.admin_token:
             raise ConfigError("admin token: must not be empty")
         if self.admin_enabled and not is_loopback(self.admin_host) and not self.admin_token:

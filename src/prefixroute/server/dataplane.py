@@ -1,0 +1,1205 @@
+"""The fast data plane: the router's public port on raw asyncio protocols.
+
+aiohttp's server and client cost about 0.4 ms of CPU per proxied request on the
+development machine (docs/PERFORMANCE.md, "Where the time goes"), several times the
+routing itself. The inference routes therefore run here, on ``asyncio.Protocol``
+objects with ``httptools`` (llhttp) parsing both sides, with no task, stream reader
+or response object per request; everything else goes to the aiohttp application.
+
+::
+
+    client ──► FrontServer (public port, this module)
+                 │ POST inference route, HTTP/1.1, plain body, http:// instances
+                 ├──► prepare_inference (app.py: resolve, validate, routing key)
+                 │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
+                 │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
+                 │ Content-Encoding, unknown paths, --record-trace, https instances)
+                 └──► the aiohttp app on a private Unix socket (same process), relayed
+
+Behaviour is the aiohttp path's (:func:`prefixroute.server.proxy.forward`), which stays
+the reference: the same error shapes and status codes, headers, metrics, retries (only
+when the instance cannot have started the request: connect failure, or the connection
+lost before the request was written in full), timeouts (connect, response headers,
+stream idle), mid-stream failures (an SSE ``error`` event at an event boundary, a
+``ModelStreamError`` event for the AWS event-stream, else the client connection is
+aborted), SageMaker's 424 ``ModelError``, the in-flight lease released on every path,
+and the instance's connection closed at once when the client goes away (so the engine
+stops generating). Bodies are relayed as they arrive; backpressure from a slow client
+pauses reading from the instance.
+
+Client connections: HTTP/1.1 keep-alive and pipelining (answered in order, one at a
+time), ``Expect: 100-continue``, request line + headers at most
+:data:`MAX_HEAD_BYTES` (431 beyond), bodies at most ``--max-body-size`` (413 in the
+API's shape, then the connection is closed), idle keep-alive connections closed after
+:data:`CLIENT_KEEPALIVE_S`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import email.utils
+import http
+import logging
+import os
+import select
+import tempfile
+import time
+from typing import Any, Callable
+
+import httptools
+from aiohttp import web
+from multidict import CIMultiDict
+
+from prefixroute.core.pool import NoHealthyInstance
+from prefixroute.server import eventstream
+from prefixroute.server import headers as H
+from prefixroute.server.app import BodyTooLarge, error_for_path, prepare_inference, request_id
+from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, sse_error_event, \
+    upstream_headers
+from prefixroute.server.state import RouterState
+
+__all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "CLIENT_KEEPALIVE_S"]
+
+log = logging.getLogger("prefixroute.server.dataplane")
+
+#: Most bytes of request line + headers a client may send (aiohttp's limits are of the
+#: same order: 8,190 bytes per line); 431 beyond.
+MAX_HEAD_BYTES = 64 * 1024
+#: Seconds an idle client keep-alive connection is kept open (aiohttp's default, 75 s).
+CLIENT_KEEPALIVE_S = 75.0
+_MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
+_TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
+# Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).
+_FRAMING = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te",
+                      b"trailer", b"upgrade", b"proxy-connection", b"expect"})
+
+
+def match_route(path: str) -> tuple[Api, bool, str | None] | None:
+    """The inference route of ``path`` (no query string): ``(api, chat, endpoint)``,
+    or ``None`` if it is not one the fast data plane serves.
+
+    >>> match_route("/endpoints/e1/openai/v1/chat/completions")
+    (<Api.OPENAI: 'openai'>, True, 'e1')
+    """
+    if path == "/v1/chat/completions":
+        return Api.OPENAI, True, None
+    if path == "/v1/completions":
+        return Api.OPENAI, False, None
+    if path == "/invocations":
+        return Api.NATIVE, False, None
+    if not path.startswith("/endpoints/") or "%" in path:
+        return None
+    parts = path.split("/")  # ['', 'endpoints', e, ...]
+    if len(parts) < 4 or not parts[2] or "{" in parts[2] or "}" in parts[2]:
+        return None
+    endpoint, rest = parts[2], parts[3:]
+    if rest == ["invocations"]:
+        return Api.NATIVE, False, endpoint
+    if rest == ["invocations-response-stream"]:
+        return Api.NATIVE_STREAM, False, endpoint
+    if len(rest) >= 2 and rest[0] == "inference-components" and rest[1] and "{" not in rest[1] \
+            and "}" not in rest[1]:
+        rest = rest[2:]
+    if rest == ["openai", "v1", "chat", "completions"]:
+        return Api.OPENAI, True, endpoint
+    if rest == ["openai", "v1", "completions"]:
+        return Api.OPENAI, False, endpoint
+    return None
+
+
+class _Date:
+    """The ``Date`` header, formatted once per second."""
+
+    __slots__ = ("second", "value")
+
+    def __init__(self) -> None:
+        self.second = -1
+        self.value = b""
+
+    def get(self) -> bytes:
+        now = time.time()
+        second = int(now)
+        if second != self.second:
+            self.second = second
+            self.value = email.utils.formatdate(now, usegmt=True).encode()
+        return self.value
+
+
+_DATE = _Date()
+_INVOKED_VARIANT = H.INVOKED_VARIANT.encode()
+_INSTANCE = H.INSTANCE.encode()
+_DECISION = H.DECISION.encode()
+_OVERHEAD_MS = H.OVERHEAD_MS.encode()
+
+
+def _reason(status: int) -> bytes:
+    try:
+        return http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b"Unknown"
+
+
+def _head(status: int, reason: bytes, headers: H.RawHeaders, framing: bytes, keep_alive: bool) -> bytes:
+    """A response head: status line, ``headers`` (raw pairs), ``Date``, the framing
+    header line(s) (``framing``, ending in CRLF) and the blank line."""
+    parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
+    for k, v in headers:
+        parts += (k, b": ", v, b"\r\n")
+    parts.append(b"Date: " + _DATE.get() + b"\r\n")
+    parts.append(framing)
+    if not keep_alive:
+        parts.append(b"Connection: close\r\n")
+    parts.append(b"\r\n")
+    return b"".join(parts)
+
+
+def _serialize(resp: web.Response, keep_alive: bool) -> bytes:
+    """A complete aiohttp ``web.Response`` (the error constructors') as bytes."""
+    body = resp.body
+    assert isinstance(body, bytes), "only responses with a bytes body are serialised"
+    headers = [(k.encode("latin-1"), v.encode("utf-8", "surrogateescape")) for k, v in resp.headers.items()
+               if k.lower() not in ("content-length", "date")]
+    return _head(resp.status, _reason(resp.status), headers, b"Content-Length: %d\r\n" % len(body),
+                 keep_alive) + body
+
+
+_POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
+
+
+def _peer_closed(transport: asyncio.BaseTransport) -> bool:
+    """True if an idle pooled connection is already closed by the instance (readable
+    with nothing asked): one ``poll`` with a zero timeout (as proxy.py does)."""
+    if transport.is_closing():
+        return True
+    sock = transport.get_extra_info("socket")
+    if sock is None:
+        return False
+    try:
+        fd = sock.fileno()
+        _POLLER.register(fd, select.POLLIN | select.POLLPRI)
+    except (OSError, ValueError):
+        return True
+    try:
+        return bool(_POLLER.poll(0))
+    finally:
+        _POLLER.unregister(fd)
+
+
+class _UpstreamLost(Exception):
+    """The instance's connection ended before the response headers."""
+
+    def __init__(self, exc: BaseException | None, sent: bool) -> None:
+        super().__init__(str(exc) if exc else "connection closed")
+        self.exc = exc
+        self.sent = sent  # the request was written in full
+
+
+class _ClientGone(Exception):
+    """The client closed its connection before the answer was complete."""
+
+
+class _Upstream(asyncio.Protocol):
+    """One pooled HTTP/1.1 connection to an instance (or to the internal aiohttp app),
+    carrying one exchange at a time. The response is parsed by ``httptools``; its head
+    resolves :attr:`headers_fut`; body chunks go to :attr:`sink` (buffered until the
+    relay is set up); the end resolves :attr:`done`."""
+
+    def __init__(self, pool: _UpstreamPool, target: tuple[Any, ...]) -> None:
+        self.pool = pool
+        self.target = target
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.lost = False
+        self.idle_since = 0.0
+        self._reset()
+
+    def _reset(self) -> None:
+        loop = self.pool.loop
+        self.headers_fut: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.status = 0
+        self.reason = b""
+        self.resp_headers: list[tuple[bytes, bytes]] = []
+        self.chunks: list[bytes] = []
+        self.sink: Callable[[bytes], None] | None = None
+        self.complete = False
+        self.keep_alive = False
+        self.until_eof = False
+        self.sent = False
+        self.error: BaseException | None = None
+        self.last_data = 0.0
+
+    # -- asyncio.Protocol ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        # pause_writing/resume_writing then say exactly when the request left our buffer.
+        self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+
+    def data_received(self, data: bytes) -> None:
+        self.last_data = self.pool.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            log.warning("instance %s: invalid HTTP response (%s)", self.target[0], exc)
+            self._fail(exc)
+            if self.transport is not None:
+                self.transport.abort()
+
+    def eof_received(self) -> bool | None:
+        if self.until_eof and self.headers_fut.done() and not self.complete:
+            self.on_message_complete()
+        return None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.forget(self)
+        if self.until_eof and self.headers_fut.done() and not self.complete and exc is None:
+            self.on_message_complete()
+            return
+        if not self.complete:
+            self._fail(exc or ConnectionResetError("connection closed by the instance"))
+
+    def pause_writing(self) -> None:
+        self.sent = False
+
+    def resume_writing(self) -> None:
+        self.sent = True
+
+    # -- httptools callbacks ------------------------------------------------------
+
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.resp_headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        self.status = self.parser.get_status_code()
+        if 100 <= self.status < 200:  # an interim answer (we never send Expect): skip it
+            self.reason = b""
+            self.resp_headers = []
+            return
+        self.sent = True  # an answer means the instance took the request
+        names = {k.lower() for k, _ in self.resp_headers}
+        self.until_eof = (b"content-length" not in names and b"transfer-encoding" not in names
+                          and self.status not in (204, 304))
+        if not self.headers_fut.done():
+            self.headers_fut.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            self.sink(body)
+        else:
+            self.chunks.append(body)
+
+    def on_message_complete(self) -> None:
+        if 100 <= self.status < 200:
+            return
+        self.complete = True
+        self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is over
+        if not self.done.done():
+            self.done.set_result(None)
+
+    # -- the exchange -------------------------------------------------------------
+
+    def send(self, head: bytes, body: bytes) -> None:
+        """Write one request (``head`` ends with the blank line)."""
+        assert self.transport is not None
+        self.transport.writelines((head, body) if body else (head,))
+        self.sent = self.transport.get_write_buffer_size() == 0
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.error is None:
+            self.error = exc
+        if not self.headers_fut.done():
+            self.headers_fut.set_exception(_UpstreamLost(exc, self.sent))
+            self.headers_fut.exception()  # retrieved: no "never retrieved" warning if unawaited
+        if not self.done.done():
+            self.done.set_result(None)  # the relay reads self.error
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.lost:
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        """Close at once (the instance sees the abort and stops generating)."""
+        if self.transport is not None:
+            self.transport.abort()
+
+    def finish(self) -> None:
+        """The exchange is over: keep the connection for the next request if it is
+        clean and kept alive, else close it."""
+        self.sink = None
+        if self.complete and not self.lost and self.keep_alive and self.transport is not None \
+                and not self.transport.is_closing():
+            self.parser = httptools.HttpResponseParser(self)
+            self._reset()
+            self.pool.put(self)
+        elif self.transport is not None:
+            self.transport.abort() if not self.complete else self.transport.close()
+
+
+class _UpstreamPool:
+    """Kept-alive :class:`_Upstream` connections by target, at most ``limit`` open.
+
+    A target is ``(label, host, port)`` for TCP or ``(label, None, path)`` for a Unix
+    socket. Idle connections are reused most recent first, checked alive first, and
+    closed after ``keepalive_s``.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, keepalive_s: float) -> None:
+        self.loop = loop
+        self.limit = limit
+        self.keepalive_s = keepalive_s
+        self.idle: dict[tuple[Any, ...], list[_Upstream]] = {}
+        self.open = 0
+        self._conns: set[_Upstream] = set()
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._sweeper: asyncio.TimerHandle | None = None
+
+    async def get(self, target: tuple[Any, ...], connect_timeout_s: float) -> _Upstream:
+        """A connection to ``target``, idle or new.
+
+        Raises:
+            OSError: the connection could not be opened.
+            TimeoutError: not within ``connect_timeout_s``.
+        """
+        idle = self.idle.get(target)
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < self.keepalive_s and conn.transport is not None \
+                    and not _peer_closed(conn.transport):
+                return conn
+            conn.abort()
+        while self.open >= self.limit:
+            fut = self.loop.create_future()
+            self._waiters.append(fut)
+            await fut
+        self.open += 1
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                if target[1] is None:
+                    _, conn = await self.loop.create_unix_connection(lambda: _Upstream(self, target), target[2])
+                else:
+                    _, conn = await self.loop.create_connection(lambda: _Upstream(self, target), target[1],
+                                                                target[2])
+        except BaseException:
+            self._closed_one()
+            raise
+        self._conns.add(conn)
+        return conn
+
+    def put(self, conn: _Upstream) -> None:
+        conn.idle_since = self.loop.time()
+        self.idle.setdefault(conn.target, []).append(conn)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self.keepalive_s, self._sweep)
+
+    def forget(self, conn: _Upstream) -> None:
+        if conn in self._conns:
+            self._conns.discard(conn)
+            idle = self.idle.get(conn.target)
+            if idle and conn in idle:
+                idle.remove(conn)
+            self._closed_one()
+
+    def _closed_one(self) -> None:
+        self.open -= 1
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                break
+
+    def _sweep(self) -> None:
+        self._sweeper = None
+        now = self.loop.time()
+        for idle in self.idle.values():
+            for conn in [c for c in idle if now - c.idle_since >= self.keepalive_s]:
+                conn.abort()
+        if any(self.idle.values()):
+            self._sweeper = self.loop.call_later(self.keepalive_s / 2, self._sweep)
+
+    def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            self._sweeper = None
+        for conn in list(self._conns):
+            conn.abort()
+
+
+class _Incoming:
+    """One request read from a client."""
+
+    __slots__ = ("url", "headers", "head_bytes", "body", "size", "too_large", "method", "version", "keep_alive",
+                 "t0", "chunked")
+
+    def __init__(self) -> None:
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.head_bytes = 0
+        self.body: list[bytes] = []
+        self.size = 0
+        self.too_large: int | None = None  # the limit passed, with the declared size or -1
+        self.method = b""
+        self.version = "1.1"
+        self.keep_alive = True
+        self.t0 = 0.0
+        self.chunked = False
+
+
+class _Client(asyncio.Protocol):
+    """One client connection: requests parsed by ``httptools``, answered in order by
+    one task at a time (:meth:`FrontServer.handle`)."""
+
+    def __init__(self, front: FrontServer) -> None:
+        self.front = front
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.cur: _Incoming | None = None
+        self.queue: collections.deque[_Incoming] = collections.deque()
+        self.task: asyncio.Task[None] | None = None
+        self.wake: asyncio.Future[None] | None = None  # set while the task waits for a request
+        self.busy = False  # a request is being answered
+        self.closed = False
+        self.discard = False  # a body over the limit: read no further, close after the answer
+        self.upstream: _Upstream | None = None  # the exchange being relayed to this client
+        self.waiting: asyncio.Future[None] | None = None  # what the task awaits for this client
+        self.write_paused = False
+        self.read_paused = False
+        self.idle_since = 0.0
+        self._idle: asyncio.TimerHandle | None = None
+
+    # -- asyncio.Protocol ---------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
+        self.front.clients.add(self)
+        self._arm_idle()
+
+    def data_received(self, data: bytes) -> None:
+        if self.discard or self.closed:
+            return
+        self.idle_since = self.front.loop.time()  # a request being sent is progress
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserCallbackError:
+            raise  # our own bug: let asyncio log it
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            self._bad_request(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.front.clients.discard(self)
+        if self._idle is not None:
+            self._idle.cancel()
+        if self.waiting is not None and not self.waiting.done():
+            self.waiting.set_exception(_ClientGone())
+        if self.wake is not None and not self.wake.done():
+            self.wake.set_result(None)
+        if self.upstream is not None:
+            self.upstream.resume()
+
+    def pause_writing(self) -> None:
+        self.write_paused = True
+        if self.upstream is not None:
+            self.upstream.pause()
+
+    def resume_writing(self) -> None:
+        self.write_paused = False
+        if self.upstream is not None:
+            self.upstream.resume()
+
+    # -- httptools callbacks ------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.cur = _Incoming()
+        self.cur.t0 = time.perf_counter()
+
+    def on_url(self, url: bytes) -> None:
+        cur = self.cur
+        assert cur is not None
+        cur.url += url
+        cur.head_bytes += len(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        cur = self.cur
+        assert cur is not None
+        cur.headers.append((name, value))
+        cur.head_bytes += len(name) + len(value) + 4
+        if cur.head_bytes > MAX_HEAD_BYTES:
+            self._refuse(431, b"Request Header Fields Too Large",
+                         f"request line and headers over {MAX_HEAD_BYTES:,} bytes")
+
+    def on_headers_complete(self) -> None:
+        cur = self.cur
+        assert cur is not None
+        if cur.head_bytes > MAX_HEAD_BYTES:
+            self._refuse(431, b"Request Header Fields Too Large",
+                         f"request line and headers over {MAX_HEAD_BYTES:,} bytes")
+            return
+        p = self.parser
+        cur.method = p.get_method()
+        cur.version = p.get_http_version()
+        cur.keep_alive = p.should_keep_alive()
+        limit = self.front.state.settings.max_body_bytes
+        declared = None
+        for k, v in cur.headers:
+            low = k.lower()
+            if low == b"content-length":
+                with contextlib.suppress(ValueError):
+                    declared = int(v)
+            elif low == b"transfer-encoding":
+                cur.chunked = True
+            elif low == b"expect" and v.lower() == b"100-continue" and cur.version == "1.1":
+                if declared is None or declared <= limit:
+                    assert self.transport is not None
+                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if declared is not None and declared > limit:
+            cur.too_large = declared
+            self._enqueue_now()
+
+    def on_body(self, body: bytes) -> None:
+        cur = self.cur
+        if cur is None or cur.too_large is not None:
+            return
+        cur.size += len(body)
+        if cur.size > self.front.state.settings.max_body_bytes:
+            cur.too_large = -1
+            cur.body = []
+            self._enqueue_now()
+            return
+        cur.body.append(body)
+
+    def on_message_complete(self) -> None:
+        cur = self.cur
+        if cur is None or cur.too_large is not None:
+            return
+        self.cur = None
+        self.queue.append(cur)
+        if len(self.queue) > 1 and self.transport is not None and not self.read_paused:
+            self.read_paused = True
+            self.transport.pause_reading()  # pipelined: read on once the queue drains
+        self._start()
+
+    # -- internals ----------------------------------------------------------------
+
+    def _enqueue_now(self) -> None:
+        """Answer ``self.cur`` (over a limit) without reading the rest: no more input is
+        parsed and the connection closes after the answer."""
+        cur = self.cur
+        assert cur is not None
+        cur.keep_alive = False
+        self.discard = True
+        self.cur = None
+        self.queue.append(cur)
+        self._start()
+
+    def _start(self) -> None:
+        if self.wake is not None:
+            if not self.wake.done():
+                self.wake.set_result(None)
+        elif self.task is None:
+            self.task = asyncio.get_running_loop().create_task(self._serve())
+            self.front.tasks.add(self.task)
+
+    async def _serve(self) -> None:
+        """Answer queued requests in order; then wait for the next one (one task for
+        the connection's life, no task per request)."""
+        loop = asyncio.get_running_loop()
+        try:
+            while not self.closed:
+                if not self.queue:
+                    if self.read_paused and self.transport is not None:
+                        self.read_paused = False
+                        self.transport.resume_reading()
+                    self._arm_idle()
+                    self.wake = loop.create_future()
+                    try:
+                        await self.wake
+                    finally:
+                        self.wake = None
+                    continue
+                inc = self.queue.popleft()
+                self.busy = True
+                try:
+                    await self.front.handle(self, inc)
+                finally:
+                    self.busy = False
+                if not inc.keep_alive or self.front.closing:
+                    self.close()
+                    break
+        finally:
+            self.front.tasks.discard(self.task)  # type: ignore[arg-type]
+            self.task = None
+
+    def _arm_idle(self) -> None:
+        """The connection is idle from now: closed after ``client_keepalive_s`` without
+        a request (one timer per connection, re-armed only when it fires)."""
+        loop = asyncio.get_running_loop()
+        self.idle_since = loop.time()
+        if self._idle is None and not self.closed:
+            self._idle = loop.call_at(self.idle_since + self.front.client_keepalive_s, self._idle_timeout)
+
+    def _idle_timeout(self) -> None:
+        self._idle = None
+        if self.closed:
+            return
+        loop = asyncio.get_running_loop()
+        due = self.idle_since + self.front.client_keepalive_s
+        if self.busy or self.queue:
+            due = loop.time() + self.front.client_keepalive_s
+        elif loop.time() >= due:
+            self.close()
+            return
+        self._idle = loop.call_at(due, self._idle_timeout)
+
+    def _bad_request(self, exc: Exception) -> None:
+        self.discard = True
+        body = f'{{"message": "bad request: {type(exc).__name__}"}}'.encode()
+        self.write_response(400, b"Bad Request", [(b"Content-Type", b"application/json")], body, keep_alive=False)
+        self.close()
+
+    def _refuse(self, status: int, reason: bytes, message: str) -> None:
+        self.discard = True
+        body = f'{{"message": "{message}"}}'.encode()
+        self.write_response(status, reason, [(b"Content-Type", b"application/json")], body, keep_alive=False)
+        self.close()
+
+    def write(self, data: bytes) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.write(data)
+
+    def write_response(self, status: int, reason: bytes, headers: H.RawHeaders, body: bytes,
+                       keep_alive: bool) -> None:
+        self.write(_head(status, reason, headers, b"Content-Length: %d\r\n" % len(body), keep_alive) + body)
+
+    def close(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.close()
+
+    def abort(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()
+
+
+class FrontServer:
+    """The public listener: inference routes relayed here, the rest by the aiohttp app.
+
+    Args:
+        state: the router's state (shared with the aiohttp app).
+        internal_socket: path of the Unix socket the aiohttp app listens on.
+    """
+
+    def __init__(self, state: RouterState, internal_socket: str) -> None:
+        self.state = state
+        self.internal = ("aiohttp", None, internal_socket)
+        self.loop = asyncio.get_running_loop()
+        s = state.settings
+        self.upstreams = _UpstreamPool(self.loop, s.max_connections, s.keepalive_timeout_s)
+        self.internal_pool = _UpstreamPool(self.loop, 1 << 16, 60.0)
+        self.clients: set[_Client] = set()
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.closing = False
+        self.client_keepalive_s = CLIENT_KEEPALIVE_S
+        self.server: asyncio.AbstractServer | None = None
+        self._targets: dict[str, tuple[Any, ...] | None] = {}
+        self._plain: tuple[int, bool] = (0, False)
+
+    async def start(self, host: str, port: int, reuse_port: bool) -> int:
+        """Listen; returns the port bound."""
+        self.server = await self.loop.create_server(lambda: _Client(self), host, port, reuse_port=reuse_port or None,
+                                                    backlog=4096)
+        return int(self.server.sockets[0].getsockname()[1])
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop listening, close idle client connections, let requests being answered
+        finish (at most ``timeout_s``), then close everything."""
+        self.closing = True
+        if self.server is not None:
+            self.server.close()
+        deadline = self.loop.time() + timeout_s
+        while True:
+            for c in list(self.clients):
+                if not c.busy and c.cur is None and not c.queue:
+                    c.close()  # idle (a busy one closes after its answer)
+            if not any(c.busy for c in self.clients) or self.loop.time() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        for t in list(self.tasks):
+            t.cancel()
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=1.0)
+        for c in list(self.clients):
+            c.abort()
+        self.upstreams.close()
+        self.internal_pool.close()
+        if self.server is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.server.wait_closed(), 1.0)
+
+    # -- per request --------------------------------------------------------------
+
+    def _all_plain_http(self) -> bool:
+        """True if every instance is ``http://`` (``https://`` ones go through aiohttp)."""
+        config = self.state.fleet.config
+        if self._plain[0] != id(config):
+            plain = all(url.startswith("http://") for e in config.endpoints for v in e.variants
+                        for url in v.instances)
+            self._plain = (id(config), plain)
+        return self._plain[1]
+
+    def _target(self, instance: str) -> tuple[Any, ...]:
+        """``(instance, host, port, path prefix bytes, Host header bytes)`` of an http:// URL."""
+        t = self._targets.get(instance)
+        if t is None:
+            from urllib.parse import urlsplit
+            u = urlsplit(instance)
+            host = u.hostname or "127.0.0.1"
+            port = u.port or 80
+            t = (instance, host, port, u.path.rstrip("/").encode(), u.netloc.encode())
+            if len(self._targets) > 65536:
+                self._targets.clear()
+            self._targets[instance] = t
+        return t
+
+    async def handle(self, client: _Client, inc: _Incoming) -> None:
+        """Answer one request (never raises but for cancellation)."""
+        url = inc.url.decode("latin-1")
+        path = url.split("?", 1)[0]
+        route = match_route(path) if inc.method == b"POST" and inc.version == "1.1" and \
+            self.state.settings.record_trace is None else None
+        if route is not None and any(k.lower() == b"content-encoding" for k, _ in inc.headers):
+            route = None  # aiohttp decodes compressed request bodies
+        if route is None or not self._all_plain_http():
+            if inc.too_large is not None:
+                limit = self.state.settings.max_body_bytes
+                size = f"{inc.too_large:,} bytes" if inc.too_large >= 0 else "a chunked body went past it"
+                resp = error_for_path(path, 413, f"request body too large ({size}); the limit is {limit:,} bytes "
+                                      "(--max-body-size)", "request_too_large")
+                client.write(_serialize(resp, keep_alive=False))
+                return
+            await self._delegate(client, inc)
+            return
+        api, chat, endpoint_name = route
+        headers: CIMultiDict[str] = CIMultiDict(
+            (k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in inc.headers)
+        rid = request_id(headers)
+        body: bytes | BodyTooLarge
+        if inc.too_large is not None:
+            body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
+        else:
+            body = inc.body[0] if len(inc.body) == 1 else b"".join(inc.body)
+        rr = prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body, rid, inc.t0)
+        if not isinstance(rr, RoutedRequest):
+            client.write(_serialize(rr, inc.keep_alive))
+            return
+        await self._forward(client, rr, inc.keep_alive)
+
+    async def _await(self, client: _Client, fut: asyncio.Future[None], timeout_s: float | None) -> None:
+        """Wait for ``fut``; raises what it holds, :class:`_ClientGone` if the client
+        leaves first, ``TimeoutError`` after ``timeout_s`` (``None``: no limit). One
+        timer handle, no task, no ``asyncio.wait``."""
+        if fut.done():
+            fut.result()
+            return
+        if client.closed:
+            raise _ClientGone()
+        client.waiting = fut
+        handle = self.loop.call_later(timeout_s, _expire, fut) if timeout_s is not None else None
+        try:
+            await fut
+        finally:
+            client.waiting = None
+            if handle is not None:
+                handle.cancel()
+
+    async def _forward(self, client: _Client, rr: RoutedRequest, keep_alive: bool) -> None:
+        """:func:`prefixroute.server.proxy.forward` on raw protocols."""
+        state = self.state
+        m = state.metrics
+        settings = state.settings
+        pool = rr.pool
+        variant = pool.name
+        base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
+        head_tail = b"".join([b"%s: %s\r\n" % kv for kv in upstream_headers(state, rr)])
+        head_tail += b"Content-Length: %d\r\n\r\n" % len(rr.body)
+        exclude: set[str] = set()
+        router_s = 0.0
+        mark = rr.t0
+        code: int | str = 0
+        retry: str | None = None
+        try:
+            for _attempt in range(1 + settings.max_retries):
+                try:
+                    lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
+                except NoHealthyInstance as exc:
+                    code = 503
+                    msg = (f"no instance of production variant {variant!r} could take the request (tried "
+                           f"{', '.join(sorted(exclude))})") if exclude else str(exc)
+                    self._error(client, rr, 503, msg, "upstream_unavailable" if exclude else "no_healthy_instance",
+                                base_headers, keep_alive)
+                    return
+                if rr.blocks:
+                    self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
+                if retry is not None:
+                    m.retries.labels(rr.endpoint, variant, retry).inc()
+                up: _Upstream | None = None
+                try:
+                    decision = lease.decision
+                    instance = decision.instance.instance_id
+                    m.decision_seconds.labels(rr.endpoint, variant).observe(decision.decision_s)
+                    target = self._target(instance)
+                    t_send = time.perf_counter()
+                    router_s += t_send - mark
+                    try:
+                        up = await self.upstreams.get(target[:3], settings.connect_timeout_s)
+                    except (OSError, TimeoutError) as exc:
+                        mark = time.perf_counter()
+                        m.upstream_errors.labels(instance, "connect").inc()
+                        retry = "connect"
+                        state.health.passive_failure(instance, definitive=True)
+                        log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
+                        exclude.add(instance)
+                        continue
+                    up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
+                            + head_tail, rr.body)
+                    try:
+                        await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
+                    except TimeoutError:
+                        m.upstream_errors.labels(instance, "headers_timeout").inc()
+                        m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                        state.health.passive_failure(instance)
+                        code = 504 if rr.api is Api.OPENAI else 424
+                        self._error(client, rr, 504, f"instance {instance} timed out: no response headers within "
+                                    f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
+                                    {**base_headers, H.INSTANCE: instance}, keep_alive)
+                        return
+                    except _UpstreamLost as lost:
+                        kind = _error_kind(lost.exc)
+                        state.health.passive_failure(instance)
+                        if not lost.sent:
+                            mark = time.perf_counter()
+                            m.upstream_errors.labels(instance, "send").inc()
+                            retry = "send"
+                            log.warning("instance %s: connection lost while sending the request (%s)", instance,
+                                        kind)
+                            exclude.add(instance)
+                            continue
+                        m.upstream_errors.labels(instance, kind).inc()
+                        m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                        log.warning("instance %s: failed before responding (%s)", instance, kind)
+                        code = 502 if rr.api is Api.OPENAI else 424
+                        self._error(client, rr, 502, f"instance {instance} failed before responding ({kind})",
+                                    "upstream_error", {**base_headers, H.INSTANCE: instance}, keep_alive)
+                        return
+                    m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                    state.health.passive_success(instance)
+                    code = await self._relay(client, rr, up, decision, router_s, keep_alive)
+                    return
+                finally:
+                    lease.release()
+                    if up is not None:
+                        up.finish()
+            code = 503
+            self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
+                        f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
+        except _ClientGone:
+            code = 499
+        except asyncio.CancelledError:
+            code = 499
+            raise
+        finally:
+            m.responses.labels(rr.endpoint, variant, str(code or 500)).inc()
+            m.duration_seconds.labels(rr.endpoint, variant).observe(time.perf_counter() - rr.t0)
+
+    def _error(self, client: _Client, rr: RoutedRequest, status: int, message: str, code: str,
+               headers: dict[str, str], keep_alive: bool) -> None:
+        if rr.api is not Api.OPENAI:
+            from prefixroute.server.errors import sagemaker_error
+            kind = "ServiceUnavailable" if status == 503 else "ModelError"
+            resp = sagemaker_error(kind, message, headers=headers)
+        else:
+            from prefixroute.server.errors import openai_error
+            resp = openai_error(status, message, type_="server_error", code=code, headers=headers)
+        client.write(_serialize(resp, keep_alive))
+
+    async def _relay(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
+                     keep_alive: bool) -> int | str:
+        """Copy the instance's answer to the client as it arrives; returns the
+        ``code`` label (the status, 499 if the client left, or ``stream_aborted``)."""
+        t_headers = time.perf_counter()
+        state = self.state
+        m = state.metrics
+        instance = decision.instance.instance_id
+        variant = decision.variant
+        status = up.status
+        if status >= 500:
+            m.upstream_errors.labels(instance, "http_5xx").inc()
+        if rr.api is not Api.OPENAI and not 200 <= status < 300:
+            return await self._model_error(client, rr, up, decision, router_s, t_headers, keep_alive)
+        framed = rr.api is Api.NATIVE_STREAM
+        content_length = None
+        chunked_up = False
+        content_type = b""
+        for k, v in up.resp_headers:
+            low = k.lower()
+            if low == b"content-length":
+                content_length = v
+            elif low == b"transfer-encoding":
+                chunked_up = True
+            elif low == b"content-type" and not content_type:
+                content_type = v
+        if chunked_up:
+            content_length = None
+        if rr.api is Api.OPENAI:
+            out = H.openai_response_headers(up.resp_headers)
+        else:
+            out = H.native_response_headers(up.resp_headers, stream=framed)
+        sse = not framed and content_type.startswith(b"text/event-stream")
+        if sse or framed:
+            out.append((b"X-Accel-Buffering", b"no"))
+        out += ((b"X-Request-Id", rr.request_id.encode()), (_INVOKED_VARIANT, variant.encode()),
+                (_INSTANCE, instance.encode()), (_DECISION, decision.kind.value.encode()))
+        overhead = router_s + (time.perf_counter() - t_headers)
+        out.append((_OVERHEAD_MS, b"%.3f" % (overhead * 1e3)))
+        m.overhead_seconds.labels(rr.endpoint, variant).observe(overhead)
+        chunked = framed or content_length is None
+        if framed:
+            status, reason = 200, b"OK"
+        elif rr.api is Api.OPENAI:
+            reason = up.reason or _reason(status)
+        else:
+            reason = _reason(status)
+        framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: " + content_length + b"\r\n"
+        parts = [_head(status, reason, out, framing, keep_alive)]
+
+        ttft = m.ttft_seconds.labels(rr.endpoint, variant)
+        first = True
+        tail = b""
+        transport = client.transport
+
+        def encode(chunk: bytes) -> tuple[bytes, ...]:
+            nonlocal first, tail
+            if first:
+                first = False
+                ttft.observe(time.perf_counter() - rr.t0)
+            if sse:
+                tail = (tail + chunk)[-_TAIL:]
+            if framed:
+                chunk = eventstream.payload_part(chunk)
+            return (b"%x\r\n" % len(chunk), chunk, b"\r\n") if chunked else (chunk,)
+
+        def sink(chunk: bytes) -> None:
+            parts = encode(chunk)
+            if not client.closed and transport is not None:
+                transport.writelines(parts)
+
+        # The head and whatever already came, in one write (one send for a whole answer).
+        for chunk in up.chunks:
+            parts += encode(chunk)
+        up.chunks = []
+        idle_s = state.settings.stream_idle_timeout_s
+        if not up.done.done():
+            client.write(b"".join(parts))
+            parts = []
+            client.upstream = up
+            up.sink = sink
+            if client.write_paused:
+                up.pause()
+            watch = _IdleWatch(self.loop, up, client, idle_s)
+            try:
+                await self._await(client, up.done, None)
+            except TimeoutError:
+                return self._end_broken(client, rr, up, instance, TimeoutError(), sse, tail, idle_s, framed)
+            except _ClientGone:
+                up.abort()
+                return 499
+            finally:
+                watch.cancel()
+                client.upstream = None
+        if up.error is not None and not up.complete:
+            if parts:
+                client.write(b"".join(parts))
+            return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
+        if first:
+            ttft.observe(time.perf_counter() - rr.t0)
+        if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
+            m.upstream_errors.labels(instance, "no_done").inc()
+        if client.closed:
+            return 499
+        if chunked:
+            parts.append(b"0\r\n\r\n")
+        client.write(b"".join(parts))
+        return status
+
+    def _end_broken(self, client: _Client, rr: RoutedRequest, up: _Upstream, instance: str, exc: BaseException,
+                    sse: bool, tail: bytes, idle_s: float, framed: bool) -> str:
+        """As proxy._end_broken: the status is sent; end in the stream's own terms."""
+        timeout = isinstance(exc, TimeoutError)
+        kind = "idle_timeout" if timeout else _error_kind(exc)
+        up.abort()
+        self.state.metrics.upstream_errors.labels(instance, kind).inc()
+        self.state.health.passive_failure(instance)
+        log.warning("instance %s: response broken mid-body (%s)", instance, kind)
+        if timeout:
+            message = f"instance {instance} sent nothing for {idle_s:g} s; the response was ended"
+        else:
+            message = f"instance {instance} closed the connection mid-response ({kind})"
+        if framed:
+            event = eventstream.model_stream_error(message, "ModelInvocationTimeExceeded" if timeout else
+                                                   "StreamBroken")
+        elif sse and at_event_boundary(tail):
+            event = sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected")
+        else:
+            client.abort()
+            return STREAM_ABORTED
+        client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+        return STREAM_ABORTED
+
+    async def _model_error(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
+                           t_headers: float, keep_alive: bool) -> int:
+        """SageMaker's answer to a model's non-2xx status: 424 ``ModelError``."""
+        instance = decision.instance.instance_id
+        try:
+            await self._await(client, up.done, self.state.settings.stream_idle_timeout_s)
+        except TimeoutError as exc:  # the error body itself went silent: keep the status
+            self.state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
+        if up.error is not None and not up.complete:
+            self.state.metrics.upstream_errors.labels(instance, _error_kind(up.error)).inc()
+        raw = b"".join(up.chunks)[:_MAX_ERROR_BODY * 4]
+        t_back = time.perf_counter()
+        status = up.status
+        original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
+        side = "client" if status < 500 else "server"
+        overhead = router_s + (time.perf_counter() - t_back)
+        self.state.metrics.overhead_seconds.labels(rr.endpoint, decision.variant).observe(overhead)
+        self.state.metrics.ttft_seconds.labels(rr.endpoint, decision.variant).observe(t_headers - rr.t0)
+        from prefixroute.server.errors import sagemaker_error
+        resp = sagemaker_error(
+            "ModelError",
+            f"Received {side} error ({status}) from model instance {instance} with message \"{original}\".",
+            extra={"OriginalStatusCode": status, "OriginalMessage": original},
+            headers={H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: decision.variant, H.INSTANCE: instance,
+                     H.DECISION: decision.kind.value, H.OVERHEAD_MS: f"{overhead * 1e3:.3f}"},
+        )
+        client.write(_serialize(resp, keep_alive))
+        return 424
+
+    async def _delegate(self, client: _Client, inc: _Incoming) -> None:
+        """Relay a request the fast path does not serve to the aiohttp app, unchanged
+        but for its framing (the body is sent whole, with ``Content-Length``)."""
+        body = b"".join(inc.body)
+        parts = [b"%s %s HTTP/1.1\r\n" % (inc.method, inc.url)]
+        for k, v in inc.headers:
+            if k.lower() not in _FRAMING:
+                parts.append(k + b": " + v + b"\r\n")
+        if not inc.keep_alive:
+            parts.append(b"Connection: close\r\n")
+        parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
+        up: _Upstream | None = None
+        try:
+            up = await self.internal_pool.get(self.internal, 10.0)
+            up.send(b"".join(parts), body)
+            await self._await(client, up.headers_fut, None)
+            out = [(k, v) for k, v in up.resp_headers if k.lower() not in _FRAMING and k.lower() != b"date"]
+            length = next((v for k, v in up.resp_headers if k.lower() == b"content-length"), None)
+            chunked = length is None or any(k.lower() == b"transfer-encoding" for k, _ in up.resp_headers)
+            framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: " + length + b"\r\n"
+            client.write(_head(up.status, up.reason or _reason(up.status), out, framing, inc.keep_alive))
+            transport = client.transport
+
+            def sink(chunk: bytes) -> None:
+                if client.closed or transport is None:
+                    return
+                if chunked:
+                    transport.writelines((b"%x\r\n" % len(chunk), chunk, b"\r\n"))
+                else:
+                    transport.write(chunk)
+
+            client.upstream = up
+            for chunk in up.chunks:
+                sink(chunk)
+            up.chunks = []
+            up.sink = sink
+            if client.write_paused:
+                up.pause()
+            await self._await(client, up.done, None)
+            if chunked:
+                client.write(b"0\r\n\r\n")
+        except _ClientGone:
+            if up is not None:
+                up.abort()
+        except (_UpstreamLost, OSError, TimeoutError) as exc:
+            if up is not None and up.headers_fut.done() and not up.headers_fut.exception():
+                client.abort()  # the head is sent: a truncated answer must look truncated
+            else:
+                log.error("internal application unreachable: %s", exc)
+                client.write_response(503, b"Service Unavailable", [(b"Content-Type", b"application/json")],
+                                      b'{"message": "the router is shutting down or unavailable"}', False)
+                inc.keep_alive = False
+        finally:
+            client.upstream = None
+            if up is not None:
+                up.finish()
+
+
+def _expire(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
+class _IdleWatch:
+    """Fails ``up.done`` with ``TimeoutError`` once the instance has sent nothing for
+    ``idle_s`` (a client that reads slowly, pausing the instance, does not count).
+    One timer per ``idle_s``, not one per chunk."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, up: _Upstream, client: _Client, idle_s: float) -> None:
+        self.loop, self.up, self.client, self.idle_s = loop, up, client, idle_s
+        up.last_data = loop.time()
+        self.handle: asyncio.TimerHandle | None = loop.call_later(idle_s, self._check)
+
+    def _check(self) -> None:
+        up = self.up
+        if up.done.done():
+            self.handle = None
+            return
+        due = up.last_data + self.idle_s
+        if self.client.write_paused:
+            due = self.loop.time() + self.idle_s
+        elif self.loop.time() >= due:
+            self.handle = None
+            up.done.set_exception(TimeoutError())
+            return
+        self.handle = self.loop.call_at(due, self._check)
+
+    def cancel(self) -> None:
+        if self.handle is not None:
+            self.handle.cancel()
+            self.handle = None
+
+
+def _error_kind(exc: BaseException | None) -> str:
+    if isinstance(exc, TimeoutError):
+        return "timeout"
+    if isinstance(exc, ConnectionResetError):
+        return "reset"
+    if isinstance(exc, (ConnectionError, httptools.HttpParserError)) or exc is None:
+        return "disconnect"
+    return "other"
+
+
+def internal_socket_path() -> str:
+    """A fresh path for the aiohttp app's Unix socket, in a directory only this user
+    can enter."""
+    directory = tempfile.mkdtemp(prefix="prefixroute-")
+    os.chmod(directory, 0o700)
+    return os.path.join(directory, "app.sock")

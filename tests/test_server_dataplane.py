@@ -1,0 +1,239 @@
+"""The fast data plane (server/dataplane.py) at the HTTP level: what only it does, on
+raw sockets — pooled upstream connections, pipelining, ``Expect: 100-continue``,
+limits, chunked request bodies, delegation to the aiohttp app, idle clients. The
+behaviour it shares with the aiohttp data plane is tested with both
+(tests/test_reliability_*.py, tests/test_server_routes.py use the ``data_plane``
+fixture)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import aiohttp
+import orjson
+import pytest
+
+from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.server import ServerSettings, start_router
+from prefixroute.server.dataplane import MAX_HEAD_BYTES, match_route
+from prefixroute.server.proxy import Api
+
+from fault_backend import FaultBackend
+
+LIMIT = 64 * 1024
+CHAT = orjson.dumps({"model": "m", "messages": [{"role": "system", "content": "S" * 3000},
+                                                {"role": "user", "content": "hi"}]})
+
+
+@pytest.fixture
+async def backend():
+    b = await FaultBackend().start()
+    yield b
+    await b.stop()
+
+
+@pytest.fixture
+async def router(backend):
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1, max_body_bytes=LIMIT))
+    yield handle
+    await handle.close()
+
+
+async def _connect(router):
+    return await asyncio.open_connection("127.0.0.1", router.port)
+
+
+async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 response (Content-Length or chunked body)."""
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            k, _, v = line.partition(":")
+            headers[k.strip().lower()] = v.strip()
+    if "content-length" in headers:
+        body = await reader.readexactly(int(headers["content-length"]))
+    elif headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            data = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            body += data[:-2]
+    else:
+        body = await reader.read()
+    return status, headers, body
+
+
+def _post(path: str, body: bytes, extra: str = "") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+@pytest.mark.parametrize("path,expected", [
+    ("/v1/chat/completions", (Api.OPENAI, True, None)),
+    ("/v1/completions", (Api.OPENAI, False, None)),
+    ("/invocations", (Api.NATIVE, False, None)),
+    ("/endpoints/e1/invocations", (Api.NATIVE, False, "e1")),
+    ("/endpoints/e1/invocations-response-stream", (Api.NATIVE_STREAM, False, "e1")),
+    ("/endpoints/e1/openai/v1/chat/completions", (Api.OPENAI, True, "e1")),
+    ("/endpoints/e1/openai/v1/completions", (Api.OPENAI, False, "e1")),
+    ("/endpoints/e1/inference-components/c/openai/v1/chat/completions", (Api.OPENAI, True, "e1")),
+    ("/endpoints//invocations", None),
+    ("/endpoints/e%31/invocations", None),  # percent-encoded: aiohttp decodes it
+    ("/endpoints/e1/openai/v1/models", None),
+    ("/v1/chat/completions/", None),
+    ("/metrics", None),
+    ("/endpoints/e1/inference-components//openai/v1/completions", None),
+])
+def test_match_route(path, expected):
+    assert match_route(path) == expected
+
+
+async def test_upstream_connection_is_kept_alive(router, backend):
+    async with aiohttp.ClientSession() as http:
+        for _ in range(20):
+            async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
+                assert r.status == 200
+                await r.read()
+    assert len(backend.received) == 20
+    assert backend.accepted == 1
+
+
+async def test_pipelined_requests_are_answered_in_order(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: first\r\n")
+                 + _post("/v1/chat/completions", b"{not json", "X-Request-Id: second\r\n")
+                 + _post("/v1/chat/completions", CHAT, "X-Request-Id: third\r\n"))
+    answers = [await _read_response(reader) for _ in range(3)]
+    writer.close()
+    assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, "first"), (400, "second"), (200, "third")]
+    assert orjson.loads(answers[1][2])["error"]["type"] == "invalid_request_error"
+    assert backend.ids() == ["first", "third"]
+
+
+async def test_expect_100_continue(router, backend):
+    reader, writer = await _connect(router)
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\n"
+            f"Content-Length: {len(CHAT)}\r\n\r\n").encode()
+    writer.write(head)
+    interim = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(CHAT)
+    status, _, _ = await _read_response(reader)
+    writer.close()
+    assert status == 200
+    assert backend.received[0].body == CHAT
+    assert "expect" not in {k.lower() for k in backend.received[0].headers}
+
+
+async def test_head_too_large_is_431_and_closed(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 10)
+                 + b"\r\nContent-Length: 2\r\n\r\n{}")
+    status, headers, body = await _read_response(reader)
+    assert status == 431
+    assert headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
+    writer.close()
+    assert backend.received == []
+
+
+async def test_declared_body_over_limit_is_413_without_reading_it(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1))
+    status, headers, body = await _read_response(reader)
+    writer.close()
+    assert status == 413
+    assert headers["connection"] == "close"
+    err = orjson.loads(body)["error"]
+    assert err["code"] == "request_too_large"
+    assert f"{LIMIT + 1:,} bytes" in err["message"]
+    assert backend.received == []
+
+
+async def test_chunked_body_over_limit_is_413(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /invocations HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"x" * 16384
+    for _ in range(LIMIT // len(chunk) + 1):
+        writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+    status, headers, body = await _read_response(reader)
+    writer.close()
+    assert status == 413
+    assert headers["x-amzn-errortype"] == "ValidationError"
+    assert "chunked body went past it" in orjson.loads(body)["message"]
+    assert backend.received == []
+
+
+async def test_chunked_body_is_forwarded_whole(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for i in range(0, len(CHAT), 1000):
+        piece = CHAT[i:i + 1000]
+        writer.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+    writer.write(b"0\r\n\r\n")
+    status, _, _ = await _read_response(reader)
+    writer.close()
+    assert status == 200
+    rec = backend.received[0]
+    assert rec.body == CHAT and not rec.chunked
+    assert rec.headers["Content-Length"] == str(len(CHAT))
+
+
+async def test_other_routes_and_http10_go_through_aiohttp(router, backend):
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router.url + "/health") as r:
+            assert r.status == 200
+            assert await r.json() == {"status": "ok", "healthy_instances": 1, "instances": 1}
+        async with http.get(router.url + "/metrics") as r:
+            assert r.status == 200
+            assert "prefixroute_responses_total" in await r.text()
+        async with http.get(router.url + "/nope") as r:
+            assert r.status == 404
+            assert (await r.json())["message"].startswith("no route for GET /nope")
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nHost: r\r\nContent-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+    status, headers, body = await _read_response(reader)
+    writer.close()
+    assert status == 200
+    assert orjson.loads(body)["object"] == "chat.completion"
+    assert len(backend.received) == 1
+
+
+async def test_compressed_body_is_decoded_by_aiohttp(router, backend):
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/chat/completions", data=gzip.compress(CHAT),
+                             headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+            assert r.status == 200
+    rec = backend.received[0]
+    assert rec.body == CHAT
+    assert "Content-Encoding" not in rec.headers
+
+
+async def test_malformed_request_is_400_and_closed(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost r\r\n\r\n")
+    status, headers, _ = await _read_response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    writer.close()
+
+
+async def test_idle_client_connection_is_closed(router, backend):
+    router._front.client_keepalive_s = 0.3
+    reader, writer = await _connect(router)
+    writer.write(_post("/v1/chat/completions", CHAT))
+    status, _, _ = await _read_response(reader)
+    assert status == 200
+    t0 = asyncio.get_running_loop().time()
+    assert await asyncio.wait_for(reader.read(), 5) == b""
+    assert 0.2 <= asyncio.get_running_loop().time() - t0 < 3
+    writer.close()
