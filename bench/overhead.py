@@ -10,7 +10,9 @@ One program, one fast backend, the same requests for every router:
   any router's cost, so the routers differ only by what they do themselves;
 * the targets: **direct** (the backend's first port, no router), prefixroute with every
   strategy (``RANDOM``, ``LEAST_OUTSTANDING_REQUESTS``, ``PREFIX_AWARE``,
-  ``CACHE_AWARE``; ``prefixroute serve``), prefixroute ``CACHE_AWARE`` with ``--workers
+  ``CACHE_AWARE``; ``prefixroute serve``, its default fast data plane), prefixroute
+  ``PREFIX_AWARE`` on the aiohttp data plane (``--data-plane aiohttp``, the reference
+  implementation: what the fast one saves), prefixroute ``CACHE_AWARE`` with ``--workers
   2`` (when ``prefixroute serve`` has that option; else listed as skipped), HAProxy with
   ``balance hash`` on the body's first 4096 bytes and ``hash-balance-factor 150``, the
   SGLang router (``sglang-router``, ``cache_aware``) and vLLM's router (``vllm-router``,
@@ -589,6 +591,10 @@ def router_specs(s: OverheadSettings) -> list[RouterSpec]:
                         routing={"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {
                             "PrefixLength": s.prefix_length, "ConcurrencyThreshold": threshold}}),
         PrefixrouteSpec("prefixroute CACHE_AWARE", "prefixroute", "CACHE_AWARE", routing=cache_aware),
+        PrefixrouteSpec("prefixroute PREFIX_AWARE --data-plane aiohttp", "prefixroute", "PREFIX_AWARE",
+                        routing={"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {
+                            "PrefixLength": s.prefix_length, "ConcurrencyThreshold": threshold}},
+                        extra_args=("--data-plane", "aiohttp")),
         MultiWorkerPrefixrouteSpec(f"prefixroute CACHE_AWARE --workers {s.workers}", "prefixroute", "CACHE_AWARE",
                                    routing=cache_aware, workers=s.workers),
         HAProxySpec(LATENCY_REFERENCE, "haproxy", f"hash body[:{s.prefix_length}] balance-factor {s.balance_factor}",

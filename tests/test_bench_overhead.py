@@ -281,7 +281,8 @@ def test_settings_from_flags():
         overhead.select_routers(overhead.router_specs(overhead.FULL), "no-such-router")
     labels = [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "prefixroute")]
     assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
-                      "prefixroute CACHE_AWARE", "prefixroute CACHE_AWARE --workers 2"]
+                      "prefixroute CACHE_AWARE", "prefixroute PREFIX_AWARE --data-plane aiohttp",
+                      "prefixroute CACHE_AWARE --workers 2"]
 
 
 def test_process_tree_readings_of_this_process():

@@ -237,3 +237,14 @@ async def test_idle_client_connection_is_closed(router, backend):
     assert await asyncio.wait_for(reader.read(), 5) == b""
     assert 0.2 <= asyncio.get_running_loop().time() - t0 < 3
     writer.close()
+
+
+async def test_head_request_through_aiohttp_does_not_hang(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 405 ")
+    writer.write(_post("/v1/chat/completions", CHAT))  # the connection still serves
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 200 ")
+    writer.close()

@@ -212,6 +212,7 @@ class _Upstream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
+        self.idle = False  # in the pool, between two exchanges
         self.idle_since = 0.0
         self._reset()
 
@@ -228,6 +229,7 @@ class _Upstream(asyncio.Protocol):
         self.keep_alive = False
         self.until_eof = False
         self.sent = False
+        self.no_body = False  # the answer to a HEAD request: the head is all of it
         self.error: BaseException | None = None
         self.last_data = 0.0
 
@@ -239,6 +241,9 @@ class _Upstream(asyncio.Protocol):
         self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
 
     def data_received(self, data: bytes) -> None:
+        if self.idle:  # bytes nobody asked for on a pooled connection: never reuse it
+            self.abort()
+            return
         self.last_data = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
@@ -288,15 +293,21 @@ class _Upstream(asyncio.Protocol):
                           and self.status not in (204, 304))
         if not self.headers_fut.done():
             self.headers_fut.set_result(None)
+        if self.no_body:  # llhttp cannot be told; end the exchange here, and the connection after it
+            self.until_eof = False
+            self.on_message_complete()
+            self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
+        if self.complete:
+            return
         if self.sink is not None:
             self.sink(body)
         else:
             self.chunks.append(body)
 
     def on_message_complete(self) -> None:
-        if 100 <= self.status < 200:
+        if 100 <= self.status < 200 or self.complete:
             return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is over
@@ -375,6 +386,7 @@ class _UpstreamPool:
         now = self.loop.time()
         while idle:
             conn = idle.pop()
+            conn.idle = False
             if now - conn.idle_since < self.keepalive_s and conn.transport is not None \
                     and not _peer_closed(conn.transport):
                 return conn
@@ -398,6 +410,7 @@ class _UpstreamPool:
         return conn
 
     def put(self, conn: _Upstream) -> None:
+        conn.idle = True
         conn.idle_since = self.loop.time()
         self.idle.setdefault(conn.target, []).append(conn)
         if self._sweeper is None:
@@ -526,13 +539,15 @@ class _Client(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         cur = self.cur
-        assert cur is not None
+        if cur is None or self.discard:
+            return
         cur.url += url
         cur.head_bytes += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         cur = self.cur
-        assert cur is not None
+        if cur is None or self.discard:
+            return
         cur.headers.append((name, value))
         cur.head_bytes += len(name) + len(value) + 4
         if cur.head_bytes > MAX_HEAD_BYTES:
@@ -541,7 +556,8 @@ class _Client(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         cur = self.cur
-        assert cur is not None
+        if cur is None or self.discard:
+            return
         if cur.head_bytes > MAX_HEAD_BYTES:
             self._refuse(431, b"Request Header Fields Too Large",
                          f"request line and headers over {MAX_HEAD_BYTES:,} bytes")
@@ -581,7 +597,7 @@ class _Client(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         cur = self.cur
-        if cur is None or cur.too_large is not None:
+        if cur is None or cur.too_large is not None or self.discard:
             return
         self.cur = None
         self.queue.append(cur)
@@ -1108,6 +1124,7 @@ class FrontServer:
         up: _Upstream | None = None
         try:
             up = await self.internal_pool.get(self.internal, 10.0)
+            up.no_body = inc.method == b"HEAD"
             up.send(b"".join(parts), body)
             await self._await(client, up.headers_fut, None)
             out = [(k, v) for k, v in up.resp_headers if k.lower() not in _FRAMING and k.lower() != b"date"]
