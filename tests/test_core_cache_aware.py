@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy
+from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy, _Levels
 from prefixroute.core.config import ConfigError, RoutingConfig
 from prefixroute.core.keys import block_ends, byte_block_hashes, openai_block_hashes, openai_route, text_block_hashes
 from prefixroute.core.pool import VariantPool
@@ -316,8 +316,10 @@ def test_fleet_index_gives_every_instance_its_own_match():
     for i in range(3000):
         text = rng.choice(bases) + f"|{rng.randrange(40)}|" + "v" * rng.randrange(0, 6000)
         blocks = text_block_hashes(text, 64, 131_072, "m")
-        held0 = strategy._index.get(blocks[0], 0)
-        levels = strategy._levels(blocks, held0) if held0 else []
+        found = _Levels(blocks.hash, strategy._index, strategy._index.get(blocks[0], 0), len(blocks))
+        while found.pull():
+            pass
+        levels = list(zip(found.masks, found.depths))
         for inst in pool.instances:
             bit = strategy._bits.get(inst.instance_id, 0)
             want = strategy.caches[inst.instance_id].match(blocks) if inst.instance_id in strategy.caches else 0
@@ -346,3 +348,123 @@ def test_reported_memory_matches_what_the_views_take():
     tracemalloc.stop()
     assert blocks > 10_000
     assert abs(strategy.stats()["approx_cache_bytes"] - taken) <= 0.25 * taken, (taken, blocks)
+
+
+# -- lazy reads and the lazy level search must give what the exhaustive computation gives
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet="ab\u00e9 ", min_size=1, max_size=6000), order=st.randoms(use_true_random=False))
+def test_chain_reads_in_any_order_equal_the_streaming_pass(text, order):
+    lazy = text_block_hashes(text, 16, 10_000, "m")
+    ks = list(range(len(lazy)))
+    order.shuffle(ks)
+    got = {k: lazy[k] for k in ks}
+    data = text.encode("utf-8")
+    want = [xxhash.xxh3_64_intdigest(data[:e], lazy.root) for e in lazy.ends]
+    assert [got[k] for k in range(len(lazy))] == want == text_block_hashes(text, 16, 10_000, "m").hashes()
+
+
+def _reference_choose(strategy, candidates, blocks, rng):
+    """The CACHE_AWARE rule computed exhaustively: every candidate's match from its own
+    view (ApproxPrefixCache.match), no index search, nothing lazy."""
+    from prefixroute.core.hashing import rendezvous_best, rendezvous_order
+    from prefixroute.core.strategies import least_outstanding
+
+    w, tie, threshold = strategy.load_weight, strategy.load_weight * strategy.tie_requests, strategy.threshold
+    tokens = [c.token for c in candidates]
+
+    def unit(d):
+        return (blocks.ends[d - 1] >> blocks.unit_shift) / strategy.block_size if d else 0.0
+
+    depth = {c.instance_id: strategy.caches[c.instance_id].match(blocks) for c in candidates}
+    top_depth = max(depth.values())
+
+    def place(anchor):
+        i = rendezvous_best(anchor, tokens)
+        kind = DecisionKind.AFFINITY
+        if candidates[i].in_flight >= threshold:
+            nxt = [j for j in rendezvous_order(anchor, tokens)[1:] if candidates[j].in_flight < threshold]
+            if not nxt:
+                return least_outstanding(candidates, rng), DecisionKind.ALL_BUSY
+            i, kind = nxt[0], DecisionKind.OVERFLOW
+        if top_depth and depth[candidates[i].instance_id] < top_depth:
+            kind = DecisionKind.OVERFLOW
+        return candidates[i], kind
+
+    if not top_depth:
+        return place(blocks[0])
+    top, common = unit(top_depth), unit(min(depth.values()))
+    anchor = blocks[min(top_depth, len(blocks) - 1)]
+    if top - common <= w:
+        return place(anchor)
+    homes = [(unit(depth[c.instance_id]) - w * max(c.in_flight, c.engine_load), c) for c in candidates
+             if unit(depth[c.instance_id]) >= top - w and c.in_flight < threshold]
+    rest = max((unit(d) for d in depth.values() if unit(d) < top - w), default=0.0)
+
+    def home():
+        band = [c for sc, c in homes if sc >= best - tie]
+        return band[0] if len(band) == 1 else band[rendezvous_best(anchor, [c.token for c in band])]
+
+    if homes:
+        best = max(sc for sc, _ in homes)
+        if best >= rest - tie:
+            return home(), DecisionKind.AFFINITY
+    alt, alt_kind = place(anchor)
+    alt_match = unit(depth[alt.instance_id])
+    if homes and best >= alt_match - w * max(alt.in_flight, alt.engine_load) - tie:
+        return home(), DecisionKind.AFFINITY
+    return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
+
+
+@pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (4, 3.0), (8, 16.0)])
+def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
+    urls = [f"http://10.2.0.{i}:8000" for i in range(12)]
+    pool = VariantPool("v", urls, ca(threshold=threshold, load_weight=load_weight, block_size=16,
+                                     instance_cache_tokens=6_000), seed=4)
+    strategy = pool.strategy
+    rng = random.Random(threshold)
+    headers = ["", "H" * 700, "G" * 2500]
+    # documents of every length, down to none: then every match is close to the header's
+    docs = [f"doc {d}|" + "".join(rng.choice("xy") for _ in range(rng.randrange(0, 3000) >> (d % 4 * 3)))
+            for d in range(25)]
+    for inst in pool.instances:  # every instance holds the long header (a shared system prompt)
+        pool.learn(inst, text_block_hashes(headers[2] + "intro", 16, 131_072, "m"))
+    live, seen = [], set()
+    for i in range(1500):
+        text = rng.choice(headers) + rng.choice(docs) + f"question {rng.randrange(30)}" * rng.randrange(1, 20)
+        blocks = text_block_hashes(text, 16, 131_072, "m")
+        for inst in pool.instances:
+            if rng.random() < 0.05:
+                inst.engine_load = rng.randrange(0, 8)
+        candidates = tuple(pool.instances)
+        ref_rng = random.Random()
+        ref_rng.setstate(strategy.rng.getstate())
+        want = _reference_choose(strategy, candidates, blocks, ref_rng)
+        got = strategy.choose(None, candidates, blocks)
+        assert (got[0].instance_id, got[1]) == (want[0].instance_id, want[1]), i
+        seen.add(got[1])
+        lease = pool.acquire(None, blocks=blocks)
+        assert lease.instance is got[0] or got[1] is DecisionKind.ALL_BUSY
+        live.append(lease)
+        if len(live) > 3 * threshold or rng.random() < 0.4:
+            live.pop(rng.randrange(len(live))).release()
+    assert seen >= {DecisionKind.AFFINITY, DecisionKind.OVERFLOW}
+
+
+def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():
+    # Every instance holds a long shared header, one holds the document: the decision
+    # needs the document holder's match and one comparison with the header, not the
+    # header holders' exact match (which would take a binary search of its own).
+    urls = [f"http://10.3.0.{i}:8000" for i in range(16)]
+    pool = VariantPool("v", urls, ca(threshold=8))
+    header = "You are a careful assistant. " * 1200  # ~35,000 characters
+    for inst in pool.instances:
+        pool.learn(inst, text_block_hashes(header + "intro", 64, 131_072, "m"))
+    doc = header + "document 7 " + "z" * 30_000
+    home = pool.acquire(None, blocks=text_block_hashes(doc + " question 1?", 64, 131_072, "m"))
+    home.release()
+    follow_up = text_block_hashes(doc + " question 2?", 64, 131_072, "m")
+    lease = pool.acquire(None, blocks=follow_up)
+    assert (lease.instance, lease.decision.kind) == (home.instance, DecisionKind.AFFINITY)
+    assert len(follow_up._memo) <= 3  # block 0, and the last two blocks in one pass

@@ -4,10 +4,12 @@ import base64
 import re
 
 import pytest
+import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute.core.keys import (
+    KEY_SEED,
     InvalidRequest,
     completion_prompt,
     native_routing_key,
@@ -215,3 +217,60 @@ def test_render_limit_with_large_tools():
     payload = {"tools": [{"name": "t" * 5000}], "messages": [{"role": "user", "content": "q"}]}
     assert render_chat_text(payload, limit=1024) == render_chat_text(payload)[: len(render_chat_text(payload, 1024))]
     assert render_chat_text(payload, limit=1024).endswith("\n")
+
+
+# -- the chat key is hashed piece by piece: it must equal the key of the joined text
+
+
+def _seeded(model: str, tenant: str = "") -> int:
+    """The documented seed: xxh3_64(model NUL tenant NUL, seed=KEY_SEED)."""
+    return xxhash.xxh3_64_intdigest(model.encode() + b"\0" + tenant.encode() + b"\0", KEY_SEED)
+
+
+def _long(alphabet: str) -> st.SearchStrategy[str]:
+    """4,000-9,000 characters: a short random text repeated (little entropy to draw)."""
+    return st.builds(lambda unit, n: (unit * (n // len(unit) + 1))[:n],
+                     st.text(alphabet=alphabet, min_size=1, max_size=30), st.integers(4000, 9000))
+
+
+_piece = st.one_of(st.text(max_size=40), _long("ab\u00e9\u4e2d\ud800"), _long("xyz"))
+
+
+@settings(max_examples=150, deadline=None)
+@given(contents=st.lists(_piece, min_size=1, max_size=5), limit=st.integers(min_value=1, max_value=20_000),
+       tenant=st.sampled_from([None, "t-1"]))
+def test_chat_key_equals_the_key_of_the_rendered_text(contents, limit, tenant):
+    payload = {"model": "m", "messages": [{"role": "user" if i % 2 else "system", "content": c}
+                                          for i, c in enumerate(contents)]}
+    if tenant:
+        payload["prompt_cache_key"] = tenant
+    text = render_chat_text(payload)
+    want = xxhash.xxh3_64_intdigest(text[:limit].encode("utf-8", "surrogatepass"), _seeded("m", tenant or ""))
+    assert openai_routing_key(payload, True, limit) == want
+    assert text_routing_key(text, limit, "m", tenant or "") == want
+
+
+def test_text_key_cut_inside_a_long_ascii_or_non_ascii_text():
+    for text in ("a" * 70_000, "\u00e9" * 70_000, "a" * 40_000 + "\u4e2d" * 30_000):
+        for n in (1, 1024, 35_000, 65_536, 69_999, 70_000, 80_000):
+            want = xxhash.xxh3_64_intdigest(text[:n].encode("utf-8"), _seeded("m"))
+            assert text_routing_key(text, n, "m") == want
+
+
+def test_strategies_without_a_key_validate_like_the_key():
+    from prefixroute.core.config import RoutingConfig
+    from prefixroute.core.keys import openai_route
+
+    bad = [({"messages": "x"}, True), ({"model": 3, "messages": []}, True),
+           ({"messages": [{"role": "user", "content": "q"}], "prompt_cache_key": ""}, True),
+           ({"messages": [{"content": "q"}]}, True), ({"prompt": [1, "a"]}, False)]
+    for payload, chat_ in bad:
+        for routing in (RoutingConfig(), RoutingConfig.build("least-outstanding-requests")):
+            with pytest.raises(InvalidRequest) as got:
+                openai_route(payload, chat_, routing)
+            with pytest.raises(InvalidRequest) as want:
+                openai_routing_key(payload, chat_, 1024)
+            assert str(got.value) == str(want.value)
+    # only the first message is looked at, as for a key limited to one character
+    payload = {"messages": [{"role": "user", "content": "q"}, {"content": "no role"}]}
+    assert openai_route(payload, True, RoutingConfig()) == (None, [])

@@ -213,3 +213,98 @@ def test_invalid_instance_urls_are_rejected():
                      ("http://a:80/?q=1", "query or fragment"), ("http://a:0", "port 0")]:
         with pytest.raises(ConfigError, match=why):
             FleetConfig.single([bad], RoutingConfig())
+
+
+# -- PREFIX_AWARE remembers rendezvous orders; the answers must be those of a recomputation
+
+
+def _expected_owner(pool, key):
+    """The preferred healthy instance of ``key``, recomputed from scratch."""
+    healthy = [i for i in pool.instances if i.healthy]
+    return healthy[rendezvous_best(key, [instance_token(i.instance_id) for i in healthy])].instance_id
+
+
+def test_remembered_orders_equal_recomputed_ones_across_membership_and_health_changes():
+    urls = [f"http://10.1.0.{i}:8000" for i in range(10)]
+    pool = VariantPool("v", urls[:6], pa(threshold=1_000))
+    strategy = pool.strategy
+    keys = _keys(21, 300)
+    changes = [
+        lambda: None,
+        lambda: pool.set_healthy(urls[2], False),
+        lambda: pool.set_instances(urls[:8]),  # two added (urls[2] stays unhealthy)
+        lambda: pool.set_healthy(urls[2], True),
+        lambda: pool.set_instances(urls[3:]),  # three removed, two added
+        lambda: pool.set_healthy(urls[9], False),
+    ]
+    for change in changes:
+        change()
+        for _ in range(2):  # the second pass is answered from the remembered orders
+            assert [pool.choose(k).instance.instance_id for k in keys] == [_expected_owner(pool, k) for k in keys]
+        assert len(strategy._orders) == len(keys)
+    moved = sum(_expected_owner(pool, k) != pool.choose(k).instance.instance_id for k in keys)
+    assert moved == 0
+
+
+def test_remembered_full_order_serves_overflow_after_a_health_change():
+    pool = VariantPool("v", URLS, pa(threshold=1))
+    key = 777
+    order = [URLS[i] for i in rendezvous_order(key, [instance_token(u) for u in URLS])]
+    first = pool.acquire(key)
+    second = pool.acquire(key)
+    assert (first.instance.instance_id, second.instance.instance_id) == (order[0], order[1])
+    assert second.decision.kind is DecisionKind.OVERFLOW
+    assert len(pool.strategy._orders[key]) == len(URLS)  # the whole order is remembered
+    pool.set_healthy(order[1], False)  # a new candidate tuple: the order is recomputed without it
+    third = pool.acquire(key)
+    assert (third.instance.instance_id, third.decision.kind) == (order[2], DecisionKind.OVERFLOW)
+    remembered = pool.strategy._orders[key]  # indices among the 3 healthy candidates, best first
+    assert [pool.strategy._orders_src[i].instance_id for i in remembered] == [order[0], order[2], order[3]]
+
+
+def test_remembered_orders_are_bounded_and_keep_the_recent_keys():
+    from prefixroute.core.strategies import ORDER_CACHE_SIZE
+
+    pool = VariantPool("v", URLS, pa(threshold=1_000))
+    keys = _keys(4, ORDER_CACHE_SIZE + 500)
+    hot = keys[0]
+    for k in keys:
+        pool.choose(hot)  # used between every other key: never the least recently used
+        pool.choose(k)
+    orders = pool.strategy._orders
+    assert len(orders) == ORDER_CACHE_SIZE
+    assert hot in orders and keys[-1] in orders and keys[1] not in orders
+    assert pool.choose(keys[1]).instance.instance_id == _expected_owner(pool, keys[1])
+
+
+def test_exclusions_are_not_remembered():
+    pool = VariantPool("v", URLS, pa(threshold=1_000))
+    for k in _keys(8, 50):
+        first = pool.choose(k).instance.instance_id
+        other = pool.choose(k, exclude={first}).instance.instance_id
+        rest = [u for u in URLS if u != first]
+        assert other == rest[rendezvous_best(k, [instance_token(u) for u in rest])]
+    assert len(pool.strategy._orders) == 50
+
+
+def test_rendezvous_order_is_by_decreasing_score():
+    tokens = [instance_token(f"http://h{i}:80") for i in range(16)]
+    for k in _keys(9, 300):
+        scores = [rendezvous_score(k, t) for t in tokens]
+        order = rendezvous_order(k, tokens)
+        assert [scores[i] for i in order] == sorted(scores, reverse=True)
+
+
+def test_least_outstanding_breaks_ties_with_the_k_th_tied_candidate():
+    from prefixroute.core.strategies import InstanceState, least_outstanding
+
+    rng = random.Random(5)
+    for trial in range(500):
+        loads = [rng.randrange(3) for _ in range(rng.randrange(1, 12))]
+        cands = [InstanceState(f"i{j}", in_flight=x) for j, x in enumerate(loads)]
+        tied = [j for j, x in enumerate(loads) if x == min(loads)]
+        expect = random.Random(trial)
+        want = cands[tied[expect.randrange(len(tied))]] if len(tied) > 1 else cands[tied[0]]
+        got_rng = random.Random(trial)
+        assert least_outstanding(cands, got_rng) is want
+        assert got_rng.getstate() == expect.getstate()  # the same draws as before

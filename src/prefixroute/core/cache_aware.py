@@ -20,8 +20,11 @@ disagree when several router replicas run (SPEC §5). This strategy:
    prefix's parents are always more recent than its children and eviction removes the
    tails first (as vLLM frees blocks in reverse): the remembered blocks of a chain
    always form a prefix. A fleet-wide index maps each block hash to the bitmask of
-   instances holding it, so one binary search over the request's chain finds every
-   instance's match at once (a few xxh3 passes, whatever the number of instances).
+   instances holding it, so one binary search over the request's chain finds the
+   instances with the longest match at once (a few xxh3 passes, whatever the number of
+   instances); the others' matches are searched only as far as the rules below need
+   (usually not at all: one probe tells whether any of them comes within
+   ``LoadWeight`` blocks).
 3. **Threshold first.** An instance at or over ``ConcurrencyThreshold`` in flight never
    gets a request while another is below it; when all are at it, the least outstanding
    one does (``all_busy``).
@@ -52,8 +55,10 @@ an empty prompt).
 from __future__ import annotations
 
 import random
+from bisect import bisect_left, bisect_right
 from collections import OrderedDict
-from typing import Sequence
+from itertools import islice
+from typing import Callable, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.hashing import rendezvous_best, rendezvous_order
@@ -61,12 +66,110 @@ from prefixroute.core.keys import BlockChain
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, register
 
 
-def _value_of(bit: int, levels: Sequence[tuple[int, int]], values: Sequence[float]) -> float:
-    """``values[l]`` of the first level whose mask holds ``bit`` (0.0 if none)."""
-    for (m, _), v in zip(levels, values):
-        if bit & m:
-            return v
-    return 0.0
+def _first(n: int, x: float, key: Callable[[int], float]) -> int:
+    """The first block index ``k < n`` with ``key(k) >= x`` (``n`` if none), ``key``
+    non-decreasing: a bisection, no block read. Callers pass ``n = _Levels.bound``, and
+    the answer is most often ``n`` (the other holders match far less): checked first."""
+    if not n or key(n - 1) < x:
+        return n
+    return bisect_left(range(n - 1), x, key=key)
+
+
+def _first_over(n: int, x: float, key: Callable[[int], float]) -> int:
+    """The first block index ``k < n`` with ``key(k) > x`` (``n`` if none), ``key``
+    non-decreasing (as :func:`_first`)."""
+    if not n or key(n - 1) <= x:
+        return n
+    return bisect_right(range(n - 1), x, key=key)
+
+
+class _Levels:
+    """The candidates holding a request's first block, grouped into levels by how many
+    blocks of its chain they hold, longest first, found lazily over the fleet-wide index.
+
+    Relies on each instance's remembered blocks of a chain forming a prefix of it (see the
+    module docstring), so "some of these instances hold block ``k``" is true up to some
+    ``k`` and false after: binary searches find where.
+
+    Attributes:
+        masks, depths: the levels found so far: the bitmask of the candidates of each
+            level and their match in blocks (decreasing).
+        remaining: bitmask of the holders in no level yet (they match less than the last).
+        bound: no remaining holder holds block ``bound`` or any later one.
+    """
+
+    __slots__ = ("_get", "_index", "masks", "depths", "remaining", "bound")
+
+    def __init__(self, get: Callable[[int], int], index: dict[int, int], held: int, n: int) -> None:
+        self._get = get
+        self._index = index
+        self.masks: list[int] = []
+        self.depths: list[int] = []
+        self.remaining = held
+        self.bound = n
+
+    def pull(self) -> bool:
+        """Find the next level (``False`` when no holder remains).
+
+        The search gallops down from ``bound`` (1, 2, 4... blocks back), then bisects: a
+        follow-up request (a new question about a held document, the next turn of a
+        conversation) matches all but its last block or two and is found by reading
+        blocks ``bound - 1`` and ``bound - 2``, which a :class:`BlockChain` hashes in one
+        xxh3 pass over the prefix."""
+        remaining = self.remaining
+        if not remaining:
+            return False
+        index, get, top = self._index, self._get, self.bound
+        lo, miss, step = 0, top, 1  # get(lo) is held by someone in `remaining`; get(miss) is not
+        while top - step > lo:
+            probe = top - step
+            if index.get(get(probe), 0) & remaining:
+                lo = probe
+                break
+            miss, step = probe, step * 2
+        while miss - lo > 1:
+            mid = (lo + miss) >> 1
+            if index.get(get(mid), 0) & remaining:
+                lo = mid
+            else:
+                miss = mid
+        holders = index.get(get(lo), 0) & remaining
+        self.masks.append(holders)
+        self.depths.append(lo + 1)
+        self.remaining = remaining & ~holders
+        self.bound = lo
+        return True
+
+    def any_holds(self, k: int) -> bool:
+        """Whether a remaining holder holds block ``k`` (one read unless ``k >= bound``)."""
+        remaining = self.remaining
+        if not remaining or k >= self.bound:
+            return False
+        if self._index.get(self._get(k), 0) & remaining:
+            return True
+        self.bound = k
+        return False
+
+    def all_hold(self, k: int) -> bool:
+        """Whether every remaining holder holds block ``k`` (true when none remains)."""
+        remaining = self.remaining
+        if not remaining or k <= 0:
+            return True
+        if k >= self.bound:
+            return False
+        return self._index.get(self._get(k), 0) & remaining == remaining
+
+    def depth_of(self, bit: int) -> int:
+        """Match in blocks of the instance with index bit ``bit`` (0 if it holds nothing),
+        finding further levels as needed."""
+        for m, d in zip(self.masks, self.depths):
+            if bit & m:
+                return d
+        while bit & self.remaining:
+            self.pull()
+            if bit & self.masks[-1]:
+                return self.depths[-1]
+        return 0
 
 
 __all__ = ["ApproxPrefixCache", "CacheAwareStrategy", "BYTES_PER_BLOCK_ENTRY", "TIE_REQUESTS"]
@@ -190,8 +293,8 @@ class CacheAwareStrategy(Strategy):
 
     State: one :class:`ApproxPrefixCache` per instance and a fleet-wide index from block
     hash to the bitmask of instances holding it, so one binary search over a request's
-    chain finds every instance's match at once (a few xxh3 passes and dict lookups,
-    whatever the number of instances).
+    chain finds all the instances holding its longest match at once (a few xxh3 passes
+    and dict lookups, whatever the number of instances; see :class:`_Levels`).
     """
 
     name = RoutingStrategy.CACHE_AWARE
@@ -232,40 +335,6 @@ class CacheAwareStrategy(Strategy):
             cache = self.caches[inst.instance_id] = ApproxPrefixCache(self.capacity_units, self._index, bit)
         return cache
 
-    def _levels(self, blocks: Sequence[int], held0: int) -> list[tuple[int, int]]:
-        """``[(instances bitmask, matched blocks), ...]``, longest match first: every
-        instance holding ``blocks[0]`` appears in exactly one level.
-
-        The search gallops down from the end of the chain (1, 2, 4... blocks back), then
-        bisects: a follow-up request (a new question about a held document, the next
-        turn of a conversation) matches all but its last blocks and is found in two or
-        three reads, each an xxh3 pass over the prefix."""
-        index = self._index
-        get = blocks.hash if isinstance(blocks, BlockChain) else blocks.__getitem__
-        levels: list[tuple[int, int]] = []
-        remaining, hi = held0, len(blocks)
-        while remaining:
-            lo = 0  # get(lo) is held by someone in `remaining`; nothing from hi on is
-            miss = hi
-            step = 1
-            while miss - step > lo:
-                probe = miss - step
-                if index.get(get(probe), 0) & remaining:
-                    lo = probe
-                    break
-                miss, step = probe, step * 2
-            while miss - lo > 1:
-                mid = (lo + miss) >> 1
-                if index.get(get(mid), 0) & remaining:
-                    lo = mid
-                else:
-                    miss = mid
-            holders = index.get(get(lo), 0) & remaining
-            levels.append((holders, lo + 1))
-            remaining &= ~holders
-            hi = lo
-        return levels
-
     # -- decisions --------------------------------------------------------------------
 
     def _bits_of(self, insts: Sequence[InstanceState]) -> tuple[list[int], int, dict[int, InstanceState]]:
@@ -290,41 +359,51 @@ class CacheAwareStrategy(Strategy):
         n = len(blocks)
         if not n:
             return least_outstanding(candidates, self.rng), DecisionKind.FALLBACK
-        held0 = self._index.get(blocks[0], 0)
+        get = blocks.hash if isinstance(blocks, BlockChain) else blocks.__getitem__
         bits, cmask, by_bit = self._bits_of(candidates)
-        if not held0 & cmask:  # no candidate holds even the first block: a new prefix
-            return self._place(blocks[0], candidates, 0.0, bits, ())
+        held = self._index.get(get(0), 0) & cmask
+        if not held:  # no candidate holds even the first block: a new prefix
+            return self._place(get(0), candidates, bits, 0)
         # Levels of candidates holding part of the chain, longest match first, with the
-        # match in BlockSize units (a chain's later blocks are longer), so LoadWeight
-        # keeps its meaning whatever the block schedule.
-        levels = [(m & cmask, d) for m, d in self._levels(blocks, held0) if m & cmask]
+        # match ``unit(depth)`` in BlockSize units (a chain's later blocks are longer), so
+        # LoadWeight keeps its meaning whatever the block schedule. Found lazily: each
+        # rule below needs the top level and at most a probe or two about the others.
+        unit: Callable[[int], float] = float
         if isinstance(blocks, BlockChain):
             ends, shift, bs = blocks.ends, blocks.unit_shift, self.block_size
-            units = [(ends[d - 1] >> shift) / bs for _, d in levels]
-        else:
-            units = [float(d) for _, d in levels]
-        top = units[0]
-        covered = 0
-        for m, _ in levels:
-            covered |= m
-        common = 0.0 if cmask & ~covered else units[-1]
+            unit = lambda d: (ends[d - 1] >> shift) / bs  # noqa: E731
+        levels = _Levels(get, self._index, held, n)
+        levels.pull()
+        top_mask, top = levels.masks[0], unit(levels.depths[0])
         w = self.load_weight
-        anchor = blocks[min(levels[0][1], n - 1)]  # the first block past the longest match
-        if top - common <= w:
+        anchor = get(min(levels.depths[0], n - 1))  # the first block past the longest match
+        # Rule 4 applies when the shortest candidate match ("common": 0 if a candidate
+        # holds nothing) is within LoadWeight of the longest: ``top - common <= w``.
+        if cmask & ~held:
+            like_new = top <= w
+        elif levels.remaining:  # do all other holders hold the first block deep enough?
+            near = _first(levels.bound, -w, lambda k: -(top - unit(k + 1)))  # top - unit(k + 1) <= w
+            like_new = levels.all_hold(near)
+        else:  # a single level: common == top
+            like_new = True
+        if like_new:
             # No instance holds meaningfully more than the others (only a shared header,
             # or the same on all): placed like a new prefix, by the rendezvous order of
             # what is new in it. Independent of load views, so router replicas agree.
-            return self._place(anchor, candidates, top, bits, levels, units)
+            return self._place(anchor, candidates, bits, top_mask)
         # Some instances hold meaningfully more ("homes": within LoadWeight of the
         # longest match). The best home (match - LoadWeight x load, ties within
         # TIE_REQUESTS requests by rendezvous) gets the request unless the instance a
         # new prefix would go to scores better by more than TIE_REQUESTS requests.
+        if levels.remaining:  # further levels within w of the top: the holders of band_block
+            band_block = _first(levels.bound, top - w, lambda k: unit(k + 1))
+            while levels.any_holds(band_block):
+                levels.pull()
         threshold = self.threshold
         tie = w * self.tie_requests
         homes: list[tuple[float, InstanceState]] = []
-        for (m, _), u in zip(levels, units):
-            if u < top - w:
-                break
+        for m, d in zip(levels.masks, levels.depths):
+            u = unit(d)
             while m:
                 low = m & -m
                 m ^= low
@@ -334,15 +413,20 @@ class CacheAwareStrategy(Strategy):
         if homes:
             best = max(sc for sc, _ in homes)
             # The alternative (not a home) matches at most the longest match outside
-            # the homes: when the best home beats even that with no load, skip the
-            # rendezvous pass over every candidate.
-            rest = next((u for u in units if u < top - w), 0.0)
-            if best >= rest - tie:
+            # the homes ("rest", 0 if none): when the best home beats even that with no
+            # load (best >= rest - tie), skip the rendezvous pass over every candidate.
+            if levels.remaining:  # does a holder outside the homes hold a block deep enough?
+                over = _first_over(levels.bound, best, lambda k: unit(k + 1) - tie)  # unit(k + 1) - tie > best
+                rest_wins = levels.any_holds(over)
+            else:
+                rest_wins = best < 0.0 - tie
+            if not rest_wins:
                 band = [inst for sc, inst in homes if sc >= best - tie]
                 home = band[0] if len(band) == 1 else band[self.rendezvous(anchor, band)]
                 return home, DecisionKind.AFFINITY
-        alt, alt_kind = self._place(anchor, candidates, top, bits, levels, units)
-        alt_match = _value_of(bits[candidates.index(alt)], levels, units)
+        alt, alt_kind = self._place(anchor, candidates, bits, top_mask)
+        alt_depth = levels.depth_of(bits[candidates.index(alt)])
+        alt_match = unit(alt_depth) if alt_depth else 0.0
         alt_score = alt_match - w * max(alt.in_flight, alt.engine_load)
         if homes:
             if best >= alt_score - tie:
@@ -351,24 +435,25 @@ class CacheAwareStrategy(Strategy):
                 return home, DecisionKind.AFFINITY
         return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
 
-    def _place(self, anchor: int, candidates: Sequence[InstanceState], top: float, bits: list[int],
-               levels: Sequence[tuple[int, int]], units: Sequence[float] = ()) -> tuple[InstanceState, DecisionKind]:
+    def _place(self, anchor: int, candidates: Sequence[InstanceState], bits: list[int],
+               top_mask: int) -> tuple[InstanceState, DecisionKind]:
         """Rendezvous placement: the first candidate below the threshold in ``anchor``'s
-        rendezvous order (``overflow`` if that is not the first one, or holds less than
-        ``top``); ``all_busy`` (least outstanding) when every one is at it."""
+        rendezvous order (``overflow`` if that is not the first one, or is not among
+        ``top_mask``, the candidates holding the longest match, when some do);
+        ``all_busy`` (least outstanding) when every one is at it."""
         tokens = self.tokens(candidates)
         i = rendezvous_best(anchor, tokens)
         threshold = self.threshold
         if candidates[i].in_flight < threshold:
             kind = DecisionKind.AFFINITY
         else:
-            for i in rendezvous_order(anchor, tokens)[1:]:
+            for i in islice(rendezvous_order(anchor, tokens), 1, None):
                 if candidates[i].in_flight < threshold:
                     break
             else:
                 return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
             kind = DecisionKind.OVERFLOW
-        if levels and _value_of(bits[i], levels, units) < top:
+        if top_mask and not bits[i] & top_mask:
             kind = DecisionKind.OVERFLOW
         return candidates[i], kind
 

@@ -49,5 +49,7 @@ def rendezvous_best(key: int, tokens: Sequence[bytes]) -> int:
 
 
 def rendezvous_order(key: int, tokens: Sequence[bytes]) -> list[int]:
-    """Indices of all instances, in the key's preference order (best first)."""
-    return sorted(range(len(tokens)), key=lambda i: _xxh3(tokens[i], key), reverse=True)
+    """Indices of all instances, in the key's preference order (best first; equal scores,
+    vanishingly rare, in index order, so the order starts with :func:`rendezvous_best`)."""
+    scores = list(map(_xxh3, tokens, repeat(key)))
+    return sorted(range(len(tokens)), key=scores.__getitem__, reverse=True)

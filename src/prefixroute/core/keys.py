@@ -187,6 +187,13 @@ def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> st
     Raises:
         InvalidRequest: ``messages`` is missing, not a list, or holds a malformed message.
     """
+    return "".join(_chat_pieces(payload, limit))
+
+
+def _chat_pieces(payload: Mapping[str, Any], limit: int | None) -> list[str]:
+    """The pieces of :func:`render_chat_text`'s text, in order, not joined: a long message
+    content is its own piece (the very string of the payload), so the key can be hashed
+    without copying it into a joined text. Same validation and ``limit`` rule."""
     messages = payload.get("messages")
     if not isinstance(messages, list):
         raise InvalidRequest("'messages' must be a list of message objects")
@@ -210,9 +217,9 @@ def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> st
         calls = msg.get("tool_calls")
         head = f"<|{role}|>\nname={name}\n" if isinstance(name, str) and name else f"<|{role}|>\n"
         tail = _canonical_json(calls) + "\n" if calls else "\n"
-        out += (head, text, tail)  # one copy of a long content, in the final join
+        out += (head, text, tail)
         size += len(head) + len(text) + len(tail)
-    return "".join(out)
+    return out
 
 
 def completion_prompt(payload: Mapping[str, Any]) -> str | list[int]:
@@ -255,6 +262,51 @@ def _key(scope: str, tenant: str, prefix: bytes) -> int:
     return _xxh3(prefix, _root(scope, tenant))
 
 
+#: Routing texts (and pieces of them) shorter than this many characters are copied
+#: freely: joining and slicing them costs less than avoiding it.
+_JOIN_BELOW = 4096
+
+
+def _utf8_head(text: str, n: int) -> bytes | memoryview:
+    """The UTF-8 bytes (lone surrogates passed through) of ``text[:n]``, copying a long
+    text once where it can: an ASCII text (one byte a character) is encoded whole and the
+    bytes viewed up to ``n`` when ``n`` is at least half of it, instead of being sliced
+    (a copy) and then encoded (another)."""
+    if len(text) <= n:
+        return text.encode("utf-8", "surrogatepass")
+    if len(text) >= _JOIN_BELOW and 2 * n >= len(text) and text.isascii():
+        return memoryview(text.encode("ascii"))[:n]
+    return text[:n].encode("utf-8", "surrogatepass")
+
+
+def _pieces_key(pieces: Sequence[str], limit: int, seed: int) -> int:
+    """``xxh3_64`` of the UTF-8 bytes of ``"".join(pieces)[:limit]``, seeded with ``seed``.
+
+    A long text is hashed piece by piece (xxh3's streaming and one-shot forms give the
+    same value), short pieces joined, long ones on their own, without building the
+    text. Only the piece that crosses ``limit`` is cut, so a 64 KB message (whole, or
+    ASCII) is copied once (its encoding) instead of three times (join, cut, encoding)."""
+    if sum(map(len, pieces)) < _JOIN_BELOW:
+        return _xxh3("".join(pieces)[:limit].encode("utf-8", "surrogatepass"), seed)
+    h = xxhash.xxh3_64(seed=seed)
+    short: list[str] = []
+    left = limit
+    for p in pieces:
+        if len(p) < _JOIN_BELOW:
+            short.append(p if len(p) <= left else p[:left])
+        else:
+            if short:
+                h.update("".join(short).encode("utf-8", "surrogatepass"))
+                short.clear()
+            h.update(_utf8_head(p, left))
+        left -= len(p)
+        if left <= 0:
+            break
+    if short:
+        h.update("".join(short).encode("utf-8", "surrogatepass"))
+    return h.intdigest()
+
+
 def native_routing_key(body: bytes, prefix_length: int, scope: str, tenant: str = "") -> int:
     """Key of a native (``/invocations``) request: its first ``prefix_length`` bytes.
 
@@ -271,9 +323,7 @@ def native_routing_key(body: bytes, prefix_length: int, scope: str, tenant: str 
 
 def text_routing_key(text: str, prefix_length: int, model: str, tenant: str = "") -> int:
     """Key of extracted text: its first ``prefix_length`` **characters** (UTF-8 encoded)."""
-    if len(text) > prefix_length:
-        text = text[:prefix_length]
-    return _xxh3(text.encode("utf-8", "surrogatepass"), _root(model, tenant))
+    return _xxh3(_utf8_head(text, prefix_length), _root(model, tenant))
 
 
 def token_routing_key(tokens: Sequence[int], prefix_length: int, model: str, tenant: str = "") -> int:
@@ -281,6 +331,18 @@ def token_routing_key(tokens: Sequence[int], prefix_length: int, model: str, ten
     head = tokens[:prefix_length]
     data = b"".join((t & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") for t in head)
     return _key(model, tenant, b"\1" + data)  # \1 marks token ids: never equal to text
+
+
+def _model_and_tenant(payload: Mapping[str, Any]) -> tuple[str, str]:
+    """``model`` and the validated tenant (``prompt_cache_key``) of an OpenAI body.
+
+    Raises:
+        InvalidRequest: ``model`` is not a string, or the tenant id is invalid.
+    """
+    model = payload.get("model", "")
+    if not isinstance(model, str):
+        raise InvalidRequest("'model' must be a string")
+    return model, validate_tenant_id(payload.get("prompt_cache_key"))
 
 
 def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: int) -> int:
@@ -291,12 +353,9 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
     Raises:
         InvalidRequest: a malformed ``messages``/``prompt``/``model``/``prompt_cache_key``.
     """
-    model = payload.get("model", "")
-    if not isinstance(model, str):
-        raise InvalidRequest("'model' must be a string")
-    tenant = validate_tenant_id(payload.get("prompt_cache_key"))
-    if chat:
-        return text_routing_key(render_chat_text(payload, prefix_length), prefix_length, model, tenant)
+    model, tenant = _model_and_tenant(payload)
+    if chat:  # text_routing_key of the rendered text, hashed piece by piece
+        return _pieces_key(_chat_pieces(payload, prefix_length), prefix_length, _root(model, tenant))
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
         return text_routing_key(prompt, prefix_length, model, tenant)
@@ -347,8 +406,11 @@ class BlockChain(Sequence[int]):
     model (or endpoint) and the tenant.
 
     Reading one hash costs one xxh3 pass over the prefix (about 1.5 µs for 64 KB), so a
-    strategy that binary-searches a chain reads a handful of them; :meth:`hashes`
-    computes all of them in one streaming pass (what learning needs).
+    strategy that binary-searches a chain reads a handful of them. The pass that reads
+    block ``k`` also records block ``k - 1``'s hash on the way (xxh3's streaming state
+    digested at ``ends[k - 1]``, then continued): a search that gallops down from the end
+    of the chain reads ``k - 1`` right after ``k``. :meth:`hashes` computes all of them in
+    one streaming pass (what learning needs).
 
     Args:
         data: the routing text's bytes (UTF-8 text, a raw body, or token ids).
@@ -361,7 +423,7 @@ class BlockChain(Sequence[int]):
 
     __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift")
 
-    def __init__(self, data: bytes, root: int, ends: Sequence[int], unit_shift: int = 0) -> None:
+    def __init__(self, data: bytes | memoryview, root: int, ends: Sequence[int], unit_shift: int = 0) -> None:
         self._mv = memoryview(data)
         self.root = root
         self.ends = ends
@@ -384,7 +446,7 @@ class BlockChain(Sequence[int]):
             raise IndexError("block index out of range")
         h = self._memo.get(k)
         if h is None:
-            h = self._memo[k] = _xxh3(self._mv[: self.ends[k]], self.root)
+            h = self._read(k)
         return h
 
     def __iter__(self):  # type: ignore[override]
@@ -404,7 +466,19 @@ class BlockChain(Sequence[int]):
             return self._all[k]
         h = self._memo.get(k)
         if h is None:
-            h = self._memo[k] = _xxh3(self._mv[: self.ends[k]], self.root)
+            h = self._read(k)
+        return h
+
+    def _read(self, k: int) -> int:
+        """Hash block ``k`` (and block ``k - 1`` on the way, unless known) and memoise."""
+        memo, ends, mv = self._memo, self.ends, self._mv
+        if k == 0 or k - 1 in memo:
+            h = memo[k] = _xxh3(mv[: ends[k]], self.root)
+            return h
+        state = xxhash.xxh3_64(mv[: ends[k - 1]], self.root)
+        memo[k - 1] = state.intdigest()
+        state.update(mv[ends[k - 1] : ends[k]])
+        h = memo[k] = state.intdigest()
         return h
 
     def hashes(self) -> list[int]:
@@ -429,7 +503,7 @@ class BlockChain(Sequence[int]):
 
 
 
-def _chain(data: bytes, root: int, block_size: int, max_length: int, unit_shift: int = 0) -> BlockChain:
+def _chain(data: bytes | memoryview, root: int, block_size: int, max_length: int, unit_shift: int = 0) -> BlockChain:
     """Chain over ``data`` (already cut to the cap): full blocks on the schedule of
     :func:`block_ends`, plus a final partial block when text is left over."""
     n = len(data)
@@ -451,7 +525,7 @@ def text_block_hashes(text: str, block_size: int, max_length: int, model: str, t
     Returns:
         A :class:`BlockChain` (a sequence of unsigned 64-bit hashes; empty for empty text).
     """
-    data = text[:max_length].encode("utf-8", "surrogatepass")
+    data = _utf8_head(text, max_length)
     return _chain(data, _root(model, tenant), block_size, 4 * max_length)  # UTF-8: <= 4 bytes a character
 
 
@@ -476,12 +550,9 @@ def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int,
     Raises:
         InvalidRequest: as :func:`openai_routing_key`.
     """
-    model = payload.get("model", "")
-    if not isinstance(model, str):
-        raise InvalidRequest("'model' must be a string")
-    tenant = validate_tenant_id(payload.get("prompt_cache_key"))
+    model, tenant = _model_and_tenant(payload)
     if chat:
-        return text_block_hashes(render_chat_text(payload, max_length), block_size, max_length, model, tenant)
+        return text_block_hashes("".join(_chat_pieces(payload, max_length)), block_size, max_length, model, tenant)
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
         return text_block_hashes(prompt, block_size, max_length, model, tenant)
@@ -502,7 +573,11 @@ def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig
     if routing.strategy is _CACHE_AWARE and routing.cache_aware is not None:
         ca = routing.cache_aware
         return None, openai_block_hashes(payload, chat, ca.block_size, ca.max_prefix_length)
-    openai_routing_key(payload, chat, 1)  # validation only: renders at most one message
+    _model_and_tenant(payload)  # validation only, as for a key (at most one message rendered)
+    if chat:
+        _chat_pieces(payload, 1)
+    else:
+        completion_prompt(payload)
     return None, []
 
 
