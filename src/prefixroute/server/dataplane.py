@@ -407,6 +407,12 @@ class _UpstreamPool:
             self._closed_one()
             raise
         self._conns.add(conn)
+        sock = conn.transport.get_extra_info("socket") if conn.transport is not None else None
+        if target[1] is not None and sock is not None and sock.getsockname() == sock.getpeername():
+            # TCP self-connect: nothing listens on the port and the kernel picked that
+            # same port as ours (loopback, ephemeral range): a refused connection really.
+            conn.abort()
+            raise ConnectionRefusedError(f"nothing listens on {target[1]}:{target[2]} (self-connect)")
         return conn
 
     def put(self, conn: _Upstream) -> None:
