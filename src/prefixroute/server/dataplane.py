@@ -43,7 +43,6 @@ import email.utils
 import http
 import logging
 import os
-import select
 import tempfile
 import time
 from typing import Any, Callable
@@ -56,8 +55,8 @@ from prefixroute.core.pool import NoHealthyInstance
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import BodyTooLarge, error_for_path, prepare_inference, request_id
-from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, sse_error_event, \
-    upstream_headers
+from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
+    model_error, peer_closed, sse_error_event, upstream_headers
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "CLIENT_KEEPALIVE_S"]
@@ -163,28 +162,6 @@ def _serialize(resp: web.Response, keep_alive: bool) -> bytes:
                if k.lower() not in ("content-length", "date")]
     return _head(resp.status, _reason(resp.status), headers, b"Content-Length: %d\r\n" % len(body),
                  keep_alive) + body
-
-
-_POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
-
-
-def _peer_closed(transport: asyncio.BaseTransport) -> bool:
-    """True if an idle pooled connection is already closed by the instance (readable
-    with nothing asked): one ``poll`` with a zero timeout (as proxy.py does)."""
-    if transport.is_closing():
-        return True
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    try:
-        fd = sock.fileno()
-        _POLLER.register(fd, select.POLLIN | select.POLLPRI)
-    except (OSError, ValueError):
-        return True
-    try:
-        return bool(_POLLER.poll(0))
-    finally:
-        _POLLER.unregister(fd)
 
 
 class _UpstreamLost(Exception):
@@ -388,7 +365,7 @@ class _UpstreamPool:
             conn = idle.pop()
             conn.idle = False
             if now - conn.idle_since < self.keepalive_s and conn.transport is not None \
-                    and not _peer_closed(conn.transport):
+                    and not peer_closed(conn.transport):
                 return conn
             conn.abort()
         while self.open >= self.limit:
@@ -1072,10 +1049,7 @@ class FrontServer:
         self.state.metrics.upstream_errors.labels(instance, kind).inc()
         self.state.health.passive_failure(instance)
         log.warning("instance %s: response broken mid-body (%s)", instance, kind)
-        if timeout:
-            message = f"instance {instance} sent nothing for {idle_s:g} s; the response was ended"
-        else:
-            message = f"instance {instance} closed the connection mid-response ({kind})"
+        message = broken_message(instance, kind, idle_s)
         if framed:
             event = eventstream.model_stream_error(message, "ModelInvocationTimeExceeded" if timeout else
                                                    "StreamBroken")
@@ -1097,22 +1071,8 @@ class FrontServer:
             self.state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
         if up.error is not None and not up.complete:
             self.state.metrics.upstream_errors.labels(instance, _error_kind(up.error)).inc()
-        raw = b"".join(up.chunks)[:_MAX_ERROR_BODY * 4]
-        t_back = time.perf_counter()
-        status = up.status
-        original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
-        side = "client" if status < 500 else "server"
-        overhead = router_s + (time.perf_counter() - t_back)
-        self.state.metrics.overhead_seconds.labels(rr.endpoint, decision.variant).observe(overhead)
-        self.state.metrics.ttft_seconds.labels(rr.endpoint, decision.variant).observe(t_headers - rr.t0)
-        from prefixroute.server.errors import sagemaker_error
-        resp = sagemaker_error(
-            "ModelError",
-            f"Received {side} error ({status}) from model instance {instance} with message \"{original}\".",
-            extra={"OriginalStatusCode": status, "OriginalMessage": original},
-            headers={H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: decision.variant, H.INSTANCE: instance,
-                     H.DECISION: decision.kind.value, H.OVERHEAD_MS: f"{overhead * 1e3:.3f}"},
-        )
+        resp = model_error(self.state, rr, decision, up.status, b"".join(up.chunks)[:_MAX_ERROR_BODY * 4], router_s,
+                           t_headers)
         client.write(_serialize(resp, keep_alive))
         return 424
 

@@ -57,7 +57,8 @@ from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
 __all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get",
-           "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary"]
+           "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "peer_closed",
+           "model_error", "broken_message"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -121,7 +122,10 @@ class RoutedRequest:
     blocks: Sequence[int] = ()
 
 
-def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
+_POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
+
+
+def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
     """True if the peer already closed (or reset) this idle connection: its socket is
     readable (end-of-file, an error, or bytes nobody asked for) though no request is
     outstanding on it. One ``poll`` with a zero timeout: no syscall that reads."""
@@ -132,11 +136,13 @@ def _peer_closed(transport: asyncio.BaseTransport | None) -> bool:
         return False
     try:
         fd = sock.fileno()
-        poller = select.poll()
-        poller.register(fd, select.POLLIN | select.POLLPRI)
-        return bool(poller.poll(0))
+        _POLLER.register(fd, select.POLLIN | select.POLLPRI)
     except (OSError, ValueError):
         return True
+    try:
+        return bool(_POLLER.poll(0))
+    finally:
+        _POLLER.unregister(fd)
 
 
 class PoolConnector(aiohttp.TCPConnector):
@@ -164,7 +170,7 @@ class PoolConnector(aiohttp.TCPConnector):
             # construction, and a TLS one may hold bytes (session tickets) that are not
             # a close; aiohttp's own check covers those.
             if not reused or transport is None or transport.get_extra_info("sslcontext") is not None \
-                    or not _peer_closed(transport):
+                    or not peer_closed(transport):
                 return conn
             conn.close()
         return conn
@@ -455,10 +461,7 @@ async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamRes
     state.metrics.upstream_errors.labels(instance, kind).inc()
     state.health.passive_failure(instance)
     log.warning("instance %s: response broken mid-body (%s)", instance, kind)
-    if timeout:
-        message = f"instance {instance} sent nothing for {idle_s:g} s; the response was ended"
-    else:
-        message = f"instance {instance} closed the connection mid-response ({kind})"
+    message = broken_message(instance, kind, idle_s)
     try:
         if rr.api is Api.NATIVE_STREAM:
             await resp.write(eventstream.model_stream_error(
@@ -488,8 +491,17 @@ async def _model_error(
     except _UPSTREAM_ERRORS as exc:  # the error body itself broke off: keep the status
         state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
         raw = b""
+    return model_error(state, rr, decision, upstream.status, raw, router_s, t_headers)
+
+
+def model_error(state: RouterState, rr: RoutedRequest, decision: Decision, status: int, raw: bytes,
+                router_s: float, t_headers: float) -> web.Response:
+    """SageMaker's 424 ``ModelError`` for a model's non-2xx ``status`` with body ``raw``
+    (its first :data:`_MAX_ERROR_BODY` characters in ``OriginalMessage``); records the
+    router overhead (``router_s`` + building this answer) and the TTFT (``t_headers``:
+    ``perf_counter()`` when the model's headers came)."""
     t_back = time.perf_counter()
-    status = upstream.status
+    instance = decision.instance.instance_id
     original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
     side = "client" if status < 500 else "server"
     overhead = router_s + (time.perf_counter() - t_back)
@@ -502,6 +514,14 @@ async def _model_error(
         headers={H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: decision.variant, H.INSTANCE: instance,
                  H.DECISION: decision.kind.value, H.OVERHEAD_MS: f"{overhead * 1e3:.3f}"},
     )
+
+
+def broken_message(instance: str, kind: str, idle_s: float) -> str:
+    """What a client is told when the instance failed (``kind``) or went silent
+    (``idle_timeout``) after the status line was sent."""
+    if kind == "idle_timeout":
+        return f"instance {instance} sent nothing for {idle_s:g} s; the response was ended"
+    return f"instance {instance} closed the connection mid-response ({kind})"
 
 
 async def forward_get(state: RouterState, request: web.Request, pool: VariantPool, path: str,
