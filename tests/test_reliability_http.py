@@ -295,7 +295,7 @@ async def test_prompts_reach_logs_only_when_enabled(backends, http, caplog, log_
 async def test_pooled_connection_closed_by_the_peer_is_found_dead():
     import asyncio
 
-    from prefixroute.server.proxy import _peer_closed
+    from prefixroute.server.proxy import peer_closed
 
     peers: list[asyncio.StreamWriter] = []
 
@@ -311,11 +311,11 @@ async def test_pooled_connection_closed_by_the_peer_is_found_dead():
         transport.pause_reading()  # as if the event loop had not looked at the socket yet
         while not peers:
             await asyncio.sleep(0.01)
-        assert not _peer_closed(transport)  # open and idle: reusable
+        assert not peer_closed(transport)  # open and idle: reusable
         peers[0].write(b"HTTP/1.1 408 Request Timeout\r\n\r\n")  # unsolicited bytes: not reusable
         await peers[0].drain()
         await asyncio.sleep(0.05)
-        assert _peer_closed(transport)
+        assert peer_closed(transport)
         transport.abort()
 
         peers.clear()
@@ -326,7 +326,7 @@ async def test_pooled_connection_closed_by_the_peer_is_found_dead():
         peers[0].close()  # the instance's keep-alive timer fired: FIN
         await asyncio.sleep(0.05)
         assert not transport.is_closing()  # aiohttp's own check would still reuse it...
-        assert _peer_closed(transport)  # ...the peek sees the close
+        assert peer_closed(transport)  # ...the peek sees the close
         transport.abort()
     finally:
         server.close()
