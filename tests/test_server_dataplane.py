@@ -248,3 +248,97 @@ async def test_head_request_through_aiohttp_does_not_hang(router, backend):
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200 ")
     writer.close()
+
+
+async def test_upgrade_offer_is_ignored_and_body_read(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\nConnection: Upgrade, HTTP2-Settings\r\nUpgrade: h2c\r\n"
+                 b"HTTP2-Settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n\r\n")
+    status, _, body = await _read_response(reader)
+    assert status == 200 and orjson.loads(body)["status"] == "ok"
+    writer.write(_post("/v1/chat/completions", CHAT, "Connection: Upgrade\r\nUpgrade: websocket\r\n"))
+    status, _, _ = await _read_response(reader)
+    writer.close()
+    assert status == 200
+    assert backend.received[0].body == CHAT
+
+
+async def test_413_reaches_a_client_still_sending(router, backend):
+    big = b"x" * (3 * 2**20)
+    for _ in range(3):
+        reader, writer = await _connect(router)
+        writer.write(b"POST /invocations HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n" % len(big))
+        writer.write(big)  # the router answers before reading it all
+        status, headers, _ = await _read_response(reader)
+        writer.close()
+        assert status == 413 and headers["connection"] == "close"
+
+
+async def test_http10_client_gets_no_chunks(router, backend):
+    reader, writer = await _connect(router)
+    body = orjson.dumps({**orjson.loads(CHAT), "stream": True})
+    writer.write(b"POST /v1/chat/completions HTTP/1.0\r\nHost: r\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+    data = await asyncio.wait_for(reader.read(), 5)  # the answer ends with the connection
+    writer.close()
+    head, _, rest = data.partition(b"\r\n\r\n")
+    assert b" 200 " in head.split(b"\r\n")[0]
+    assert b"transfer-encoding" not in head.lower()
+    assert rest.startswith(b"data: ") and rest.rstrip().endswith(b"data: [DONE]")
+
+
+async def test_refusal_waits_for_the_answer_in_progress(router, backend):
+    from fault_backend import Fault
+
+    backend.default = Fault("ok", events=6, delay=0.05)
+    body = orjson.dumps({**orjson.loads(CHAT), "stream": True})
+    reader, writer = await _connect(router)
+    writer.write(_post("/v1/chat/completions", body))
+    await asyncio.sleep(0.1)  # the stream has started
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 2\r\n\r\n")
+    status, _, streamed = await _read_response(reader)  # not cut by the interim answer
+    assert status == 200 and streamed.rstrip().endswith(b"data: [DONE]")
+    assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+    writer.write(b"{}GARBAGE\r\n\r\n")
+    status, _, _ = await _read_response(reader)
+    assert status == 400  # {} is no valid completion request
+    status, headers, _ = await _read_response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    writer.close()
+
+
+async def test_no_content_answer_has_no_body(router, backend):
+    from fault_backend import Fault
+
+    backend.default = Fault("status", status=204, body=b"")
+    reader, writer = await _connect(router)
+    writer.write(_post("/v1/chat/completions", CHAT) + _post("/v1/chat/completions", CHAT))
+    for _ in range(2):
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 204 ")
+        assert b"transfer-encoding" not in head.lower() and b"content-length" not in head.lower()
+    writer.close()
+
+
+async def test_header_line_over_limit_is_431(router, backend):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * 9000
+                 + b"\r\nContent-Length: 2\r\n\r\n{}")
+    status, _, _ = await _read_response(reader)
+    writer.close()
+    assert status == 431
+    assert backend.received == []
+
+
+async def test_garbage_mid_stream_is_answered_after_it(router, backend):
+    from fault_backend import Fault
+
+    backend.default = Fault("ok", events=6, delay=0.05)
+    reader, writer = await _connect(router)
+    writer.write(_post("/v1/chat/completions", orjson.dumps({**orjson.loads(CHAT), "stream": True})))
+    await asyncio.sleep(0.1)
+    writer.write(b"GARBAGE\r\n\r\n")
+    status, _, streamed = await _read_response(reader)
+    assert status == 200 and streamed.rstrip().endswith(b"data: [DONE]")
+    status, headers, _ = await _read_response(reader)
+    assert status == 400 and headers["connection"] == "close"
+    writer.close()

@@ -129,8 +129,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--data-plane", choices=DATA_PLANES, default="fast",
                    help="how the public port is served: 'fast' (default) relays inference requests on raw "
                         "asyncio protocols with httptools and passes everything else to the aiohttp app; "
-                        "'aiohttp' lets the aiohttp app serve everything (same behaviour, more CPU per "
-                        "request). See docs/PERFORMANCE.md")
+                        "'aiohttp' lets the aiohttp app serve everything (the same routing, errors and metrics, "
+                        "about twice the CPU per request; HTTP-level differences in docs/RELIABILITY.md). See "
+                        "docs/PERFORMANCE.md")
 
     o = p.add_argument_group("health, timeouts, limits, shutdown, logging")
     o.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",

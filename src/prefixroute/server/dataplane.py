@@ -48,6 +48,7 @@ import time
 from typing import Any, Callable
 
 import httptools
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -127,6 +128,13 @@ class _Date:
 
 
 _DATE = _Date()
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: Longest request header line accepted (aiohttp's limit): 431 beyond.
+MAX_FIELD_BYTES = 8190
+#: Seconds a connection refused mid-request (413, 431, 400) keeps reading and dropping
+#: what the client still sends before it closes: closing with unread bytes would reset
+#: the connection, and the client could lose the answer.
+LINGER_S = 2.0
 _INVOKED_VARIANT = H.INVOKED_VARIANT.encode()
 _INSTANCE = H.INSTANCE.encode()
 _DECISION = H.DECISION.encode()
@@ -207,6 +215,7 @@ class _Upstream(asyncio.Protocol):
         self.until_eof = False
         self.sent = False
         self.no_body = False  # the answer to a HEAD request: the head is all of it
+        self.in_trailers = False
         self.error: BaseException | None = None
         self.last_data = 0.0
 
@@ -242,7 +251,7 @@ class _Upstream(asyncio.Protocol):
             self.on_message_complete()
             return
         if not self.complete:
-            self._fail(exc or ConnectionResetError("connection closed by the instance"))
+            self._fail(exc or ConnectionError("connection closed by the instance"))
 
     def pause_writing(self) -> None:
         self.sent = False
@@ -256,7 +265,8 @@ class _Upstream(asyncio.Protocol):
         self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.resp_headers.append((name, value))
+        if not self.in_trailers:  # trailers of a chunked body are not relayed
+            self.resp_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
@@ -265,6 +275,7 @@ class _Upstream(asyncio.Protocol):
             self.resp_headers = []
             return
         self.sent = True  # an answer means the instance took the request
+        self.in_trailers = True
         names = {k.lower() for k, _ in self.resp_headers}
         self.until_eof = (b"content-length" not in names and b"transfer-encoding" not in names
                           and self.status not in (204, 304))
@@ -436,7 +447,7 @@ class _Incoming:
     """One request read from a client."""
 
     __slots__ = ("url", "headers", "head_bytes", "body", "size", "too_large", "method", "version", "keep_alive",
-                 "t0", "chunked")
+                 "t0", "chunked", "refusal")
 
     def __init__(self) -> None:
         self.url = b""
@@ -450,6 +461,7 @@ class _Incoming:
         self.keep_alive = True
         self.t0 = 0.0
         self.chunked = False
+        self.refusal: bytes | None = None  # a complete answer to send as it is (400, 431)
 
 
 class _Client(asyncio.Protocol):
@@ -471,6 +483,10 @@ class _Client(asyncio.Protocol):
         self.waiting: asyncio.Future[None] | None = None  # what the task awaits for this client
         self.write_paused = False
         self.read_paused = False
+        self.pending_continue = False
+        self.upgrading: _Incoming | None = None  # a request with Upgrade, until llhttp stops
+        self.raw_inc: _Incoming | None = None  # its body, read without the parser
+        self.raw_needed = 0
         self.idle_since = 0.0
         self._idle: asyncio.TimerHandle | None = None
 
@@ -485,12 +501,50 @@ class _Client(asyncio.Protocol):
         if self.discard or self.closed:
             return
         self.idle_since = self.front.loop.time()  # a request being sent is progress
+        if self.raw_inc is not None:
+            self._raw_body(data)
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserCallbackError:
             raise  # our own bug: let asyncio log it
-        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+        except httptools.HttpParserUpgrade as exc:
+            self._upgrade_ignored(data, exc)
+        except httptools.HttpParserError as exc:
             self._bad_request(exc)
+
+    def _upgrade_ignored(self, data: bytes, exc: httptools.HttpParserUpgrade) -> None:
+        """A request with ``Upgrade`` (``h2c``, ``websocket``...): llhttp stops at its
+        head; the upgrade is not taken (the answer is plain HTTP/1.1, as aiohttp's), its
+        body (``Content-Length`` bytes) is read here, and parsing goes on after it."""
+        inc, self.upgrading = self.upgrading, None
+        if self.discard:
+            return
+        if inc is None or inc.chunked:
+            self._bad_request(exc)
+            return
+        offset = exc.args[0] if exc.args and isinstance(exc.args[0], int) else len(data)
+        self.parser = httptools.HttpRequestParser(self)
+        self.raw_inc = inc
+        self.raw_needed = next((int(v) for k, v in inc.headers if k.lower() == b"content-length"
+                                and v.strip().isdigit()), 0)
+        self._raw_body(data[offset:])
+
+    def _raw_body(self, data: bytes) -> None:
+        inc = self.raw_inc
+        assert inc is not None
+        take = data[: self.raw_needed]
+        if take:
+            inc.body.append(take)
+            self.raw_needed -= len(take)
+        if self.raw_needed > 0:
+            return
+        self.raw_inc = None
+        self.cur = inc
+        self.on_message_complete()
+        rest = data[len(take):]
+        if rest:
+            self.data_received(rest)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
@@ -533,7 +587,9 @@ class _Client(asyncio.Protocol):
             return
         cur.headers.append((name, value))
         cur.head_bytes += len(name) + len(value) + 4
-        if cur.head_bytes > MAX_HEAD_BYTES:
+        if len(name) + len(value) + 2 > MAX_FIELD_BYTES:
+            self._refuse(431, b"Request Header Fields Too Large", f"a header line is over {MAX_FIELD_BYTES:,} bytes")
+        elif cur.head_bytes > MAX_HEAD_BYTES:
             self._refuse(431, b"Request Header Fields Too Large",
                          f"request line and headers over {MAX_HEAD_BYTES:,} bytes")
 
@@ -551,6 +607,7 @@ class _Client(asyncio.Protocol):
         cur.keep_alive = p.should_keep_alive()
         limit = self.front.state.settings.max_body_bytes
         declared = None
+        expect = False
         for k, v in cur.headers:
             low = k.lower()
             if low == b"content-length":
@@ -559,12 +616,15 @@ class _Client(asyncio.Protocol):
             elif low == b"transfer-encoding":
                 cur.chunked = True
             elif low == b"expect" and v.lower() == b"100-continue" and cur.version == "1.1":
-                if declared is None or declared <= limit:
-                    assert self.transport is not None
-                    self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                expect = True
         if declared is not None and declared > limit:
             cur.too_large = declared
             self._enqueue_now()
+        elif expect:
+            if self.busy or self.queue:
+                self.pending_continue = True  # sent once the answers before it are out
+            else:
+                self.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:
         cur = self.cur
@@ -583,6 +643,9 @@ class _Client(asyncio.Protocol):
         if cur is None or cur.too_large is not None or self.discard:
             return
         self.cur = None
+        if self.raw_inc is None and self.parser.should_upgrade():
+            self.upgrading = cur  # its body (if any) comes after the upgrade point
+            return
         self.queue.append(cur)
         if len(self.queue) > 1 and self.transport is not None and not self.read_paused:
             self.read_paused = True
@@ -630,12 +693,18 @@ class _Client(asyncio.Protocol):
                 inc = self.queue.popleft()
                 self.busy = True
                 try:
-                    await self.front.handle(self, inc)
+                    if inc.refusal is not None:
+                        self.write(inc.refusal)
+                    else:
+                        await self.front.handle(self, inc)
                 finally:
                     self.busy = False
                 if not inc.keep_alive or self.front.closing:
-                    self.close()
+                    self.linger_close() if self.discard else self.close()
                     break
+                if self.pending_continue and not self.queue:
+                    self.pending_continue = False
+                    self.write(_CONTINUE)
         finally:
             self.front.tasks.discard(self.task)  # type: ignore[arg-type]
             self.task = None
@@ -662,16 +731,38 @@ class _Client(asyncio.Protocol):
         self._idle = loop.call_at(due, self._idle_timeout)
 
     def _bad_request(self, exc: Exception) -> None:
-        self.discard = True
-        body = f'{{"message": "bad request: {type(exc).__name__}"}}'.encode()
-        self.write_response(400, b"Bad Request", [(b"Content-Type", b"application/json")], body, keep_alive=False)
-        self.close()
+        self._refuse(400, b"Bad Request", f"bad request: {type(exc).__name__}")
 
     def _refuse(self, status: int, reason: bytes, message: str) -> None:
+        """Answer ``status`` after the answers already due, then read no more and close
+        (lingering, :meth:`linger_close`)."""
+        if self.discard:
+            return
+        body = orjson.dumps({"message": message})
+        inc = _Incoming()
+        inc.keep_alive = False
+        inc.refusal = _head(status, reason, [(b"Content-Type", b"application/json")],
+                            b"Content-Length: %d\r\n" % len(body), False) + body
         self.discard = True
-        body = f'{{"message": "{message}"}}'.encode()
-        self.write_response(status, reason, [(b"Content-Type", b"application/json")], body, keep_alive=False)
-        self.close()
+        self.cur = None
+        self.queue.append(inc)
+        self._start()
+
+    def linger_close(self) -> None:
+        """Close after an answer to a request not read in full: half-close (our FIN
+        follows the answer), drop what the client still sends, close after
+        :data:`LINGER_S` or when the client closes."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        if self.read_paused:
+            self.read_paused = False
+            transport.resume_reading()
+        if transport.can_write_eof():
+            transport.write_eof()
+            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+        else:
+            transport.close()
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -971,14 +1062,20 @@ class FrontServer:
         overhead = router_s + (time.perf_counter() - t_headers)
         out.append((_OVERHEAD_MS, b"%.3f" % (overhead * 1e3)))
         m.overhead_seconds.labels(rr.endpoint, variant).observe(overhead)
-        chunked = framed or content_length is None
+        bodyless = status in (204, 304)
+        chunked = (framed or content_length is None) and not bodyless
         if framed:
             status, reason = 200, b"OK"
         elif rr.api is Api.OPENAI:
             reason = up.reason or _reason(status)
         else:
             reason = _reason(status)
-        framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: " + content_length + b"\r\n"
+        if bodyless:
+            framing = b""
+        elif chunked:
+            framing = b"Transfer-Encoding: chunked\r\n"
+        else:
+            framing = b"Content-Length: " + content_length + b"\r\n"  # type: ignore[operator]
         parts = [_head(status, reason, out, framing, keep_alive)]
 
         ttft = m.ttft_seconds.labels(rr.endpoint, variant)
@@ -993,6 +1090,8 @@ class FrontServer:
                 ttft.observe(time.perf_counter() - rr.t0)
             if sse:
                 tail = (tail + chunk)[-_TAIL:]
+            if bodyless:
+                return ()
             if framed:
                 chunk = eventstream.payload_part(chunk)
             return (b"%x\r\n" % len(chunk), chunk, b"\r\n") if chunked else (chunk,)
@@ -1095,8 +1194,19 @@ class FrontServer:
             await self._await(client, up.headers_fut, None)
             out = [(k, v) for k, v in up.resp_headers if k.lower() not in _FRAMING and k.lower() != b"date"]
             length = next((v for k, v in up.resp_headers if k.lower() == b"content-length"), None)
-            chunked = length is None or any(k.lower() == b"transfer-encoding" for k, _ in up.resp_headers)
-            framing = b"Transfer-Encoding: chunked\r\n" if chunked else b"Content-Length: " + length + b"\r\n"
+            if any(k.lower() == b"transfer-encoding" for k, _ in up.resp_headers):
+                length = None
+            bodyless = up.status in (204, 304) or inc.method == b"HEAD"
+            # An HTTP/1.0 client cannot read chunks: its answer ends when the connection does.
+            chunked = length is None and not bodyless and inc.version == "1.1"
+            if length is None and not bodyless and not chunked:
+                inc.keep_alive = False
+            if chunked:
+                framing = b"Transfer-Encoding: chunked\r\n"
+            elif length is not None:
+                framing = b"Content-Length: " + length + b"\r\n"
+            else:
+                framing = b""
             client.write(_head(up.status, up.reason or _reason(up.status), out, framing, inc.keep_alive))
             transport = client.transport
 
