@@ -57,7 +57,7 @@ from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import BodyTooLarge, error_for_path, prepare_inference, request_id
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
-    model_error, peer_closed, sse_error_event, upstream_headers
+    model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "CLIENT_KEEPALIVE_S"]
@@ -1013,13 +1013,7 @@ class FrontServer:
 
     def _error(self, client: _Client, rr: RoutedRequest, status: int, message: str, code: str,
                headers: dict[str, str], keep_alive: bool) -> None:
-        if rr.api is not Api.OPENAI:
-            from prefixroute.server.errors import sagemaker_error
-            kind = "ServiceUnavailable" if status == 503 else "ModelError"
-            resp = sagemaker_error(kind, message, headers=headers)
-        else:
-            from prefixroute.server.errors import openai_error
-            resp = openai_error(status, message, type_="server_error", code=code, headers=headers)
+        resp = upstream_error(rr.api, status, message, code, headers)
         client.write(_serialize(resp, keep_alive))
 
     async def _relay(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,

@@ -58,7 +58,7 @@ from prefixroute.server.state import RouterState
 
 __all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get",
            "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "peer_closed",
-           "model_error", "broken_message"]
+           "model_error", "broken_message", "upstream_error"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -206,7 +206,10 @@ def _payload(body: bytes) -> bytes | io.BytesIO:
     return body if len(body) <= _LARGE_BODY else io.BytesIO(body)
 
 
-def _error(api: Api, status: int, message: str, code: str, headers: dict[str, str]) -> web.Response:
+def upstream_error(api: Api, status: int, message: str, code: str, headers: dict[str, str]) -> web.Response:
+    """The router's own answer when the instance could not give one (503/502/504), in
+    the API's shape: OpenAI ``server_error`` with ``code``, or SageMaker
+    ``ServiceUnavailable`` (503) / ``ModelError``."""
     if api is not Api.OPENAI:
         kind = "ServiceUnavailable" if status == 503 else "ModelError"
         return sagemaker_error(kind, message, headers=headers)
@@ -273,10 +276,10 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
             except NoHealthyInstance as exc:
                 code = 503
                 if exclude:
-                    return _error(rr.api, 503, f"no instance of production variant {variant!r} could take the "
+                    return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the "
                                   f"request (tried {', '.join(sorted(exclude))})", "upstream_unavailable",
                                   base_headers)
-                return _error(rr.api, 503, str(exc), "no_healthy_instance", base_headers)
+                return upstream_error(rr.api, 503, str(exc), "no_healthy_instance", base_headers)
             if rr.blocks:
                 # CACHE_AWARE learns what it sent once the request is on its way (the next
                 # loop turn, after aiohttp wrote it), off this request's latency path.
@@ -309,7 +312,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                     m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                     state.health.passive_failure(instance)
                     code = 504 if rr.api is Api.OPENAI else 424
-                    return _error(rr.api, 504, f"instance {instance} timed out: no response headers within "
+                    return upstream_error(rr.api, 504, f"instance {instance} timed out: no response headers within "
                                   f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
                                   {**base_headers, H.INSTANCE: instance})
                 except _UPSTREAM_ERRORS as exc:
@@ -326,7 +329,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                     m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                     log.warning("instance %s: failed before responding (%s)", instance, kind)
                     code = 502 if rr.api is Api.OPENAI else 424
-                    return _error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
+                    return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
                                   "upstream_error", {**base_headers, H.INSTANCE: instance})
                 m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                 state.health.passive_success(instance)
@@ -338,7 +341,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
             finally:
                 lease.release()
         code = 503
-        return _error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
+        return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
                       f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers)
     except asyncio.CancelledError:
         code = 499  # the client went away (handler cancelled)
@@ -546,7 +549,8 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
             async with asyncio.timeout(min(_MODELS_TIMEOUT_S, state.settings.response_headers_timeout_s)):
                 async with session.get(instance + path, headers=up_headers) as upstream:
                     body = await upstream.read()
-            resp = web.Response(status=upstream.status, body=body, headers=H.to_multidict(H.openai_response_headers(upstream.raw_headers)))
+            resp = web.Response(status=upstream.status, body=body,
+                                headers=H.to_multidict(H.openai_response_headers(upstream.raw_headers)))
             resp.headers[H.REQUEST_ID] = request_id
             resp.headers[H.INVOKED_VARIANT] = pool.name
             resp.headers[H.INSTANCE] = instance
