@@ -47,8 +47,19 @@ def _measured_bytes(strategy: CacheAwareStrategy) -> int:
     copies = []
     for bit, cache in enumerate(strategy.caches.values()):
         c = ApproxPrefixCache(cache.capacity, index, 1 << bit)
-        items = list(cache._lru.items())[::-1]  # same entries and sizes, same order
-        c.insert([h for h, _ in items], [int(str(size)) for _, size in items])  # sizes as fresh ints
+        # The same state built from new objects; an int object the view shares between
+        # entries (a parent's hash, one stamp for a whole chain) is shared in the copy too.
+        fresh: dict[int, int] = {}
+
+        def new(x: int) -> int:
+            return fresh.setdefault(id(x), int(str(x)))
+
+        c._nodes = {new(h): (new(size), None if parent is None else new(parent), children, new(stamp))
+                    for h, (size, parent, children, stamp) in cache._nodes.items()}
+        c._heap = [(new(stamp), new(h)) for stamp, h in cache._heap]
+        c.used, c._leaves, c._tick = cache.used, cache._leaves, cache._tick
+        for h in c._nodes:
+            index[h] = index.get(h, 0) | c._bit
         copies.append(c)
     after = tracemalloc.get_traced_memory()[0]
     tracemalloc.stop()

@@ -120,6 +120,70 @@ def test_a_chain_longer_than_capacity_keeps_its_head():
     assert c.match(list(range(10))) == 4
 
 
+class _ReferenceLRU:
+    """The rule the view implements, written the plain way: one LRU list of blocks,
+    every block of a routed chain touched, deepest first."""
+
+    def __init__(self, capacity):
+        from collections import OrderedDict
+
+        self.capacity, self.used, self.lru = capacity, 0, OrderedDict()
+
+    def insert(self, blocks, sizes):
+        for k in range(len(blocks) - 1, -1, -1):
+            if blocks[k] in self.lru:
+                self.lru.move_to_end(blocks[k])
+            else:
+                self.lru[blocks[k]] = sizes[k]
+                self.used += sizes[k]
+        while self.used > self.capacity:
+            self.used -= self.lru.popitem(last=False)[1]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_view_forgets_exactly_as_a_per_block_lru(seed):
+    # Touching only a chain's deepest held block (recency kept per leaf) must remember
+    # and forget the same blocks, in the same order, as touching every block.
+    rng = random.Random(seed)
+    capacity = rng.choice([5, 50, 300, 1000])
+    view, ref = ApproxPrefixCache(capacity, {}, 1), _ReferenceLRU(capacity)
+
+    def chain(doc, length):
+        return [xxhash.xxh3_64_intdigest(f"{seed}/{doc}/{k}".encode()) for k in range(length)]
+
+    for _ in range(1500):
+        doc = rng.randrange(30)
+        blocks = chain(doc % 8 if rng.random() < 0.6 else doc, rng.randrange(1, 60))
+        sizes = [k % 3 + 1 for k in range(len(blocks))]
+        view.insert(blocks, sizes)
+        ref.insert(blocks, sizes)
+        assert set(view._nodes) == set(ref.lru)
+        assert view.used == ref.used <= capacity
+        assert set(view._index) == set(ref.lru)
+        assert view._leaves == sum(1 for node in view._nodes.values() if not node[2])
+        assert len(view._heap) <= 2 * view._leaves + 64
+    assert view.lru_order() == list(ref.lru)
+
+
+def test_touching_a_held_chain_reads_only_its_last_blocks():
+    # A follow-up to a held 64 KB prompt: learning touches its deepest held block and
+    # adds its new one; it reads the hashes of the last two blocks (one xxh3 pass) and
+    # the first (64 bytes), not all 97.
+    doc = "d" * 65_536
+    view = ApproxPrefixCache(10**9, {}, 1)
+    view.insert(text_block_hashes(doc, 64, 131_072, "m"))
+    held = len(view)
+    assert held == 97  # 96 full blocks and the partial one ending the text
+    follow_up = text_block_hashes(doc + "question 2?", 64, 131_072, "m")
+    assert len(follow_up) == 97  # the partial block now ends 11 characters later
+    view.insert(follow_up)
+    assert len(view) == held + 1 and view.match(follow_up) == 97
+    assert follow_up._all is None and sorted(follow_up._memo) == [0, 95, 96]
+    order = view.lru_order()
+    assert order[:2] == [text_block_hashes(doc, 64, 131_072, "m")[96], follow_up[96]]
+    assert order[-1] == follow_up[0]
+
+
 def test_memory_stays_within_budget_over_a_million_routed_requests():
     pool = VariantPool("v", URLS, ca(threshold=1024, instance_cache_tokens=1024, block_size=64))
     strategy = pool.strategy

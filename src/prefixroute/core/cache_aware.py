@@ -16,10 +16,11 @@ disagree when several router replicas run (SPEC §5). This strategy:
 2. **Bounded approximate cache per instance.** :class:`ApproxPrefixCache` remembers the
    blocks routed to each instance, an LRU bounded by the text they cover
    (``InstanceCacheTokens`` x 4 characters, set near the engine's KV capacity, so the
-   view forgets roughly when the engine does). Blocks are touched deepest-first, so a
-   prefix's parents are always more recent than its children and eviction removes the
-   tails first (as vLLM frees blocks in reverse): the remembered blocks of a chain
-   always form a prefix. A fleet-wide index maps each block hash to the bitmask of
+   view forgets roughly when the engine does). A block counts as used as recently as
+   anything after it in a chain (recency is stamped on the deepest block a request
+   reaches: learning a follow-up to a held prompt costs one touch, not one per block),
+   so eviction removes the tails first (as vLLM frees blocks in reverse): the
+   remembered blocks of a chain always form a prefix. A fleet-wide index maps each block hash to the bitmask of
    instances holding it, so one binary search over the request's chain finds the
    instances with the longest match at once (a few xxh3 passes, whatever the number of
    instances); the others' matches are searched only as far as the rules below need
@@ -56,8 +57,8 @@ from __future__ import annotations
 
 import random
 from bisect import bisect_left, bisect_right
-from collections import OrderedDict
-from itertools import islice
+from heapq import heapify, heappop, heappush
+from itertools import islice, repeat
 from typing import Callable, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
@@ -179,16 +180,29 @@ __all__ = ["ApproxPrefixCache", "CacheAwareStrategy", "BYTES_PER_BLOCK_ENTRY", "
 #: by a request or two; treating those as ties keeps their choices identical.
 TIE_REQUESTS = 2.0
 
-#: Approximate memory of one remembered block: its OrderedDict entry, the int hash, the
-#: int size, and its share of the fleet-wide index (a dict slot and a bitmask), measured
-#: with tracemalloc by ``bench/cache_memory.py`` on views filled to their default budget
-#: (33.9 MiB for 244,590 blocks on CPython 3.11).
-BYTES_PER_BLOCK_ENTRY = 145
+#: Approximate memory of one remembered block: its dict entry and node (a tuple: size,
+#: parent, children, stamp), the int hash and size, its share of the leaves' heap, and
+#: of the fleet-wide index (a dict slot and a bitmask), measured with tracemalloc: 208 B
+#: by ``bench/cache_memory.py`` on views filled to their default budget (51.0 MiB for
+#: 245,577 blocks, CPython 3.11), 173 B by the memory test's smaller views.
+BYTES_PER_BLOCK_ENTRY = 195
 
 
 class ApproxPrefixCache:
-    """The router's view of one instance's prefix cache: an LRU of block hashes, bounded
-    by the routing-text units (characters) its blocks cover.
+    """The router's view of one instance's prefix cache: the blocks routed to it, least
+    recently used forgotten first, bounded by the routing-text units (characters) they
+    cover.
+
+    The blocks form a tree (a block's parent is the block before it in its chain), and
+    recency is kept per block touched last, not per block: routing a chain stamps only
+    its deepest remembered block (and creates the ones it adds), and a block counts as
+    used as recently as anything below it. Eviction removes the least recently used
+    *leaf*, so the tails of chains go first and what stays of a chain is always a prefix
+    of it (as vLLM frees a sequence's blocks in reverse), exactly as touching every block
+    of the chain deepest-first in one LRU list would, at a cost that does not grow with
+    the chain: a follow-up request to a held 64 KB prompt (97 blocks) touches one block
+    and adds its own last one. Leaves wait in a heap by stamp (entries made stale by a
+    later touch are skipped, and the heap is rebuilt when they outnumber the blocks).
 
     Args:
         capacity: most units remembered (>= 1); a block with no size given counts 1.
@@ -200,69 +214,168 @@ class ApproxPrefixCache:
         ValueError: ``capacity`` < 1.
     """
 
-    __slots__ = ("capacity", "used", "_lru", "_index", "_bit")
+    __slots__ = ("capacity", "used", "_nodes", "_heap", "_leaves", "_tick", "_index", "_bit")
 
     def __init__(self, capacity: int, index: dict[int, int] | None = None, bit: int = 0) -> None:
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
         self.capacity = capacity
         self.used = 0
-        self._lru: OrderedDict[int, int] = OrderedDict()
+        #: block -> (size in units, parent block or None, number of children, stamp);
+        #: tuples of ints: the garbage collector stops tracking them
+        self._nodes: dict[int, tuple[int, int | None, int, int]] = {}
+        #: (stamp, block) of leaves, a min-heap; an entry whose stamp or leafness no
+        #: longer holds is stale and skipped
+        self._heap: list[tuple[int, int]] = []
+        self._leaves = 0  # blocks without children (the heap is rebuilt past twice as many entries)
+        self._tick = 0
         self._index = index
         self._bit = bit
 
     def __len__(self) -> int:
-        return len(self._lru)
+        return len(self._nodes)
 
     def __contains__(self, block: int) -> bool:
-        return block in self._lru
+        return block in self._nodes
 
     def match(self, blocks: Sequence[int]) -> int:
         """Number of leading ``blocks`` remembered (binary search: remembered blocks of a
-        chain always form a prefix, see the module docstring)."""
-        lru = self._lru
+        chain always form a prefix, see the class docstring)."""
+        nodes = self._nodes
         lo, hi = 0, len(blocks)
-        if hi == 0 or blocks[0] not in lru:
+        if hi == 0 or blocks[0] not in nodes:
             return 0
-        if blocks[hi - 1] in lru:
+        if blocks[hi - 1] in nodes:
             return hi
         lo = 1  # blocks[:lo] are known present, blocks[hi-1] absent
         hi -= 1
         while lo < hi:
             mid = (lo + hi) // 2
-            if blocks[mid] in lru:
+            if blocks[mid] in nodes:
                 lo = mid + 1
             else:
                 hi = mid
         return lo
 
-    def insert(self, blocks: Sequence[int], sizes: Sequence[int] | None = None) -> None:
-        """Remember ``blocks`` (each of ``sizes[k]`` units, default 1) as most recent,
-        deepest first, then evict least recently used blocks until the total is within
-        capacity. When a chain is longer than the capacity only its head is kept."""
-        lru = self._lru
-        move = lru.move_to_end
-        index, bit = self._index, self._bit
-        used = self.used
-        hashes = blocks.hashes() if isinstance(blocks, BlockChain) else blocks
-        k = len(hashes)
-        while k:
-            k -= 1
-            h = hashes[k]
-            if h in lru:
-                move(h)
+    def _depth(self, get: Callable[[int], int], n: int) -> int:
+        """:meth:`match` searching down from the end of the chain (1, 2, 4... blocks
+        back, then bisecting): a follow-up request matches all but its last block or
+        two, which one xxh3 pass of a :class:`BlockChain` reads together."""
+        nodes = self._nodes
+        if get(n - 1) in nodes:
+            return n
+        if get(0) not in nodes:
+            return 0
+        lo, miss, step = 0, n - 1, 1  # get(lo) held, get(miss) not
+        while miss - step > lo:
+            probe = miss - step
+            if get(probe) in nodes:
+                lo = probe
+                break
+            miss, step = probe, step * 2
+        while miss - lo > 1:
+            mid = (lo + miss) >> 1
+            if get(mid) in nodes:
+                lo = mid
             else:
-                size = sizes[k] if sizes is not None else 1
-                lru[h] = size
-                used += size
-                if index is not None:
-                    index[h] = index.get(h, 0) | bit
-        pop = lru.popitem
-        while used > self.capacity:
-            h, size = pop(last=False)
-            used -= size
+                miss = mid
+        return lo + 1
+
+    def insert(self, blocks: Sequence[int], sizes: Sequence[int] | None = None) -> None:
+        """Remember the chain ``blocks`` as most recently used (block ``k`` of
+        ``sizes[k]`` units; default: a :class:`BlockChain`'s own sizes, else 1), then
+        forget least recently used tails until the total is within capacity. When a
+        chain is longer than the capacity only its head is kept."""
+        n = len(blocks)
+        if not n:
+            return
+        chain = isinstance(blocks, BlockChain)
+        get = blocks.hash if chain else blocks.__getitem__
+        nodes = self._nodes
+        heap = self._heap
+        self._tick = tick = self._tick + 1
+        d = self._depth(get, n)
+        if d:
+            h = get(d - 1)  # the deepest block already held: the only one touched
+            size, parent, children, _ = nodes[h]
+            nodes[h] = (size, parent, children, tick)
+            if d == n and not children:
+                heappush(heap, (tick, h))
+        if d < n:
+            if chain:
+                hashes = blocks.hashes_from(d)
+                ends = blocks.ends
+                shift = blocks.unit_shift
+                starts = ends[d - 1: n - 1] if d else [0, *ends[: n - 1]]
+                new_sizes = [(e - b) >> shift for b, e in zip(starts, ends[d:])]
+            else:
+                hashes = list(blocks[d:])
+                new_sizes = list(sizes[d:]) if sizes is not None else [1] * (n - d)
+            parent = get(d - 1) if d else None
+            if nodes.keys().isdisjoint(hashes):
+                self._add(hashes, new_sizes, parent, tick)
+            else:  # some held though a block before them is not: not a chain; kept working
+                for h, size in zip(hashes, new_sizes):
+                    if h in nodes:
+                        old = nodes[h]
+                        nodes[h] = (old[0], old[1], old[2], tick)
+                        if not old[2]:
+                            heappush(heap, (tick, h))
+                    else:
+                        self._add([h], [size], parent, tick)
+                    parent = h
+        if self.used > self.capacity:
+            self._evict()
+        if len(heap) > 2 * self._leaves + 64:
+            self._heap = [(nd[3], h) for h, nd in nodes.items() if not nd[2]]
+            heapify(self._heap)
+
+    def _add(self, hashes: list[int], sizes: list[int], parent: int | None, tick: int) -> None:
+        """Remember ``hashes``, a chain of blocks none of which is held, below ``parent``
+        (``None``: they start a chain), stamped ``tick``: each one the only child of the
+        one before it, the last a leaf."""
+        nodes = self._nodes
+        count = len(hashes)
+        children = [1] * count
+        children[-1] = 0
+        nodes.update(zip(hashes, zip(sizes, [parent, *hashes[:-1]], children, repeat(tick))))
+        self.used += sum(sizes)
+        self._leaves += 1
+        pnode = nodes.get(parent) if parent is not None else None
+        if pnode is not None:
+            nodes[parent] = (pnode[0], pnode[1], pnode[2] + 1, pnode[3])  # type: ignore[index]
+            if not pnode[2]:
+                self._leaves -= 1
+        heappush(self._heap, (tick, hashes[-1]))
+        index = self._index
+        if index is not None:
+            bit, get = self._bit, index.get
+            for h in hashes:
+                index[h] = get(h, 0) | bit
+
+    def _evict(self) -> None:
+        """Forget least recently used leaves until the blocks fit the capacity; a parent
+        left without children becomes a leaf as recent as its last child."""
+        nodes, heap, index = self._nodes, self._heap, self._index
+        used, cap = self.used, self.capacity
+        while used > cap and heap:
+            stamp, h = heappop(heap)
+            node = nodes.get(h)
+            if node is None or node[2] or node[3] != stamp:
+                continue  # stale
+            del nodes[h]
+            used -= node[0]
+            self._leaves -= 1
             if index is not None:
                 self._unindex(h)
+            parent = node[1]
+            pnode = nodes.get(parent) if parent is not None else None
+            if pnode is not None:
+                children, recent = pnode[2] - 1, max(pnode[3], stamp)
+                nodes[parent] = (pnode[0], pnode[1], children, recent)
+                if not children:
+                    self._leaves += 1
+                    heappush(heap, (recent, parent))
         self.used = used
 
     def _unindex(self, h: int) -> None:
@@ -277,14 +390,35 @@ class ApproxPrefixCache:
     def clear(self) -> None:
         """Forget everything (and drop this instance from the index)."""
         if self._index is not None:
-            for h in self._lru:
+            for h in self._nodes:
                 self._unindex(h)
-        self._lru.clear()
+        self._nodes.clear()
+        self._heap.clear()
+        self._leaves = 0
         self.used = 0
 
     def lru_order(self) -> list[int]:
-        """Blocks from least to most recently used (for tests and debugging)."""
-        return list(self._lru)
+        """Blocks in the order they would be forgotten, least recently used first (for
+        tests and debugging; O(blocks log blocks))."""
+        nodes = self._nodes
+        children = {h: nd[2] for h, nd in nodes.items()}
+        stamps = {h: nd[3] for h, nd in nodes.items()}
+        heap = [(stamps[h], h) for h, c in children.items() if not c]
+        heapify(heap)
+        out = []
+        while heap:
+            stamp, h = heappop(heap)
+            if children.get(h, -1) != 0 or stamps[h] != stamp:
+                continue
+            out.append(h)
+            del children[h]
+            p = nodes[h][1]
+            if p in children:
+                children[p] -= 1
+                stamps[p] = max(stamps[p], stamp)
+                if not children[p]:
+                    heappush(heap, (stamps[p], p))
+        return out
 
 
 @register
@@ -460,7 +594,7 @@ class CacheAwareStrategy(Strategy):
     def on_routed(self, instance: InstanceState, blocks: Sequence[int]) -> None:
         if blocks:
             if isinstance(blocks, BlockChain):
-                self._cache(instance).insert(blocks, blocks.sizes())
+                self._cache(instance).insert(blocks)
             else:
                 self._cache(instance).insert(blocks, [self.block_size] * len(blocks))
 

@@ -493,6 +493,29 @@ class BlockChain(Sequence[int]):
             self._all = out
         return self._all
 
+    def hashes_from(self, start: int) -> list[int]:
+        """The hashes of blocks ``start`` to the end, in order: one streaming xxh3 pass
+        over the chain's bytes, a digest for those blocks only (the last one alone comes
+        from the memo when known)."""
+        if self._all is not None:
+            return self._all[start:]
+        ends = self.ends
+        n = len(ends)
+        if start <= 0:
+            return list(self.hashes())
+        if start >= n:
+            return []
+        if start == n - 1:
+            return [self.hash(start)]
+        mv, prev = self._mv, ends[start - 1]
+        h = xxhash.xxh3_64(mv[:prev], self.root)
+        out = []
+        for e in ends[start:]:
+            h.update(mv[prev:e])
+            out.append(h.intdigest())
+            prev = e
+        return out
+
     def sizes(self) -> list[int]:
         """Each block's size in routing-text units (characters; token ids count 4)."""
         shift, prev, out = self.unit_shift, 0, []
