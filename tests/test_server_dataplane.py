@@ -241,9 +241,15 @@ async def test_idle_client_connection_is_closed(router, backend):
 
 async def test_head_request_through_aiohttp_does_not_hang(router, backend):
     reader, writer = await _connect(router)
-    writer.write(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")
+    writer.write(b"HEAD /health HTTP/1.1\r\nHost: r\r\n\r\n")  # a load balancer's check
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-    assert head.startswith(b"HTTP/1.1 405 ")
+    assert head.startswith(b"HTTP/1.1 200 ")
+    length = int(next(line.split(b":", 1)[1] for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")))
+    assert length > 0  # the GET answer's length, with no body after the head
+    writer.write(b"HEAD /metrics HTTP/1.1\r\nHost: r\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    assert head.startswith(b"HTTP/1.1 405 ")  # (an answer to HEAD has no body)
     writer.write(_post("/v1/chat/completions", CHAT))  # the connection still serves
     head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
     assert head.startswith(b"HTTP/1.1 200 ")

@@ -394,7 +394,7 @@ def build_app(state: RouterState) -> web.Application:
     r.add_post("/endpoints/{endpoint}/invocations", invocations)
     r.add_post("/endpoints/{endpoint}/invocations-response-stream", invocations_response_stream)
     r.add_post("/invocations", invocations)
-    r.add_get("/ping", health, allow_head=False)
-    r.add_get("/health", health, allow_head=False)
+    r.add_get("/ping", health)  # HEAD too: load balancers may check with HEAD
+    r.add_get("/health", health)
     r.add_get("/metrics", metrics, allow_head=False)
     return app
