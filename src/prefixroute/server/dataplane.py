@@ -338,8 +338,7 @@ class _Upstream(asyncio.Protocol):
         self.sink = None
         if self.complete and not self.lost and self.keep_alive and self.transport is not None \
                 and not self.transport.is_closing():
-            self.parser = httptools.HttpResponseParser(self)
-            self._reset()
+            self._reset()  # the parser goes on with the next response (llhttp keeps alive)
             self.pool.put(self)
         elif self.transport is not None:
             self.transport.abort() if not self.complete else self.transport.close()
@@ -363,22 +362,41 @@ class _UpstreamPool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._sweeper: asyncio.TimerHandle | None = None
 
+    def take(self, target: tuple[Any, ...]) -> _Upstream | None:
+        """An idle connection to ``target`` still open (most recent first), or ``None``.
+        Not a coroutine: reusing a connection, the usual case, costs no await."""
+        idle = self.idle.get(target)
+        if not idle:
+            return None
+        now = self.loop.time()
+        while idle:
+            conn = idle.pop()
+            conn.idle = False
+            if not idle:
+                del self.idle[target]  # no empty list kept per instance ever used
+            if now - conn.idle_since < self.keepalive_s and conn.transport is not None \
+                    and not peer_closed(conn.transport):
+                return conn
+            conn.abort()
+        return None
+
     async def get(self, target: tuple[Any, ...], connect_timeout_s: float) -> _Upstream:
-        """A connection to ``target``, idle or new.
+        """A connection to ``target``, idle (:meth:`take`) or new.
 
         Raises:
             OSError: the connection could not be opened.
             TimeoutError: not within ``connect_timeout_s``.
         """
-        idle = self.idle.get(target)
-        now = self.loop.time()
-        while idle:
-            conn = idle.pop()
-            conn.idle = False
-            if now - conn.idle_since < self.keepalive_s and conn.transport is not None \
-                    and not peer_closed(conn.transport):
-                return conn
-            conn.abort()
+        conn = self.take(target)
+        return conn if conn is not None else await self.connect(target, connect_timeout_s)
+
+    async def connect(self, target: tuple[Any, ...], connect_timeout_s: float) -> _Upstream:
+        """A new connection to ``target`` (waiting while ``limit`` are open).
+
+        Raises:
+            OSError: the connection could not be opened.
+            TimeoutError: not within ``connect_timeout_s``.
+        """
         while self.open >= self.limit:
             fut = self.loop.create_future()
             self._waiters.append(fut)
@@ -416,6 +434,8 @@ class _UpstreamPool:
             idle = self.idle.get(conn.target)
             if idle and conn in idle:
                 idle.remove(conn)
+                if not idle:
+                    del self.idle[conn.target]
             self._closed_one()
 
     def _closed_one(self) -> None:
@@ -670,13 +690,13 @@ class _Client(asyncio.Protocol):
             if not self.wake.done():
                 self.wake.set_result(None)
         elif self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._serve())
+            self.task = self.front.loop.create_task(self._serve())
             self.front.tasks.add(self.task)
 
     async def _serve(self) -> None:
         """Answer queued requests in order; then wait for the next one (one task for
         the connection's life, no task per request)."""
-        loop = asyncio.get_running_loop()
+        loop = self.front.loop
         try:
             while not self.closed:
                 if not self.queue:
@@ -712,7 +732,7 @@ class _Client(asyncio.Protocol):
     def _arm_idle(self) -> None:
         """The connection is idle from now: closed after ``client_keepalive_s`` without
         a request (one timer per connection, re-armed only when it fires)."""
-        loop = asyncio.get_running_loop()
+        loop = self.front.loop
         self.idle_since = loop.time()
         if self._idle is None and not self.closed:
             self._idle = loop.call_at(self.idle_since + self.front.client_keepalive_s, self._idle_timeout)
@@ -721,7 +741,7 @@ class _Client(asyncio.Protocol):
         self._idle = None
         if self.closed:
             return
-        loop = asyncio.get_running_loop()
+        loop = self.front.loop
         due = self.idle_since + self.front.client_keepalive_s
         if self.busy or self.queue:
             due = loop.time() + self.front.client_keepalive_s
@@ -760,7 +780,7 @@ class _Client(asyncio.Protocol):
             transport.resume_reading()
         if transport.can_write_eof():
             transport.write_eof()
-            asyncio.get_running_loop().call_later(LINGER_S, transport.close)
+            self.front.loop.call_later(LINGER_S, transport.close)
         else:
             transport.close()
 
@@ -951,7 +971,8 @@ class FrontServer:
                     t_send = time.perf_counter()
                     router_s += t_send - mark
                     try:
-                        up = await self.upstreams.get(target[:3], settings.connect_timeout_s)
+                        up = self.upstreams.take(target[:3]) or \
+                            await self.upstreams.connect(target[:3], settings.connect_timeout_s)
                     except (OSError, TimeoutError) as exc:
                         mark = time.perf_counter()
                         m.upstream_errors.labels(instance, "connect").inc()
