@@ -168,7 +168,11 @@ def use_multiprocess_values(path: str) -> None:
     per-process files under ``path`` (its multiprocess mode), for this whole process.
     Call it in a worker process of ``serve --workers N`` before any metric is made."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
-    values.ValueClass = values.MultiProcessValue()
+    # The process id read once, not on every increment (prometheus-client's default
+    # calls os.getpid(), a system call, to notice a fork: workers are spawned and
+    # never fork). Distinct in every running worker, as the parameter requires.
+    pid = os.getpid()
+    values.ValueClass = values.MultiProcessValue(process_identifier=lambda: pid)
 
 
 class _LoopValue:
@@ -224,12 +228,55 @@ class _FastHistogram:
         self._buckets[bisect_left(self._bounds, amount)]._value += 1.0
 
 
+class _MmapValue:
+    """A multiprocess value's ``inc`` without its lock and fork check (one event-loop
+    thread per worker, workers never fork): the sum kept in the value and written to
+    its slot of the worker's file, as prometheus-client's ``MmapedValue.inc`` does."""
+
+    __slots__ = ("_v",)
+
+    def __init__(self, value: Any) -> None:
+        self._v = value
+
+    @property
+    def _value(self) -> float:
+        return float(self._v._value)
+
+    @_value.setter
+    def _value(self, total: float) -> None:
+        v = self._v
+        v._value = total
+        v._timestamp = 0.0
+        v._file.write_value(v._key, total, 0.0)
+
+
+def _fast_mmap(child: Any) -> Any:
+    """A multiprocess Counter or Histogram child with :class:`_MmapValue` s behind the
+    fast ``inc``/``observe``; ``child`` itself if prometheus-client's internals differ."""
+    try:
+        if isinstance(child, Counter):
+            child._value._file, child._value._key  # noqa: B018  (the attributes _MmapValue uses)
+            return _FastCounter(_MmapValue(child._value))  # type: ignore[arg-type]
+        if isinstance(child, Histogram):
+            bounds = list(child._upper_bounds)
+            if len(child._buckets) != len(bounds) or bounds[-1] != float("inf"):
+                return child
+            for v in (child._sum, *child._buckets):
+                v._file, v._key  # noqa: B018
+            return _FastHistogram(_MmapValue(child._sum), [_MmapValue(b) for b in child._buckets],  # type: ignore[arg-type]
+                                  bounds)
+    except AttributeError:
+        return child
+    return child
+
+
 def _fast(child: Any) -> Any:
     """``child`` with lock-free values and a fast ``inc``/``observe``, when it is a
-    fresh single-process Counter or Histogram child; else ``child`` itself (multiprocess
-    values, or a prometheus-client whose internals differ)."""
+    fresh single-process Counter or Histogram child (multiprocess values:
+    :func:`_fast_mmap`); else ``child`` itself (a prometheus-client whose internals
+    differ)."""
     if getattr(values.ValueClass, "_multiprocess", False):
-        return child
+        return _fast_mmap(child)
     try:
         if isinstance(child, Counter) and child._value.get() == 0:
             child._value = _LoopValue()
