@@ -355,28 +355,37 @@ class ApproxPrefixCache:
 
     def _evict(self) -> None:
         """Forget least recently used leaves until the blocks fit the capacity; a parent
-        left without children becomes a leaf as recent as its last child."""
+        left without children becomes a leaf as recent as its last child, and goes next
+        without a trip through the heap when it is the least recent one then (a chain's
+        tail is forgotten block after block)."""
         nodes, heap, index = self._nodes, self._heap, self._index
-        used, cap = self.used, self.capacity
+        used, cap, leaves = self.used, self.capacity, self._leaves
         while used > cap and heap:
             stamp, h = heappop(heap)
             node = nodes.get(h)
             if node is None or node[2] or node[3] != stamp:
                 continue  # stale
-            del nodes[h]
-            used -= node[0]
-            self._leaves -= 1
-            if index is not None:
-                self._unindex(h)
-            parent = node[1]
-            pnode = nodes.get(parent) if parent is not None else None
-            if pnode is not None:
+            while True:  # forget h, a leaf as recent as `stamp`
+                del nodes[h]
+                used -= node[0]
+                leaves -= 1
+                if index is not None:
+                    self._unindex(h)
+                parent = node[1]
+                pnode = nodes.get(parent) if parent is not None else None
+                if pnode is None:
+                    break
                 children, recent = pnode[2] - 1, max(pnode[3], stamp)
-                nodes[parent] = (pnode[0], pnode[1], children, recent)
-                if not children:
-                    self._leaves += 1
-                    heappush(heap, (recent, parent))
-        self.used = used
+                node = nodes[parent] = (pnode[0], pnode[1], children, recent)  # type: ignore[index]
+                if children:
+                    break
+                leaves += 1
+                if used > cap and (not heap or (recent, parent) <= heap[0]):
+                    h, stamp = parent, recent  # the least recent leaf now: it goes next
+                    continue
+                heappush(heap, (recent, parent))
+                break
+        self.used, self._leaves = used, leaves
 
     def _unindex(self, h: int) -> None:
         index = self._index
