@@ -165,6 +165,36 @@ def test_view_forgets_exactly_as_a_per_block_lru(seed):
     assert view.lru_order() == list(ref.lru)
 
 
+@pytest.mark.parametrize("odd", [[1, 2, 3, 3], [7, 7], [5, 6, 5], [9, 9, 9, 8, 9]])
+def test_block_lists_that_are_not_chains_keep_the_view_sound(odd):
+    # A list with a repeated block (not a chain of hashes; only reachable through the
+    # plain-list API) must not double-count or pin blocks: the view stays within its
+    # capacity, counts what it holds, and forgets everything in time.
+    pool = VariantPool("v", ["http://a"], ca(threshold=4, block_size=4096, instance_cache_tokens=1024))
+    view = pool.strategy.caches["http://a"]
+    assert view.capacity == 4096  # one 4,096-unit block
+    pool.acquire(None, blocks=odd).release()
+    assert view.used == 4096 * len(view) <= view.capacity
+    assert all(node[1] != h for h, node in view._nodes.items())  # no block is its own parent
+    for k in range(200):
+        pool.acquire(None, blocks=[100 + k, 200_000 + k]).release()
+        assert view.used == 4096 * len(view) <= view.capacity
+    assert set(view._nodes) == {100 + 199} == set(pool.strategy._index)
+    assert view._leaves == 1
+
+
+def test_learning_for_an_instance_removed_meanwhile_is_dropped():
+    # The HTTP driver learns on the next loop turn; the instance may be gone by then.
+    pool = VariantPool("v", URLS, ca())
+    lease = pool.acquire(None, blocks=[1, 2, 3], learn=False)
+    gone = lease.instance
+    pool.set_instances([u for u in URLS if u != gone.instance_id])
+    pool.learn(gone, [1, 2, 3])
+    lease.release()
+    assert gone.instance_id not in pool.strategy.caches
+    assert 1 not in pool.strategy._index and len(pool.strategy.caches) == len(URLS) - 1
+
+
 def test_touching_a_held_chain_reads_only_its_last_blocks():
     # A follow-up to a held 64 KB prompt: learning touches its deepest held block and
     # adds its new one; it reads the hashes of the last two blocks (one xxh3 pass) and

@@ -312,9 +312,10 @@ class ApproxPrefixCache:
                 hashes = list(blocks[d:])
                 new_sizes = list(sizes[d:]) if sizes is not None else [1] * (n - d)
             parent = get(d - 1) if d else None
-            if nodes.keys().isdisjoint(hashes):
+            if nodes.keys().isdisjoint(hashes) and len(set(hashes)) == len(hashes):
                 self._add(hashes, new_sizes, parent, tick)
-            else:  # some held though a block before them is not: not a chain; kept working
+            else:  # not a chain (a block held though one before it is not, or a block
+                # repeated): block by block, a repeat only touched, as a per-block LRU
                 for h, size in zip(hashes, new_sizes):
                     if h in nodes:
                         old = nodes[h]
@@ -601,11 +602,15 @@ class CacheAwareStrategy(Strategy):
         return candidates[i], kind
 
     def on_routed(self, instance: InstanceState, blocks: Sequence[int]) -> None:
-        if blocks:
+        # Every member has its view (on_membership_change); an instance removed between
+        # the decision and the learning (the driver learns on the next loop turn) has
+        # none, and gets none back: nothing to learn.
+        cache = self.caches.get(instance.instance_id)
+        if blocks and cache is not None:
             if isinstance(blocks, BlockChain):
-                self._cache(instance).insert(blocks)
+                cache.insert(blocks)
             else:
-                self._cache(instance).insert(blocks, [self.block_size] * len(blocks))
+                cache.insert(blocks, [self.block_size] * len(blocks))
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.
