@@ -348,3 +348,98 @@ async def test_garbage_mid_stream_is_answered_after_it(router, backend):
     status, headers, _ = await _read_response(reader)
     assert status == 400 and headers["connection"] == "close"
     writer.close()
+
+
+class _ScriptedEngine:
+    """A raw HTTP/1.1 engine whose answers are given as bytes, one per request in
+    order (then a plain 200); counts the connections it accepted."""
+
+    OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+    def __init__(self, answers: list[bytes]) -> None:
+        self.answers = list(answers)
+        self.accepted = 0
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.accepted += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                writer.write(self.answers.pop(0) if self.answers else self.OK)
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def stop(self) -> None:
+        assert self.server is not None
+        self.server.close()
+        await self.server.wait_closed()
+
+
+async def _scripted_router(answers: list[bytes]):
+    engine = _ScriptedEngine(answers)
+    url = await engine.start()
+    handle = await start_router(
+        FleetConfig.single([url], RoutingConfig()),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1, max_retries=0))
+    return engine, handle
+
+
+async def test_bytes_after_an_answer_retire_the_upstream_connection():
+    # The engine's answer is followed in the same write by the start of another one:
+    # the client gets the answer, and the connection is not used for the next request
+    # (whose answer the stray bytes would corrupt).
+    engine, router = await _scripted_router([_ScriptedEngine.OK + b"HTTP/1.1 2"])
+    try:
+        reader, writer = await _connect(router)
+        for _ in range(3):
+            writer.write(_post("/v1/chat/completions", CHAT))
+            status, _, body = await _read_response(reader)
+            assert (status, body) == (200, b"{}")
+        assert engine.accepted == 2  # the first connection retired, the second reused
+        writer.close()
+    finally:
+        await router.close()
+        await engine.stop()
+
+
+async def test_a_second_answer_to_one_request_is_ignored():
+    unavailable = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy"
+    engine, router = await _scripted_router([unavailable + _ScriptedEngine.OK])
+    try:
+        reader, writer = await _connect(router)
+        writer.write(_post("/v1/chat/completions", CHAT))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 503 Service Unavailable\r\n") and b"Content-Length: 4\r\n" in head
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == b"busy"
+        writer.write(_post("/v1/chat/completions", CHAT))  # the next one: a clean connection
+        status, _, body = await _read_response(reader)
+        assert (status, body) == (200, b"{}") and engine.accepted == 2
+        writer.close()
+    finally:
+        await router.close()
+        await engine.stop()
+
+
+@pytest.mark.parametrize("request_line", [b"HEAD /ping HTTP/1.0", b"GET /health HTTP/1.0"])
+async def test_http10_check_without_host_is_answered(router, backend, request_line):
+    # HAProxy's default `option httpchk` sends exactly this: HTTP/1.0, no Host header.
+    reader, writer = await _connect(router)
+    writer.write(request_line + b"\r\n\r\n")
+    answer = await asyncio.wait_for(reader.read(), 5)  # HTTP/1.0: the connection closes after
+    assert answer.split(b"\r\n", 1)[0] in (b"HTTP/1.1 200 OK", b"HTTP/1.0 200 OK"), answer[:200]
+    _, _, body = answer.partition(b"\r\n\r\n")
+    if request_line.startswith(b"HEAD"):
+        assert body == b""
+    else:
+        assert orjson.loads(body) == {"status": "ok", "healthy_instances": 1, "instances": 1}
+    writer.close()

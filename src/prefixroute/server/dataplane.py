@@ -216,6 +216,7 @@ class _Upstream(asyncio.Protocol):
         self.sent = False
         self.no_body = False  # the answer to a HEAD request: the head is all of it
         self.in_trailers = False
+        self.stray = False  # bytes after the complete answer: the connection is not reused
         self.error: BaseException | None = None
         self.last_data = 0.0
 
@@ -261,14 +262,21 @@ class _Upstream(asyncio.Protocol):
 
     # -- httptools callbacks ------------------------------------------------------
 
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request: ignored, and no reuse
+            self.stray = True
+
     def on_status(self, reason: bytes) -> None:
-        self.reason += reason
+        if not self.stray:
+            self.reason += reason
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.in_trailers:  # trailers of a chunked body are not relayed
+        if not self.in_trailers and not self.stray:  # trailers of a chunked body are not relayed
             self.resp_headers.append((name, value))
 
     def on_headers_complete(self) -> None:
+        if self.stray:
+            return
         self.status = self.parser.get_status_code()
         if 100 <= self.status < 200:  # an interim answer (we never send Expect): skip it
             self.reason = b""
@@ -336,7 +344,7 @@ class _Upstream(asyncio.Protocol):
         """The exchange is over: keep the connection for the next request if it is
         clean and kept alive, else close it."""
         self.sink = None
-        if self.complete and not self.lost and self.keep_alive and self.transport is not None \
+        if self.complete and not self.lost and self.keep_alive and not self.stray and self.transport is not None \
                 and not self.transport.is_closing():
             self._reset()  # the parser goes on with the next response (llhttp keeps alive)
             self.pool.put(self)
@@ -1192,12 +1200,19 @@ class FrontServer:
 
     async def _delegate(self, client: _Client, inc: _Incoming) -> None:
         """Relay a request the fast path does not serve to the aiohttp app, unchanged
-        but for its framing (the body is sent whole, with ``Content-Length``)."""
+        but for its framing (the body is sent whole, with ``Content-Length``) and its
+        version (HTTP/1.1 on the private socket: an HTTP/1.0 request without ``Host``,
+        such as HAProxy's default ``option httpchk``, gets one, as HTTP/1.0 allows)."""
         body = b"".join(inc.body)
         parts = [b"%s %s HTTP/1.1\r\n" % (inc.method, inc.url)]
+        host = False
         for k, v in inc.headers:
-            if k.lower() not in _FRAMING:
+            low = k.lower()
+            if low not in _FRAMING:
                 parts.append(k + b": " + v + b"\r\n")
+                host = host or low == b"host"
+        if not host and inc.version == "1.0":
+            parts.append(b"Host: localhost\r\n")
         if not inc.keep_alive:
             parts.append(b"Connection: close\r\n")
         parts.append(b"Content-Length: %d\r\n\r\n" % len(body))
