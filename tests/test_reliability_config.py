@@ -39,12 +39,18 @@ def _parse(*argv: str) -> argparse.Namespace:
     (["--unhealthy-threshold", "0"], "unhealthy threshold: 0 is out of range"),
     (["--max-retries", "-1"], "max retries: -1 is out of range"),
     (["--max-body-size", "0"], "max body size: 0 is out of range"),
+    (["--client-keepalive-timeout", "0"], "client keep-alive timeout: 0.0 s must be > 0"),
 ])
 def test_invalid_flags_exit_2_with_a_clear_message(argv, needle, capsys, monkeypatch):
     monkeypatch.delenv("PREFIXROUTE_ADMIN_TOKEN", raising=False)
     assert run(_parse(*argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err, err
+
+
+def test_client_keepalive_timeout_flag_reaches_the_settings():
+    assert build_settings(_parse()).client_keepalive_timeout_s == 75.0
+    assert build_settings(_parse("--client-keepalive-timeout", "620")).client_keepalive_timeout_s == 620.0
 
 
 def test_port_65535_with_explicit_admin_port_is_fine():

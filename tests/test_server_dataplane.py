@@ -227,16 +227,23 @@ async def test_malformed_request_is_400_and_closed(router, backend):
     writer.close()
 
 
-async def test_idle_client_connection_is_closed(router, backend):
-    router._front.client_keepalive_s = 0.3
-    reader, writer = await _connect(router)
-    writer.write(_post("/v1/chat/completions", CHAT))
-    status, _, _ = await _read_response(reader)
-    assert status == 200
-    t0 = asyncio.get_running_loop().time()
-    assert await asyncio.wait_for(reader.read(), 5) == b""
-    assert 0.2 <= asyncio.get_running_loop().time() - t0 < 3
-    writer.close()
+@pytest.mark.parametrize("plane", ["fast", "aiohttp"])
+async def test_idle_client_connection_is_closed_after_the_keepalive_timeout(backend, plane):
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1, client_keepalive_timeout_s=0.5, data_plane=plane))
+    try:
+        reader, writer = await _connect(handle)
+        writer.write(_post("/v1/chat/completions", CHAT))
+        status, _, _ = await _read_response(reader)
+        assert status == 200
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert 0.4 <= asyncio.get_running_loop().time() - t0 < 3
+        writer.close()
+    finally:
+        await handle.close()
 
 
 async def test_head_request_through_aiohttp_does_not_hang(router, backend):

@@ -31,7 +31,7 @@ Client connections: HTTP/1.1 keep-alive and pipelining (answered in order, one a
 time), ``Expect: 100-continue``, request line + headers at most
 :data:`MAX_HEAD_BYTES` (431 beyond), bodies at most ``--max-body-size`` (413 in the
 API's shape, then the connection is closed), idle keep-alive connections closed after
-:data:`CLIENT_KEEPALIVE_S`.
+``--client-keepalive-timeout`` (:data:`CLIENT_KEEPALIVE_S` by default).
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ log = logging.getLogger("prefixroute.server.dataplane")
 #: Most bytes of request line + headers a client may send (aiohttp's limits are of the
 #: same order: 8,190 bytes per line); 431 beyond.
 MAX_HEAD_BYTES = 64 * 1024
-#: Seconds an idle client keep-alive connection is kept open (aiohttp's default, 75 s).
+#: Default seconds an idle client keep-alive connection is kept open (aiohttp's, 75 s;
+#: ``ServerSettings.client_keepalive_timeout_s``, ``--client-keepalive-timeout``).
 CLIENT_KEEPALIVE_S = 75.0
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
@@ -827,7 +828,7 @@ class FrontServer:
         self.clients: set[_Client] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.closing = False
-        self.client_keepalive_s = CLIENT_KEEPALIVE_S
+        self.client_keepalive_s = s.client_keepalive_timeout_s
         self.server: asyncio.AbstractServer | None = None
         self._targets: dict[str, tuple[Any, ...] | None] = {}
         self._plain: tuple[int, bool] = (0, False)

@@ -119,8 +119,10 @@ def reload_logged(state: RouterState) -> bool:
 
 
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
-                 reuse_port: bool = False, unix_path: str | None = None) -> tuple[web.AppRunner, int]:
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s)
+                 reuse_port: bool = False, unix_path: str | None = None,
+                 keepalive_timeout_s: float = 75.0) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
+                           keepalive_timeout=keepalive_timeout_s)
     await runner.setup()
     try:
         site: web.BaseSite
@@ -175,7 +177,8 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         handle.url = _url(settings.host, port)
     else:
         runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
-                                    reuse_port=worker is not None)
+                                    reuse_port=worker is not None,
+                                    keepalive_timeout_s=settings.client_keepalive_timeout_s)
         handle = RouterHandle(_url(settings.host, port), None, state, [runner])
     if worker is not None:
         try:

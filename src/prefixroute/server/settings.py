@@ -92,6 +92,10 @@ class ServerSettings:
         keepalive_timeout_s: how long an idle upstream connection is kept for reuse,
             seconds. Below uvicorn's 5 s default so that we never reuse a connection
             the engine is about to close.
+        client_keepalive_timeout_s: how long an idle client connection is kept open,
+            seconds (aiohttp's 75 s by default). Behind a load balancer, set it above
+            the balancer's own idle timeout, or the balancer may send a request on a
+            connection the router is closing.
         shutdown_timeout_s: on shutdown, how long requests in flight may take to
             finish before they are cancelled, seconds.
         metrics_scrape_interval_s: seconds between scrapes of every instance's
@@ -136,6 +140,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_connections: int = 4096
     keepalive_timeout_s: float = 4.0
+    client_keepalive_timeout_s: float = 75.0
     shutdown_timeout_s: float = 30.0
     metrics_scrape_interval_s: float = 10.0
     metrics_scrape_timeout_s: float = 2.0
@@ -166,6 +171,7 @@ class ServerSettings:
         _count("max body size", self.max_body_bytes, 1)
         _count("max connections", self.max_connections, 1)
         _duration("keep-alive timeout", self.keepalive_timeout_s, positive=True)
+        _duration("client keep-alive timeout", self.client_keepalive_timeout_s, positive=True)
         _duration("shutdown timeout", self.shutdown_timeout_s)
         _duration("metrics scrape interval", self.metrics_scrape_interval_s)
         _duration("metrics scrape timeout", self.metrics_scrape_timeout_s, positive=True)
