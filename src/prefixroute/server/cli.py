@@ -28,7 +28,7 @@ from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, Rou
 from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import reload_logged, start_router
-from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 __all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers"]
 
@@ -165,7 +165,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--metrics-scrape-interval", type=float, default=10.0, metavar="SECONDS",
                    help="seconds between scrapes of every instance's /metrics (prefix-cache hit rate, requests "
                         "running/waiting, exported as prefixroute_backend_*); 0 disables (default: 10)")
-    o.add_argument("--client-keepalive-timeout", type=float, default=75.0, metavar="SECONDS",
+    o.add_argument("--client-keepalive-timeout", type=float, default=DEFAULT_CLIENT_KEEPALIVE_S,
+                   metavar="SECONDS",
                    help="seconds an idle client connection is kept open; behind a load balancer, set it above the "
                         "balancer's idle timeout (e.g. 60 s for AWS ALB, 600 s for Google Cloud's) so that the "
                         "balancer never reuses a connection the router is closing (default: 75)")
@@ -257,7 +258,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         connect_timeout_s=args.connect_timeout, response_headers_timeout_s=args.response_headers_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, max_retries=args.max_retries,
         max_body_bytes=args.max_body_size, metrics_scrape_interval_s=args.metrics_scrape_interval,
-        client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", 75.0),
+        client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
         config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
         data_plane=getattr(args, "data_plane", "fast"),

@@ -31,7 +31,7 @@ Client connections: HTTP/1.1 keep-alive and pipelining (answered in order, one a
 time), ``Expect: 100-continue``, request line + headers at most
 :data:`MAX_HEAD_BYTES` (431 beyond), bodies at most ``--max-body-size`` (413 in the
 API's shape, then the connection is closed), idle keep-alive connections closed after
-``--client-keepalive-timeout`` (:data:`CLIENT_KEEPALIVE_S` by default).
+``--client-keepalive-timeout`` (``ServerSettings.client_keepalive_timeout_s``).
 """
 
 from __future__ import annotations
@@ -60,16 +60,13 @@ from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_even
     model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
 
-__all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "CLIENT_KEEPALIVE_S"]
+__all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES"]
 
 log = logging.getLogger("prefixroute.server.dataplane")
 
 #: Most bytes of request line + headers a client may send (aiohttp's limits are of the
 #: same order: 8,190 bytes per line); 431 beyond.
 MAX_HEAD_BYTES = 64 * 1024
-#: Default seconds an idle client keep-alive connection is kept open (aiohttp's, 75 s;
-#: ``ServerSettings.client_keepalive_timeout_s``, ``--client-keepalive-timeout``).
-CLIENT_KEEPALIVE_S = 75.0
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
 # Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).

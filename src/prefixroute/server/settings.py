@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from prefixroute.core.config import ConfigError
 from prefixroute.core.counters import MAX_WORKERS
 
-__all__ = ["ServerSettings", "is_loopback", "DEFAULT_MAX_BODY_BYTES", "DATA_PLANES"]
+__all__ = ["ServerSettings", "is_loopback", "DEFAULT_MAX_BODY_BYTES", "DEFAULT_CLIENT_KEEPALIVE_S", "DATA_PLANES"]
 
 #: Values of ``ServerSettings.data_plane`` (``--data-plane``).
 DATA_PLANES = ("fast", "aiohttp")
@@ -25,6 +25,8 @@ DATA_PLANES = ("fast", "aiohttp")
 #: Default largest request body, bytes: a 128k-token context is about 0.5 MB of text,
 #: a few inline base64 images add a few MB each; 64 MiB leaves room for both.
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Seconds an idle client connection is kept open by default (aiohttp's keep-alive).
+DEFAULT_CLIENT_KEEPALIVE_S = 75.0
 
 
 def is_loopback(host: str) -> bool:
@@ -140,7 +142,7 @@ class ServerSettings:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_connections: int = 4096
     keepalive_timeout_s: float = 4.0
-    client_keepalive_timeout_s: float = 75.0
+    client_keepalive_timeout_s: float = DEFAULT_CLIENT_KEEPALIVE_S
     shutdown_timeout_s: float = 30.0
     metrics_scrape_interval_s: float = 10.0
     metrics_scrape_timeout_s: float = 2.0
