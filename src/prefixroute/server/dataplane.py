@@ -40,6 +40,7 @@ import asyncio
 import collections
 import contextlib
 import email.utils
+import functools
 import http
 import logging
 import os
@@ -50,7 +51,6 @@ from typing import Any, Callable
 import httptools
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
 from prefixroute.core.pool import NoHealthyInstance
 from prefixroute.server import eventstream
@@ -183,6 +183,35 @@ class _ClientGone(Exception):
     """The client closed its connection before the answer was complete."""
 
 
+class _Reply:
+    """An answer as relayed to the client: its status and head, and how each body chunk
+    is framed (:meth:`encode`). ``first_s`` is ``time.perf_counter()`` when the first
+    body chunk was framed (0.0 until then), ``tail`` the last bytes of an SSE stream,
+    ``overhead_s`` the router's time on the request (``X-Prefixroute-Overhead-Ms``)."""
+
+    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s")
+
+    def __init__(self) -> None:
+        self.status = 0
+        self.head = b""
+        self.framed = self.sse = self.chunked = self.bodyless = False
+        self.tail = b""
+        self.first_s = 0.0
+        self.overhead_s = 0.0
+
+    def encode(self, chunk: bytes) -> tuple[bytes, ...]:
+        """``chunk`` of the instance's body as written to the client."""
+        if not self.first_s:
+            self.first_s = time.perf_counter()
+        if self.sse:
+            self.tail = (self.tail + chunk)[-_TAIL:]
+        if self.bodyless:
+            return ()
+        if self.framed:
+            chunk = eventstream.payload_part(chunk)
+        return (b"%x\r\n" % len(chunk), chunk, b"\r\n") if self.chunked else (chunk,)
+
+
 class _Upstream(asyncio.Protocol):
     """One pooled HTTP/1.1 connection to an instance (or to the internal aiohttp app),
     carrying one exchange at a time. The response is parsed by ``httptools``; its head
@@ -217,6 +246,10 @@ class _Upstream(asyncio.Protocol):
         self.stray = False  # bytes after the complete answer: the connection is not reused
         self.error: BaseException | None = None
         self.last_data = 0.0
+        # Called with this connection when the answer is complete, if set by then (the
+        # relay has not started): FrontServer._whole writes it to the client at once.
+        self.on_whole: Callable[[_Upstream], None] | None = None
+        self.reply: _Reply | None = None  # what on_whole wrote
 
     # -- asyncio.Protocol ---------------------------------------------------------
 
@@ -305,6 +338,13 @@ class _Upstream(asyncio.Protocol):
             return
         self.complete = True
         self.keep_alive = self.parser.should_keep_alive()  # llhttp forgets it once the message is over
+        hook = self.on_whole
+        if hook is not None:
+            self.on_whole = None
+            try:
+                hook(self)
+            except Exception:  # our bug: the request's task relays the answer instead
+                log.exception("instance %s: writing a whole answer failed", self.target[0])
         if not self.done.done():
             self.done.set_result(None)
 
@@ -342,6 +382,7 @@ class _Upstream(asyncio.Protocol):
         """The exchange is over: keep the connection for the next request if it is
         clean and kept alive, else close it."""
         self.sink = None
+        self.on_whole = None
         if self.complete and not self.lost and self.keep_alive and not self.stray and self.transport is not None \
                 and not self.transport.is_closing():
             self._reset()  # the parser goes on with the next response (llhttp keeps alive)
@@ -473,7 +514,7 @@ class _Incoming:
     """One request read from a client."""
 
     __slots__ = ("url", "headers", "head_bytes", "body", "size", "too_large", "method", "version", "keep_alive",
-                 "t0", "chunked", "refusal")
+                 "t0", "chunked", "encoded", "refusal")
 
     def __init__(self) -> None:
         self.url = b""
@@ -487,6 +528,7 @@ class _Incoming:
         self.keep_alive = True
         self.t0 = 0.0
         self.chunked = False
+        self.encoded = False  # a Content-Encoding header (aiohttp decodes compressed bodies)
         self.refusal: bytes | None = None  # a complete answer to send as it is (400, 431)
 
 
@@ -641,6 +683,8 @@ class _Client(asyncio.Protocol):
                     declared = int(v)
             elif low == b"transfer-encoding":
                 cur.chunked = True
+            elif low == b"content-encoding":
+                cur.encoded = True
             elif low == b"expect" and v.lower() == b"100-continue" and cur.version == "1.1":
                 expect = True
         if declared is not None and declared > limit:
@@ -893,7 +937,7 @@ class FrontServer:
         path = url.split("?", 1)[0]
         route = match_route(path) if inc.method == b"POST" and inc.version == "1.1" and \
             self.state.settings.record_trace is None else None
-        if route is not None and any(k.lower() == b"content-encoding" for k, _ in inc.headers):
+        if route is not None and inc.encoded:
             route = None  # aiohttp decodes compressed request bodies
         if route is None or not self._all_plain_http():
             if inc.too_large is not None:
@@ -906,8 +950,7 @@ class FrontServer:
             await self._delegate(client, inc)
             return
         api, chat, endpoint_name = route
-        headers: CIMultiDict[str] = CIMultiDict(
-            (k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in inc.headers)
+        headers = H.RawHeaderView(inc.headers)
         rid = request_id(headers)
         body: bytes | BodyTooLarge
         if inc.too_large is not None:
@@ -972,7 +1015,6 @@ class FrontServer:
                 try:
                     decision = lease.decision
                     instance = decision.instance.instance_id
-                    m.decision_seconds.labels(rr.endpoint, variant).observe(decision.decision_s)
                     target = self._target(instance)
                     t_send = time.perf_counter()
                     router_s += t_send - mark
@@ -989,6 +1031,9 @@ class FrontServer:
                         continue
                     up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
                             + head_tail, rr.body)
+                    # The instance is at work: what follows until its answer is off the
+                    # critical path, and a whole answer is written as it arrives.
+                    up.on_whole = functools.partial(self._whole, client, rr, decision, router_s, keep_alive)
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
@@ -1026,6 +1071,7 @@ class FrontServer:
                     lease.release()
                     if up is not None:
                         up.finish()
+                    m.decision_seconds.labels(rr.endpoint, variant).observe(lease.decision.decision_s)
             code = 503
             self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
                         f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
@@ -1045,18 +1091,88 @@ class FrontServer:
 
     async def _relay(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
                      keep_alive: bool) -> int | str:
-        """Copy the instance's answer to the client as it arrives; returns the
-        ``code`` label (the status, 499 if the client left, or ``stream_aborted``)."""
-        t_headers = time.perf_counter()
+        """Copy the instance's answer to the client as it arrives (or account for the
+        one :meth:`_whole` already wrote); returns the ``code`` label (the status, 499
+        if the client left, or ``stream_aborted``)."""
         state = self.state
         m = state.metrics
         instance = decision.instance.instance_id
         variant = decision.variant
-        status = up.status
-        if status >= 500:
+        if up.status >= 500:
             m.upstream_errors.labels(instance, "http_5xx").inc()
-        if rr.api is not Api.OPENAI and not 200 <= status < 300:
+        reply = up.reply
+        if reply is not None:  # written whole as it arrived
+            m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
+            m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
+            if reply.sse and rr.api is Api.OPENAI and b"[DONE]" not in reply.tail:
+                m.upstream_errors.labels(instance, "no_done").inc()
+            return reply.status
+        up.on_whole = None  # from here on, this task relays the answer
+        t_headers = time.perf_counter()
+        if rr.api is not Api.OPENAI and not 200 <= up.status < 300:
             return await self._model_error(client, rr, up, decision, router_s, t_headers, keep_alive)
+        reply = self._reply(rr, up, decision, router_s, t_headers, keep_alive)
+        m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
+        ttft = m.ttft_seconds.labels(rr.endpoint, variant)
+        transport = client.transport
+
+        def sink(chunk: bytes) -> None:
+            first = reply.first_s == 0.0
+            parts = reply.encode(chunk)
+            if first:
+                ttft.observe(reply.first_s - rr.t0)
+            if not client.closed and transport is not None:
+                transport.writelines(parts)
+
+        # The head and whatever already came, in one write.
+        parts = [reply.head]
+        for chunk in up.chunks:
+            parts += reply.encode(chunk)
+        up.chunks = []
+        if reply.first_s:
+            ttft.observe(reply.first_s - rr.t0)
+        idle_s = state.settings.stream_idle_timeout_s
+        sse, framed, tail = reply.sse, reply.framed, b""
+        if not up.done.done():
+            client.write(b"".join(parts))
+            parts = []
+            client.upstream = up
+            up.sink = sink
+            if client.write_paused:
+                up.pause()
+            watch = _IdleWatch(self.loop, up, client, idle_s)
+            try:
+                await self._await(client, up.done, None)
+            except TimeoutError:
+                return self._end_broken(client, rr, up, instance, TimeoutError(), sse, reply.tail, idle_s, framed)
+            except _ClientGone:
+                up.abort()
+                return 499
+            finally:
+                watch.cancel()
+                client.upstream = None
+        tail = reply.tail
+        if up.error is not None and not up.complete:
+            if parts:
+                client.write(b"".join(parts))
+            return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
+        if not reply.first_s:
+            ttft.observe(time.perf_counter() - rr.t0)
+        if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
+            m.upstream_errors.labels(instance, "no_done").inc()
+        if client.closed:
+            return 499
+        if reply.chunked:
+            parts.append(b"0\r\n\r\n")
+        client.write(b"".join(parts))
+        return reply.status
+
+    def _reply(self, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float, t_headers: float,
+               keep_alive: bool) -> _Reply:
+        """How ``up``'s answer (its head received) is relayed: our head for it (the
+        instance's end-to-end headers, ours, the framing) and the framing of its body."""
+        instance = decision.instance.instance_id
+        status = up.status
         framed = rr.api is Api.NATIVE_STREAM
         content_length = None
         chunked_up = False
@@ -1078,13 +1194,13 @@ class FrontServer:
         sse = not framed and content_type.startswith(b"text/event-stream")
         if sse or framed:
             out.append((b"X-Accel-Buffering", b"no"))
-        out += ((b"X-Request-Id", rr.request_id.encode()), (_INVOKED_VARIANT, variant.encode()),
+        out += ((b"X-Request-Id", rr.request_id.encode()), (_INVOKED_VARIANT, decision.variant.encode()),
                 (_INSTANCE, instance.encode()), (_DECISION, decision.kind.value.encode()))
-        overhead = router_s + (time.perf_counter() - t_headers)
+        reply = _Reply()
+        reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
         out.append((_OVERHEAD_MS, b"%.3f" % (overhead * 1e3)))
-        m.overhead_seconds.labels(rr.endpoint, variant).observe(overhead)
-        bodyless = status in (204, 304)
-        chunked = (framed or content_length is None) and not bodyless
+        reply.bodyless = bodyless = status in (204, 304)
+        reply.chunked = chunked = (framed or content_length is None) and not bodyless
         if framed:
             status, reason = 200, b"OK"
         elif rr.api is Api.OPENAI:
@@ -1097,68 +1213,30 @@ class FrontServer:
             framing = b"Transfer-Encoding: chunked\r\n"
         else:
             framing = b"Content-Length: " + content_length + b"\r\n"  # type: ignore[operator]
-        parts = [_head(status, reason, out, framing, keep_alive)]
+        reply.status, reply.framed, reply.sse = status, framed, sse
+        reply.head = _head(status, reason, out, framing, keep_alive)
+        return reply
 
-        ttft = m.ttft_seconds.labels(rr.endpoint, variant)
-        first = True
-        tail = b""
-        transport = client.transport
-
-        def encode(chunk: bytes) -> tuple[bytes, ...]:
-            nonlocal first, tail
-            if first:
-                first = False
-                ttft.observe(time.perf_counter() - rr.t0)
-            if sse:
-                tail = (tail + chunk)[-_TAIL:]
-            if bodyless:
-                return ()
-            if framed:
-                chunk = eventstream.payload_part(chunk)
-            return (b"%x\r\n" % len(chunk), chunk, b"\r\n") if chunked else (chunk,)
-
-        def sink(chunk: bytes) -> None:
-            parts = encode(chunk)
-            if not client.closed and transport is not None:
-                transport.writelines(parts)
-
-        # The head and whatever already came, in one write (one send for a whole answer).
+    def _whole(self, client: _Client, rr: RoutedRequest, decision: Any, router_s: float, keep_alive: bool,
+               up: _Upstream) -> None:
+        """``up``'s answer came whole before its relay started (a non-streamed answer,
+        usually): written to the client from the parser's callback, at once, so that
+        the bookkeeping (metrics, the lease, the pooled connection: :meth:`_relay` and
+        :meth:`_forward`, when the request's task resumes) comes after the client has
+        it. Left to the task: a SageMaker ModelError answer, a client gone."""
+        if client.closed or (rr.api is not Api.OPENAI and not 200 <= up.status < 300):
+            return
+        reply = self._reply(rr, up, decision, router_s, time.perf_counter(), keep_alive)
+        parts = [reply.head]
         for chunk in up.chunks:
-            parts += encode(chunk)
-        up.chunks = []
-        idle_s = state.settings.stream_idle_timeout_s
-        if not up.done.done():
-            client.write(b"".join(parts))
-            parts = []
-            client.upstream = up
-            up.sink = sink
-            if client.write_paused:
-                up.pause()
-            watch = _IdleWatch(self.loop, up, client, idle_s)
-            try:
-                await self._await(client, up.done, None)
-            except TimeoutError:
-                return self._end_broken(client, rr, up, instance, TimeoutError(), sse, tail, idle_s, framed)
-            except _ClientGone:
-                up.abort()
-                return 499
-            finally:
-                watch.cancel()
-                client.upstream = None
-        if up.error is not None and not up.complete:
-            if parts:
-                client.write(b"".join(parts))
-            return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
-        if first:
-            ttft.observe(time.perf_counter() - rr.t0)
-        if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
-            m.upstream_errors.labels(instance, "no_done").inc()
-        if client.closed:
-            return 499
-        if chunked:
+            parts += reply.encode(chunk)
+        if not reply.first_s:
+            reply.first_s = time.perf_counter()
+        if reply.chunked:
             parts.append(b"0\r\n\r\n")
+        up.chunks = []
+        up.reply = reply
         client.write(b"".join(parts))
-        return status
 
     def _end_broken(self, client: _Client, rr: RoutedRequest, up: _Upstream, instance: str, exc: BaseException,
                     sse: bool, tail: bytes, idle_s: float, framed: bool) -> str:

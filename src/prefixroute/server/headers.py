@@ -11,7 +11,7 @@ The functions take and return raw ``(name, value)`` byte pairs, so both data pla
 from __future__ import annotations
 
 import hmac
-from typing import Sequence
+from typing import Iterator, Mapping, Sequence
 
 from multidict import CIMultiDict
 
@@ -22,7 +22,7 @@ __all__ = [
     "SAGEMAKER_ACCEPT", "SAGEMAKER_CONTENT_TYPE",
     "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "valid_request_id",
     "openai_upstream_headers", "native_upstream_headers", "openai_response_headers",
-    "native_response_headers", "strip_secrets", "to_multidict", "RawHeaders", "EVENTSTREAM_CONTENT_TYPE",
+    "native_response_headers", "strip_secrets", "to_multidict", "RawHeaderView", "RawHeaders", "EVENTSTREAM_CONTENT_TYPE",
 ]
 
 #: ``Content-Type`` of ``InvokeEndpointWithResponseStream`` answers (AWS event-stream).
@@ -87,6 +87,48 @@ def _end_to_end(headers: RawHeaders, also_drop: frozenset[bytes]) -> list[tuple[
 
 def _has(headers: RawHeaders, low_name: bytes) -> bool:
     return any(k.lower() == low_name for k, _ in headers)
+
+
+class RawHeaderView(Mapping[str, str]):
+    """Raw request headers read by name, case-insensitively, without building a
+    ``CIMultiDict`` (the fast data plane reads two to four headers of each request).
+
+    ``view[name]`` and ``view.get(name)`` give the first header of that name, decoded as
+    :func:`to_multidict` decodes it (UTF-8 with surrogate escapes); iteration gives the
+    names as received (Latin-1), one per header line (duplicates included).
+    The index of lower-cased names is made on the first look-up.
+    """
+
+    __slots__ = ("_raw", "_index")
+
+    def __init__(self, raw: RawHeaders) -> None:
+        self._raw = raw
+        self._index: dict[bytes, bytes] | None = None
+
+    def _lookup(self, name: str) -> bytes | None:
+        index = self._index
+        if index is None:
+            index = self._index = {k.lower(): v for k, v in reversed(self._raw)}  # the first one wins
+        return index.get(name.lower().encode("latin-1", "replace"))
+
+    def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
+        value = self._lookup(name)
+        return default if value is None else value.decode("utf-8", "surrogateescape")
+
+    def __getitem__(self, name: str) -> str:
+        value = self._lookup(name)
+        if value is None:
+            raise KeyError(name)
+        return value.decode("utf-8", "surrogateescape")
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and self._lookup(name) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return (k.decode("latin-1") for k, _ in self._raw)
+
+    def __len__(self) -> int:
+        return len(self._raw)
 
 
 def to_multidict(headers: RawHeaders) -> CIMultiDict[str]:
