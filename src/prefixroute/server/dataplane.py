@@ -44,6 +44,7 @@ import functools
 import http
 import logging
 import os
+import select
 import tempfile
 import time
 from typing import Any, Callable
@@ -146,12 +147,15 @@ def _reason(status: int) -> bytes:
         return b"Unknown"
 
 
-def _head(status: int, reason: bytes, headers: H.RawHeaders, framing: bytes, keep_alive: bool) -> bytes:
-    """A response head: status line, ``headers`` (raw pairs), ``Date``, the framing
-    header line(s) (``framing``, ending in CRLF) and the blank line."""
+def _head(status: int, reason: bytes, headers: H.RawHeaders, framing: bytes, keep_alive: bool,
+          lines: bytes = b"") -> bytes:
+    """A response head: status line, ``headers`` (raw pairs), ``lines`` (header lines
+    already formatted, each ending in CRLF), ``Date``, the framing header line(s)
+    (``framing``, ending in CRLF) and the blank line."""
     parts = [b"HTTP/1.1 %d %s\r\n" % (status, reason)]
     for k, v in headers:
         parts += (k, b": ", v, b"\r\n")
+    parts.append(lines)
     parts.append(b"Date: " + _DATE.get() + b"\r\n")
     parts.append(framing)
     if not keep_alive:
@@ -226,6 +230,7 @@ class _Upstream(asyncio.Protocol):
         self.lost = False
         self.idle = False  # in the pool, between two exchanges
         self.idle_since = 0.0
+        self.poller: select.poll | None = None  # this socket registered, for peer_gone()
         self._reset()
 
     def _reset(self) -> None:
@@ -246,6 +251,11 @@ class _Upstream(asyncio.Protocol):
         self.stray = False  # bytes after the complete answer: the connection is not reused
         self.error: BaseException | None = None
         self.last_data = 0.0
+        # From the answer's head: its Content-Length (None if chunked or absent), whether
+        # it is chunked, its first Content-Type.
+        self.content_length: bytes | None = None
+        self.chunked = False
+        self.content_type = b""
         # Called with this connection when the answer is complete, if set by then (the
         # relay has not started): FrontServer._whole writes it to the client at once.
         self.on_whole: Callable[[_Upstream], None] | None = None
@@ -257,6 +267,21 @@ class _Upstream(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport
         # pause_writing/resume_writing then say exactly when the request left our buffer.
         self.transport.set_write_buffer_limits(high=0, low=0)  # type: ignore[union-attr]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError, ValueError):
+                poller = select.poll()
+                poller.register(sock.fileno(), select.POLLIN | select.POLLPRI)
+                self.poller = poller
+
+    def peer_gone(self) -> bool:
+        """:func:`~prefixroute.server.proxy.peer_closed` for this idle connection, with
+        its socket registered once (one ``poll`` system call, zero timeout)."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return True
+        poller = self.poller
+        return peer_closed(transport) if poller is None else bool(poller.poll(0))
 
     def data_received(self, data: bytes) -> None:
         if self.idle:  # bytes nobody asked for on a pooled connection: never reuse it
@@ -315,9 +340,22 @@ class _Upstream(asyncio.Protocol):
             return
         self.sent = True  # an answer means the instance took the request
         self.in_trailers = True
-        names = {k.lower() for k, _ in self.resp_headers}
-        self.until_eof = (b"content-length" not in names and b"transfer-encoding" not in names
-                          and self.status not in (204, 304))
+        length: bytes | None = None
+        chunked = False
+        content_type = b""
+        for k, v in self.resp_headers:
+            low = k.lower()
+            if low == b"content-length":
+                if length is None:
+                    length = v
+            elif low == b"transfer-encoding":
+                chunked = True
+            elif low == b"content-type" and not content_type:
+                content_type = v
+        self.content_length = None if chunked else length
+        self.chunked = chunked
+        self.content_type = content_type
+        self.until_eof = length is None and not chunked and self.status not in (204, 304)
         if not self.headers_fut.done():
             self.headers_fut.set_result(None)
         if self.no_body:  # llhttp cannot be told; end the exchange here, and the connection after it
@@ -421,8 +459,7 @@ class _UpstreamPool:
             conn.idle = False
             if not idle:
                 del self.idle[target]  # no empty list kept per instance ever used
-            if now - conn.idle_since < self.keepalive_s and conn.transport is not None \
-                    and not peer_closed(conn.transport):
+            if now - conn.idle_since < self.keepalive_s and not conn.peer_gone():
                 return conn
             conn.abort()
         return None
@@ -989,7 +1026,10 @@ class FrontServer:
         pool = rr.pool
         variant = pool.name
         base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
-        head_tail = b"".join([b"%s: %s\r\n" % kv for kv in upstream_headers(state, rr)])
+        if rr.api is Api.OPENAI:
+            head_tail = H.openai_upstream_lines(rr.raw_headers, rr.request_id, settings.admin_token)
+        else:
+            head_tail = H.header_lines(upstream_headers(state, rr))
         head_tail += b"Content-Length: %d\r\n\r\n" % len(rr.body)
         exclude: set[str] = set()
         router_s = 0.0
@@ -1033,7 +1073,8 @@ class FrontServer:
                             + head_tail, rr.body)
                     # The instance is at work: what follows until its answer is off the
                     # critical path, and a whole answer is written as it arrives.
-                    up.on_whole = functools.partial(self._whole, client, rr, decision, router_s, keep_alive)
+                    up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr.request_id, decision),
+                                                    router_s, keep_alive)
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
@@ -1111,7 +1152,7 @@ class FrontServer:
         t_headers = time.perf_counter()
         if rr.api is not Api.OPENAI and not 200 <= up.status < 300:
             return await self._model_error(client, rr, up, decision, router_s, t_headers, keep_alive)
-        reply = self._reply(rr, up, decision, router_s, t_headers, keep_alive)
+        reply = self._reply(rr, up, _our_lines(rr.request_id, decision), router_s, t_headers, keep_alive)
         m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
         ttft = m.ttft_seconds.labels(rr.endpoint, variant)
         transport = client.transport
@@ -1167,38 +1208,23 @@ class FrontServer:
         client.write(b"".join(parts))
         return reply.status
 
-    def _reply(self, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float, t_headers: float,
+    def _reply(self, rr: RoutedRequest, up: _Upstream, ours: bytes, router_s: float, t_headers: float,
                keep_alive: bool) -> _Reply:
         """How ``up``'s answer (its head received) is relayed: our head for it (the
-        instance's end-to-end headers, ours, the framing) and the framing of its body."""
-        instance = decision.instance.instance_id
+        instance's end-to-end headers, ``ours`` (:func:`_our_lines`), the framing) and
+        the framing of its body."""
         status = up.status
         framed = rr.api is Api.NATIVE_STREAM
-        content_length = None
-        chunked_up = False
-        content_type = b""
-        for k, v in up.resp_headers:
-            low = k.lower()
-            if low == b"content-length":
-                content_length = v
-            elif low == b"transfer-encoding":
-                chunked_up = True
-            elif low == b"content-type" and not content_type:
-                content_type = v
-        if chunked_up:
-            content_length = None
+        content_length = up.content_length
         if rr.api is Api.OPENAI:
-            out = H.openai_response_headers(up.resp_headers)
+            theirs = H.openai_response_lines(up.resp_headers)
         else:
-            out = H.native_response_headers(up.resp_headers, stream=framed)
-        sse = not framed and content_type.startswith(b"text/event-stream")
-        if sse or framed:
-            out.append((b"X-Accel-Buffering", b"no"))
-        out += ((b"X-Request-Id", rr.request_id.encode()), (_INVOKED_VARIANT, decision.variant.encode()),
-                (_INSTANCE, instance.encode()), (_DECISION, decision.kind.value.encode()))
+            theirs = H.header_lines(H.native_response_headers(up.resp_headers, stream=framed))
+        sse = not framed and up.content_type.startswith(b"text/event-stream")
         reply = _Reply()
         reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
-        out.append((_OVERHEAD_MS, b"%.3f" % (overhead * 1e3)))
+        lines = b"%s%s%s%s: %.3f\r\n" % (theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours,
+                                          _OVERHEAD_MS, overhead * 1e3)
         reply.bodyless = bodyless = status in (204, 304)
         reply.chunked = chunked = (framed or content_length is None) and not bodyless
         if framed:
@@ -1214,10 +1240,10 @@ class FrontServer:
         else:
             framing = b"Content-Length: " + content_length + b"\r\n"  # type: ignore[operator]
         reply.status, reply.framed, reply.sse = status, framed, sse
-        reply.head = _head(status, reason, out, framing, keep_alive)
+        reply.head = _head(status, reason, (), framing, keep_alive, lines)
         return reply
 
-    def _whole(self, client: _Client, rr: RoutedRequest, decision: Any, router_s: float, keep_alive: bool,
+    def _whole(self, client: _Client, rr: RoutedRequest, ours: bytes, router_s: float, keep_alive: bool,
                up: _Upstream) -> None:
         """``up``'s answer came whole before its relay started (a non-streamed answer,
         usually): written to the client from the parser's callback, at once, so that
@@ -1226,7 +1252,7 @@ class FrontServer:
         it. Left to the task: a SageMaker ModelError answer, a client gone."""
         if client.closed or (rr.api is not Api.OPENAI and not 200 <= up.status < 300):
             return
-        reply = self._reply(rr, up, decision, router_s, time.perf_counter(), keep_alive)
+        reply = self._reply(rr, up, ours, router_s, time.perf_counter(), keep_alive)
         parts = [reply.head]
         for chunk in up.chunks:
             parts += reply.encode(chunk)
@@ -1299,9 +1325,7 @@ class FrontServer:
             up.send(b"".join(parts), body)
             await self._await(client, up.headers_fut, None)
             out = [(k, v) for k, v in up.resp_headers if k.lower() not in _FRAMING and k.lower() != b"date"]
-            length = next((v for k, v in up.resp_headers if k.lower() == b"content-length"), None)
-            if any(k.lower() == b"transfer-encoding" for k, _ in up.resp_headers):
-                length = None
+            length = up.content_length
             bodyless = up.status in (204, 304) or inc.method == b"HEAD"
             # An HTTP/1.0 client cannot read chunks: its answer ends when the connection does.
             chunked = length is None and not bodyless and inc.version == "1.1"
@@ -1349,6 +1373,14 @@ class FrontServer:
             client.upstream = None
             if up is not None:
                 up.finish()
+
+
+def _our_lines(request_id: str, decision: Any) -> bytes:
+    """Our own response header lines (each ending in CRLF): ``X-Request-Id``, the
+    production variant, the instance and the decision (``headers.py`` names them)."""
+    return b"X-Request-Id: %s\r\n%s: %s\r\n%s: %s\r\n%s: %s\r\n" % (
+        request_id.encode(), _INVOKED_VARIANT, decision.variant.encode(), _INSTANCE,
+        decision.instance.instance_id.encode(), _DECISION, decision.kind.value.encode())
 
 
 def _expire(fut: asyncio.Future[None]) -> None:

@@ -21,7 +21,7 @@ __all__ = [
     "TARGET_VARIANT", "INFERENCE_COMPONENT", "CUSTOM_ATTRIBUTES", "PREFIX_AWARE_ID",
     "SAGEMAKER_ACCEPT", "SAGEMAKER_CONTENT_TYPE",
     "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "valid_request_id",
-    "openai_upstream_headers", "native_upstream_headers", "openai_response_headers",
+    "openai_upstream_headers", "openai_upstream_lines", "native_upstream_headers", "header_lines", "openai_response_headers", "openai_response_lines",
     "native_response_headers", "strip_secrets", "to_multidict", "RawHeaderView", "RawHeaders", "EVENTSTREAM_CONTENT_TYPE",
 ]
 
@@ -151,6 +151,42 @@ def openai_upstream_headers(headers: RawHeaders, request_id: str) -> list[tuple[
     return out
 
 
+def header_lines(headers: RawHeaders) -> bytes:
+    """``headers`` formatted as HTTP header lines, ``Name: value\\r\\n`` each."""
+    return b"".join([b"%s: %s\r\n" % kv for kv in headers])
+
+
+def openai_upstream_lines(headers: RawHeaders, request_id: str, token: str | None = None) -> bytes:
+    """``header_lines(strip_secrets(openai_upstream_headers(headers, request_id), token))``
+    (the same lines in the same order), in one pass over ``headers`` when no admin token
+    is set and no ``Connection`` header names other headers (the usual request: a
+    ``Connection: keep-alive`` at most); otherwise by those functions."""
+    if token:
+        return header_lines(strip_secrets(openai_upstream_headers(headers, request_id), token))
+    lines = _end_to_end_lines(headers, _DROP_UPSTREAM)
+    if lines is None:  # a Connection header names others to drop
+        return header_lines(openai_upstream_headers(headers, request_id))
+    lines.append(b"X-Request-Id: %s\r\n" % request_id.encode())
+    if not _has(headers, b"accept-encoding"):
+        lines.append(b"Accept-Encoding: identity\r\n")
+    return b"".join(lines)
+
+
+def _end_to_end_lines(headers: RawHeaders, also_drop: frozenset[bytes]) -> list[bytes] | None:
+    """:func:`_end_to_end`'s headers as header lines, in one pass; ``None`` when a
+    ``Connection`` header names headers other than hop-by-hop ones (the caller then uses
+    :func:`_end_to_end`)."""
+    lines = []
+    for k, v in headers:
+        low = k.lower()
+        if low in _HOP_BY_HOP or low in also_drop or low.startswith(b"proxy-"):
+            if low == b"connection" and any(t.strip().lower() not in _HOP_BY_HOP for t in v.split(b",")):
+                return None
+            continue
+        lines.append(b"%s: %s\r\n" % (k, v))
+    return lines
+
+
 def native_upstream_headers(headers: RawHeaders, request_id: str, stream: bool = False) -> list[tuple[bytes, bytes]]:
     """Headers sent to the instance for a native invocation. Like SageMaker, only the
     API's own headers pass (``Content-Type``, ``Accept``, ``X-Amzn-SageMaker-*``); the
@@ -185,6 +221,12 @@ def strip_secrets(headers: list[tuple[bytes, bytes]], token: str | None) -> list
 def openai_response_headers(upstream: RawHeaders) -> list[tuple[bytes, bytes]]:
     """The instance's end-to-end response headers, minus the ones the router sets."""
     return _end_to_end(upstream, _OURS)
+
+
+def openai_response_lines(upstream: RawHeaders) -> bytes:
+    """``header_lines(openai_response_headers(upstream))``, in one pass when it can be."""
+    lines = _end_to_end_lines(upstream, _OURS)
+    return header_lines(openai_response_headers(upstream)) if lines is None else b"".join(lines)
 
 
 def native_response_headers(upstream: RawHeaders, stream: bool = False) -> list[tuple[bytes, bytes]]:
