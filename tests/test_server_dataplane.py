@@ -16,7 +16,7 @@ import pytest
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.server import ServerSettings, start_router
-from prefixroute.server.dataplane import MAX_HEAD_BYTES, match_route
+from prefixroute.server.dataplane import MAX_HEAD_BYTES, FrontServer, match_route
 from prefixroute.server.proxy import Api
 
 from fault_backend import FaultBackend
@@ -450,3 +450,111 @@ async def test_http10_check_without_host_is_answered(router, backend, request_li
     else:
         assert orjson.loads(body) == {"status": "ok", "healthy_instances": 1, "instances": 1}
     writer.close()
+
+
+class _PacedBackend:
+    """A raw engine stand-in whose JSON answer (``Content-Length`` or chunked) is
+    written in one piece (``whole``) or as its head, then its body 30 ms later in two
+    writes (``paced``): the first reaches the router's whole-answer path
+    (``FrontServer._whole``), the second its relay task."""
+
+    BODY = b'{"id": "c1", "object": "chat.completion", "choices": []}'
+
+    def __init__(self) -> None:
+        self.mode = "whole"
+        self.chunked = False
+        self.server: asyncio.AbstractServer | None = None
+
+    async def start(self) -> str:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                await reader.readexactly(length)
+                body = self.BODY
+                if self.chunked:
+                    framing, payload = b"Transfer-Encoding: chunked", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+                else:
+                    framing, payload = b"Content-Length: %d" % len(body), body
+                head_out = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Engine: e1\r\n"
+                            b"Connection: keep-alive, X-Engine-Hop\r\nX-Engine-Hop: drop-me\r\n%s\r\n\r\n" % framing)
+                if self.mode == "whole":
+                    writer.write(head_out + payload)
+                else:
+                    writer.write(head_out)
+                    await writer.drain()
+                    await asyncio.sleep(0.03)
+                    half = len(payload) // 2
+                    writer.write(payload[:half])
+                    await writer.drain()
+                    await asyncio.sleep(0.01)
+                    writer.write(payload[half:])
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            await self.server.wait_closed()
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_an_answer_that_comes_whole_is_relayed_as_one_that_comes_in_pieces(chunked, monkeypatch):
+    from test_server_helpers import in_flight, metric_value
+
+    written_whole: list[bool] = []
+    original = FrontServer._relay
+
+    async def observed_relay(self, client, rr, up, *args):  # sees which path answered, changes nothing
+        written_whole.append(up.reply is not None)
+        return await original(self, client, rr, up, *args)
+
+    monkeypatch.setattr(FrontServer, "_relay", observed_relay)
+    backend = _PacedBackend()
+    backend.chunked = chunked
+    url = await backend.start()
+    handle = await start_router(
+        FleetConfig.single([url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1))
+    try:
+        answers = {}
+        reader, writer = await _connect(handle)
+        for mode in ("whole", "paced", "whole"):
+            backend.mode = mode
+            writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: rid-1\r\n"))
+            answers.setdefault(mode, []).append(await _read_response(reader))
+        writer.close()
+        whole, paced = answers["whole"][0], answers["paced"][0]
+        assert answers["whole"][1][0] == 200 and answers["whole"][1][2] == whole[2]
+        assert written_whole == [True, False, True]  # the paths the answers took
+        for status, headers, body in (whole, paced):
+            assert status == 200 and body == _PacedBackend.BODY
+            assert headers["x-engine"] == "e1" and "x-engine-hop" not in headers
+            assert headers["x-request-id"] == "rid-1"
+            assert float(headers["x-prefixroute-overhead-ms"]) >= 0
+            assert headers["x-prefixroute-decision"] == "affinity"
+        # The same header lines but for their values of time and length framing.
+        assert whole[1].keys() == paced[1].keys()
+        assert {k: v for k, v in whole[1].items() if k not in ("date", "x-prefixroute-overhead-ms")} == \
+            {k: v for k, v in paced[1].items() if k not in ("date", "x-prefixroute-overhead-ms")}
+        assert ("transfer-encoding" in whole[1]) == chunked
+        async with aiohttp.ClientSession() as http:
+            async with http.get(handle.url + "/metrics") as r:
+                text = await r.text()
+        lbl = dict(endpoint="default", variant="AllTraffic")
+        assert metric_value(text, "prefixroute_responses_total", **lbl, code="200") == 3
+        for h in ("routing_decision_seconds", "ttft_seconds", "request_duration_seconds", "router_overhead_seconds"):
+            assert metric_value(text, f"prefixroute_{h}_count", **lbl) == 3
+        assert in_flight(handle) == 0
+    finally:
+        await handle.close()
+        await backend.stop()
