@@ -242,6 +242,7 @@ class _Upstream(asyncio.Protocol):
         self.resp_headers: list[tuple[bytes, bytes]] = []
         self.chunks: list[bytes] = []
         self.sink: Callable[[bytes], None] | None = None
+        self.flush: Callable[[], None] | None = None  # called after each read the parser took
         self.complete = False
         self.keep_alive = False
         self.until_eof = False
@@ -295,6 +296,9 @@ class _Upstream(asyncio.Protocol):
             self._fail(exc)
             if self.transport is not None:
                 self.transport.abort()
+        finally:
+            if self.flush is not None:  # what the sink framed from these bytes, in one write
+                self.flush()
 
     def eof_received(self) -> bool | None:
         if self.until_eof and self.headers_fut.done() and not self.complete:
@@ -420,6 +424,7 @@ class _Upstream(asyncio.Protocol):
         """The exchange is over: keep the connection for the next request if it is
         clean and kept alive, else close it."""
         self.sink = None
+        self.flush = None
         self.on_whole = None
         if self.complete and not self.lost and self.keep_alive and not self.stray and self.transport is not None \
                 and not self.transport.is_closing():
@@ -1157,13 +1162,20 @@ class FrontServer:
         ttft = m.ttft_seconds.labels(rr.endpoint, variant)
         transport = client.transport
 
+        framed_out: list[bytes] = []  # what one read of the instance's answer gave, framed
+
         def sink(chunk: bytes) -> None:
             first = reply.first_s == 0.0
-            parts = reply.encode(chunk)
+            framed_out.extend(reply.encode(chunk))
             if first:
                 ttft.observe(reply.first_s - rr.t0)
-            if not client.closed and transport is not None:
-                transport.writelines(parts)
+
+        def flush() -> None:
+            # Events that came in one read go out in one write: nothing waits for them.
+            if framed_out:
+                if not client.closed and transport is not None:
+                    transport.writelines(framed_out)
+                framed_out.clear()
 
         # The head and whatever already came, in one write.
         parts = [reply.head]
@@ -1178,7 +1190,7 @@ class FrontServer:
             client.write(b"".join(parts))
             parts = []
             client.upstream = up
-            up.sink = sink
+            up.sink, up.flush = sink, flush
             if client.write_paused:
                 up.pause()
             watch = _IdleWatch(self.loop, up, client, idle_s)
