@@ -380,10 +380,13 @@ class _ScriptedEngine:
                 length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:"))
                 await reader.readexactly(length)
-                writer.write(self.answers.pop(0) if self.answers else self.OK)
-                await writer.drain()
+                await self.answer(writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             writer.close()
+
+    async def answer(self, writer: asyncio.StreamWriter) -> None:
+        writer.write(self.answers.pop(0) if self.answers else self.OK)
+        await writer.drain()
 
     async def stop(self) -> None:
         assert self.server is not None
@@ -452,7 +455,7 @@ async def test_http10_check_without_host_is_answered(router, backend, request_li
     writer.close()
 
 
-class _PacedBackend:
+class _PacedBackend(_ScriptedEngine):
     """A raw engine stand-in whose JSON answer (``Content-Length`` or chunked) is
     written in one piece (``whole``) or as its head, then its body 30 ms later in two
     writes (``paced``): the first reaches the router's whole-answer path
@@ -461,49 +464,30 @@ class _PacedBackend:
     BODY = b'{"id": "c1", "object": "chat.completion", "choices": []}'
 
     def __init__(self) -> None:
+        super().__init__([])
         self.mode = "whole"
         self.chunked = False
-        self.server: asyncio.AbstractServer | None = None
 
-    async def start(self) -> str:
-        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
-        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
-
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length:"))
-                await reader.readexactly(length)
-                body = self.BODY
-                if self.chunked:
-                    framing, payload = b"Transfer-Encoding: chunked", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
-                else:
-                    framing, payload = b"Content-Length: %d" % len(body), body
-                head_out = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Engine: e1\r\n"
-                            b"Connection: keep-alive, X-Engine-Hop\r\nX-Engine-Hop: drop-me\r\n%s\r\n\r\n" % framing)
-                if self.mode == "whole":
-                    writer.write(head_out + payload)
-                else:
-                    writer.write(head_out)
-                    await writer.drain()
-                    await asyncio.sleep(0.03)
-                    half = len(payload) // 2
-                    writer.write(payload[:half])
-                    await writer.drain()
-                    await asyncio.sleep(0.01)
-                    writer.write(payload[half:])
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
-
-    async def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            await self.server.wait_closed()
+    async def answer(self, writer: asyncio.StreamWriter) -> None:
+        body = self.BODY
+        if self.chunked:
+            framing, payload = b"Transfer-Encoding: chunked", b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        else:
+            framing, payload = b"Content-Length: %d" % len(body), body
+        head = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Engine: e1\r\n"
+                b"Connection: keep-alive, X-Engine-Hop\r\nX-Engine-Hop: drop-me\r\n%s\r\n\r\n" % framing)
+        if self.mode == "whole":
+            writer.write(head + payload)
+        else:
+            writer.write(head)
+            await writer.drain()
+            await asyncio.sleep(0.03)
+            half = len(payload) // 2
+            writer.write(payload[:half])
+            await writer.drain()
+            await asyncio.sleep(0.01)
+            writer.write(payload[half:])
+        await writer.drain()
 
 
 @pytest.mark.parametrize("chunked", [False, True])
