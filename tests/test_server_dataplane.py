@@ -542,3 +542,55 @@ async def test_an_answer_that_comes_whole_is_relayed_as_one_that_comes_in_pieces
     finally:
         await handle.close()
         await backend.stop()
+
+
+async def test_a_connection_paused_for_a_slow_client_reads_again_in_the_pool():
+    # The read that ends a large answer can push a slow client's buffer over its limit,
+    # pausing the instance's connection; pooled like that, it would never read the next
+    # answer. The next request on it must be answered at once.
+    import socket
+
+    for size in (2_860_000, 2_900_000, 3_000_000):
+        body = b"x" * size
+        big = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (size, body)
+        engine, router = await _scripted_router([big])
+        try:
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", router.port))
+            sock.setblocking(False)
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.write(_post("/v1/chat/completions", CHAT))
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            await asyncio.sleep(0.5)  # a client that reads late
+            got = 0
+            while got < size:
+                got += len(await asyncio.wait_for(reader.read(1 << 16), 5))
+            writer.write(_post("/v1/chat/completions", CHAT))
+            status, _, answer = await asyncio.wait_for(_read_response(reader), 3)
+            assert (status, answer) == (200, b"{}")
+            assert engine.accepted == 1  # the same pooled connection, reading again
+            writer.close()
+        finally:
+            await router.close()
+            await engine.stop()
+
+
+async def test_an_event_stream_answer_to_no_content_is_framed():
+    # invocations-response-stream re-frames the answer as 200 + AWS event-stream: an
+    # engine's 204 becomes an empty chunked stream, not an unframed 200.
+    bodyless = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n\r\n"
+    engine, router = await _scripted_router([bodyless])
+    try:
+        reader, writer = await _connect(router)
+        writer.write(_post("/endpoints/default/invocations-response-stream", b"{}"))
+        got, headers, body = await _read_response(reader)
+        assert got == 200 and headers["transfer-encoding"] == "chunked" and body == b""
+        assert headers["content-type"] == "application/vnd.amazon.eventstream"
+        writer.write(_post("/endpoints/default/invocations", b"{}"))  # the connection goes on
+        got, _, body = await _read_response(reader)
+        assert (got, body) == (200, b"{}")
+        writer.close()
+    finally:
+        await router.close()
+        await engine.stop()

@@ -73,3 +73,11 @@ def test_raw_header_view_reads_as_a_cimultidict(headers, probe):
                                               (b"Connection", b"close"), (b"X-Other", b"1")]), max_size=6))
 def test_openai_response_lines_are_the_reference_rules_formatted(headers):
     assert H.openai_response_lines(headers) == H.header_lines(H.openai_response_headers(headers))
+
+
+def test_the_admin_token_is_stripped_whatever_the_case_of_its_scheme():
+    raw = [(b"Authorization", b"bearer s3cret"), (b"X-A", b"BEARER s3cret"), (b"X-B", b"Bearer   s3cret "),
+           (b"X-C", b"s3cret"), (b"X-D", b"Basic s3cret"), (b"X-E", b"bearer other")]
+    assert H.strip_secrets(raw, "s3cret") == [(b"X-D", b"Basic s3cret"), (b"X-E", b"bearer other")]
+    assert H.openai_upstream_lines(raw, "r", "s3cret") == (
+        b"X-D: Basic s3cret\r\nX-E: bearer other\r\nX-Request-Id: r\r\nAccept-Encoding: identity\r\n")

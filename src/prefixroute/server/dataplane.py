@@ -231,6 +231,7 @@ class _Upstream(asyncio.Protocol):
         self.idle = False  # in the pool, between two exchanges
         self.idle_since = 0.0
         self.poller: select.poll | None = None  # this socket registered, for peer_gone()
+        self.read_paused = False  # reading paused while a slow client catches up
         self._reset()
 
     def _reset(self) -> None:
@@ -409,10 +410,12 @@ class _Upstream(asyncio.Protocol):
 
     def pause(self) -> None:
         if self.transport is not None and not self.lost:
+            self.read_paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
         if self.transport is not None and not self.lost:
+            self.read_paused = False
             self.transport.resume_reading()
 
     def abort(self) -> None:
@@ -426,6 +429,11 @@ class _Upstream(asyncio.Protocol):
         self.sink = None
         self.flush = None
         self.on_whole = None
+        if self.read_paused and self.transport is not None and not self.lost and not self.transport.is_closing():
+            # Paused for a slow client by the read that ended the answer: a pooled
+            # connection must read again (its next answer, or the engine closing it).
+            self.read_paused = False
+            self.transport.resume_reading()
         if self.complete and not self.lost and self.keep_alive and not self.stray and self.transport is not None \
                 and not self.transport.is_closing():
             self._reset()  # the parser goes on with the next response (llhttp keeps alive)
@@ -1237,7 +1245,8 @@ class FrontServer:
         reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
         lines = b"%s%s%s%s: %.3f\r\n" % (theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours,
                                           _OVERHEAD_MS, overhead * 1e3)
-        reply.bodyless = bodyless = status in (204, 304)
+        # An event-stream answer always has a body (the events, maybe none), framed chunked.
+        reply.bodyless = bodyless = status in (204, 304) and not framed
         reply.chunked = chunked = (framed or content_length is None) and not bodyless
         if framed:
             status, reason = 200, b"OK"

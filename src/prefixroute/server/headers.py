@@ -210,12 +210,19 @@ def native_upstream_headers(headers: RawHeaders, request_id: str, stream: bool =
 def strip_secrets(headers: list[tuple[bytes, bytes]], token: str | None) -> list[tuple[bytes, bytes]]:
     """``headers`` without any header carrying ``token`` (the router's admin token: a
     client that sent it to the inference port must not leak it to the engines),
-    compared in constant time, bare or as ``Bearer TOKEN``."""
+    compared in constant time, bare or as ``Bearer TOKEN`` (the scheme in any case, as
+    the admin API accepts it: RFC 9110 §11.1)."""
     if not token:
         return headers
     secret = token.encode()
-    return [(k, v) for k, v in headers
-            if not hmac.compare_digest(v.strip().removeprefix(b"Bearer ").strip(), secret)]
+    return [(k, v) for k, v in headers if not hmac.compare_digest(_credentials(v), secret)]
+
+
+def _credentials(value: bytes) -> bytes:
+    """A header value without a leading ``Bearer`` scheme (any case) and blanks."""
+    value = value.strip()
+    scheme, sep, rest = value.partition(b" ")
+    return rest.strip() if sep and scheme.lower() == b"bearer" else value
 
 
 def openai_response_headers(upstream: RawHeaders) -> list[tuple[bytes, bytes]]:
