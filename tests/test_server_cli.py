@@ -82,7 +82,11 @@ def test_admin_token_from_env(monkeypatch):
 
 @pytest.mark.parametrize("argv,needle", [
     ([], "no instances"),
-    (["--backend", "http://h:1", "--strategy", "prefix-aware"], "PrefixAwareRoutingConfig"),
+    (["--backend", "http://h:1", "--strategy", "prefix-aware"],
+     "--strategy prefix-aware needs --prefix-length and --concurrency-threshold (--prefix-length N: how much"),
+    (["--backend", "http://h:1", "--strategy", "prefix-aware", "--prefix-length", "4096"],
+     "--strategy prefix-aware needs --concurrency-threshold (--concurrency-threshold N: requests in flight"),
+    (["--backend", "http://h:1", "--strategy", "cache-aware"], "--strategy cache-aware needs --concurrency-threshold"),
     (["--backend", "http://h:1", "--strategy", "prefix-aware", "--prefix-length", "100",
       "--concurrency-threshold", "4"], "PrefixLength: 100 is out of range (allowed 1,024-65,536)"),
     (["--backend", "http://h:1", "--strategy", "fastest"], "unknown strategy 'fastest'"),

@@ -116,7 +116,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     n.add_argument("--admin-token", default=None,
                    help="bearer token the admin API requires (Authorization: Bearer TOKEN). A flag's value is "
                         "visible to every user in `ps`: prefer the PREFIXROUTE_ADMIN_TOKEN environment variable "
-                        "(the default) or --admin-token-file; none = no check (loopback only)")
+                        "(the default) or --admin-token-file; with no token set the admin API checks none and "
+                        "must listen on loopback")
     n.add_argument("--admin-token-file", metavar="PATH", default=None,
                    help="read the admin bearer token from this file (its first line; keep it mode 0600)")
     n.add_argument("--workers", type=parse_workers, default=1, metavar="N",
@@ -207,6 +208,10 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     if given - uses:  # the same rule for every flag another strategy takes: warn, do not fail
         log.warning("%s ignored with strategy %s", "/".join(sorted(given - uses)), strategy.value)
     value = {dest: (getattr(args, dest) if flag in uses else None) for flag, dest in _ROUTING_FLAGS.items()}
+    missing = [flag for flag in _REQUIRED_FLAGS.get(strategy, ()) if value[_ROUTING_FLAGS[flag]] is None]
+    if missing:
+        raise ConfigError(f"--strategy {args.strategy} needs {' and '.join(missing)} "
+                          f"({'; '.join(_REQUIRED_FLAGS[strategy][f] for f in missing)})")
     routing = RoutingConfig.build(strategy, value["prefix_length"], value["concurrency_threshold"],
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
                                   instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"])
@@ -217,6 +222,17 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
 _ROUTING_FLAGS = {"--prefix-length": "prefix_length", "--concurrency-threshold": "concurrency_threshold",
                   "--block-size": "block_size", "--max-prefix-length": "max_prefix_length",
                   "--instance-cache-tokens": "instance_cache_tokens", "--load-weight": "load_weight"}
+#: The routing flags a strategy cannot do without, and what each one is.
+_REQUIRED_FLAGS = {
+    RoutingStrategy.PREFIX_AWARE: {
+        "--prefix-length": "--prefix-length N: how much of each request makes its routing key, 1,024-65,536 "
+                           "characters of the prompt text (OpenAI API) or bytes of the body (SageMaker API)",
+        "--concurrency-threshold": "--concurrency-threshold N: requests in flight on the chosen instance at "
+                                   "which a request overflows to a less busy one, 1-1,024"},
+    RoutingStrategy.CACHE_AWARE: {
+        "--concurrency-threshold": "--concurrency-threshold N: requests in flight on an instance at which it "
+                                   "takes no more, 1-1,024"},
+}
 #: The routing flags each strategy takes (the others are ignored with a warning).
 _STRATEGY_FLAGS = {
     RoutingStrategy.PREFIX_AWARE: {"--prefix-length", "--concurrency-threshold"},
