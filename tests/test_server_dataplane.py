@@ -8,6 +8,7 @@ fixture)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 
 import aiohttp
@@ -394,22 +395,28 @@ class _ScriptedEngine:
         await self.server.wait_closed()
 
 
+@contextlib.asynccontextmanager
 async def _scripted_router(answers: list[bytes]):
+    """A router (no retries) in front of a :class:`_ScriptedEngine` with ``answers``;
+    yields ``(engine, router)`` and stops both."""
     engine = _ScriptedEngine(answers)
     url = await engine.start()
     handle = await start_router(
         FleetConfig.single([url], RoutingConfig()),
         ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
                        shutdown_timeout_s=1.0, seed=1, max_retries=0))
-    return engine, handle
+    try:
+        yield engine, handle
+    finally:
+        await handle.close()
+        await engine.stop()
 
 
 async def test_bytes_after_an_answer_retire_the_upstream_connection():
     # The engine's answer is followed in the same write by the start of another one:
     # the client gets the answer, and the connection is not used for the next request
     # (whose answer the stray bytes would corrupt).
-    engine, router = await _scripted_router([_ScriptedEngine.OK + b"HTTP/1.1 2"])
-    try:
+    async with _scripted_router([_ScriptedEngine.OK + b"HTTP/1.1 2"]) as (engine, router):
         reader, writer = await _connect(router)
         for _ in range(3):
             writer.write(_post("/v1/chat/completions", CHAT))
@@ -417,15 +424,11 @@ async def test_bytes_after_an_answer_retire_the_upstream_connection():
             assert (status, body) == (200, b"{}")
         assert engine.accepted == 2  # the first connection retired, the second reused
         writer.close()
-    finally:
-        await router.close()
-        await engine.stop()
 
 
 async def test_a_second_answer_to_one_request_is_ignored():
     unavailable = b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 4\r\n\r\nbusy"
-    engine, router = await _scripted_router([unavailable + _ScriptedEngine.OK])
-    try:
+    async with _scripted_router([unavailable + _ScriptedEngine.OK]) as (engine, router):
         reader, writer = await _connect(router)
         writer.write(_post("/v1/chat/completions", CHAT))
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
@@ -435,9 +438,6 @@ async def test_a_second_answer_to_one_request_is_ignored():
         status, _, body = await _read_response(reader)
         assert (status, body) == (200, b"{}") and engine.accepted == 2
         writer.close()
-    finally:
-        await router.close()
-        await engine.stop()
 
 
 @pytest.mark.parametrize("request_line", [b"HEAD /ping HTTP/1.0", b"GET /health HTTP/1.0"])
@@ -553,8 +553,7 @@ async def test_a_connection_paused_for_a_slow_client_reads_again_in_the_pool():
     for size in (2_860_000, 2_900_000, 3_000_000):
         body = b"x" * size
         big = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (size, body)
-        engine, router = await _scripted_router([big])
-        try:
+        async with _scripted_router([big]) as (engine, router):
             sock = socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             sock.connect(("127.0.0.1", router.port))
@@ -571,17 +570,13 @@ async def test_a_connection_paused_for_a_slow_client_reads_again_in_the_pool():
             assert (status, answer) == (200, b"{}")
             assert engine.accepted == 1  # the same pooled connection, reading again
             writer.close()
-        finally:
-            await router.close()
-            await engine.stop()
 
 
 async def test_an_event_stream_answer_to_no_content_is_framed():
     # invocations-response-stream re-frames the answer as 200 + AWS event-stream: an
     # engine's 204 becomes an empty chunked stream, not an unframed 200.
     bodyless = b"HTTP/1.1 204 No Content\r\nContent-Type: application/json\r\n\r\n"
-    engine, router = await _scripted_router([bodyless])
-    try:
+    async with _scripted_router([bodyless]) as (engine, router):
         reader, writer = await _connect(router)
         writer.write(_post("/endpoints/default/invocations-response-stream", b"{}"))
         got, headers, body = await _read_response(reader)
@@ -591,6 +586,3 @@ async def test_an_event_stream_answer_to_no_content_is_framed():
         got, _, body = await _read_response(reader)
         assert (got, body) == (200, b"{}")
         writer.close()
-    finally:
-        await router.close()
-        await engine.stop()
