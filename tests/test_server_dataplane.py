@@ -586,3 +586,39 @@ async def test_an_event_stream_answer_to_no_content_is_framed():
         got, _, body = await _read_response(reader)
         assert (got, body) == (200, b"{}")
         writer.close()
+
+
+def _in_flight(router) -> list[int]:
+    return [i.in_flight for _, pool in router.state.fleet.all_pools() for i in pool.instances]
+
+
+async def test_a_request_is_sent_from_the_parser_callback_and_freed_if_its_client_leaves_first(router, backend):
+    """With an idle pooled connection, a request is routed and sent by the callback that
+    parsed it (no task wake-up on its way); a client gone before the connection's task
+    takes the request over leaves no lease and no connection to the instance behind."""
+    async with aiohttp.ClientSession() as http:  # one pooled connection to the instance
+        async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
+            assert r.status == 200
+    front = router._front
+    reader, writer = await _connect(router)
+    for _ in range(100):
+        if front.clients:
+            break
+        await asyncio.sleep(0.01)
+    (client,) = front.clients
+    client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: begun\r\n"))
+    # Claimed, and sent on the pooled connection, before anything was awaited.
+    assert _in_flight(router) == [1] and front.upstreams.idle == {} and front.upstreams.open == 1
+    client.connection_lost(None)
+    for _ in range(100):
+        await asyncio.sleep(0.01)
+        if _in_flight(router) == [0] and front.upstreams.open == 0:
+            break
+    assert _in_flight(router) == [0]
+    assert front.upstreams.open == 0  # the instance's connection was aborted, not pooled
+    writer.close()
+    # The router goes on: a new client's request is answered.
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
+            assert r.status == 200
+    assert _in_flight(router) == [0]

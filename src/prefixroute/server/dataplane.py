@@ -12,6 +12,8 @@ or response object per request; everything else goes to the aiohttp application.
                  │ POST inference route, HTTP/1.1, plain body, http:// instances
                  ├──► prepare_inference (app.py: resolve, validate, routing key)
                  │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
+                 │      (from the parser's callback, FrontServer.begin, when the client
+                 │      connection is idle; its task takes over after the send)
                  │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
                  │ Content-Encoding, unknown paths, --record-trace, https instances)
                  └──► the aiohttp app on a private Unix socket (same process), relayed
@@ -564,7 +566,7 @@ class _Incoming:
     """One request read from a client."""
 
     __slots__ = ("url", "headers", "head_bytes", "body", "size", "too_large", "method", "version", "keep_alive",
-                 "t0", "chunked", "encoded", "refusal")
+                 "t0", "chunked", "encoded", "refusal", "started")
 
     def __init__(self) -> None:
         self.url = b""
@@ -580,6 +582,30 @@ class _Incoming:
         self.chunked = False
         self.encoded = False  # a Content-Encoding header (aiohttp decodes compressed bodies)
         self.refusal: bytes | None = None  # a complete answer to send as it is (400, 431)
+        self.started: _Started | None = None  # what FrontServer.begin did for it
+
+
+class _Started:
+    """How far :meth:`FrontServer.begin` took a request from the parser's callback: its
+    routed form (or the error answer to send), and, once routed, its lease and the
+    connection it was sent on (``None``: the request's task connects)."""
+
+    __slots__ = ("prepared", "lease", "up", "router_s")
+
+    def __init__(self, prepared: RoutedRequest | web.Response) -> None:
+        self.prepared = prepared
+        self.lease: Any = None
+        self.up: _Upstream | None = None
+        self.router_s = 0.0  # the router's time on it until it was sent, seconds
+
+    def drop(self) -> None:
+        """Never handled (its client connection ended first): free what it holds."""
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+        if self.up is not None:
+            self.up.finish()  # the answer is not complete: the connection is aborted
+            self.up = None
 
 
 class _Client(asyncio.Protocol):
@@ -770,6 +796,16 @@ class _Client(asyncio.Protocol):
         if len(self.queue) > 1 and self.transport is not None and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()  # pipelined: read on once the queue drains
+        elif not self.busy and not self.closed:
+            # The connection's task is idle: the request's critical path (routing, the
+            # send) runs here, now; the task takes over from there when it wakes.
+            try:
+                self.front.begin(self, cur)
+            except Exception:  # our bug: the task handles the request from the start
+                log.exception("starting a request from the parser's callback failed")
+                if cur.started is not None:
+                    cur.started.drop()
+                    cur.started = None
         self._start()
 
     # -- internals ----------------------------------------------------------------
@@ -826,6 +862,9 @@ class _Client(asyncio.Protocol):
                     self.pending_continue = False
                     self.write(_CONTINUE)
         finally:
+            for inc in self.queue:
+                if inc.started is not None:
+                    inc.started.drop()
             self.front.tasks.discard(self.task)  # type: ignore[arg-type]
             self.task = None
 
@@ -981,15 +1020,70 @@ class FrontServer:
             self._targets[instance] = t
         return t
 
+    def _route(self, inc: _Incoming) -> tuple[str, tuple[Api, bool, str | None] | None]:
+        """``(path, route)``: the request's path and its inference route, or ``None``
+        if the aiohttp app answers it (see the module's diagram)."""
+        path = inc.url.decode("latin-1").split("?", 1)[0]
+        if inc.method != b"POST" or inc.version != "1.1" or inc.encoded or self.state.settings.record_trace is not None:
+            return path, None  # (Content-Encoding: aiohttp decodes compressed request bodies)
+        route = match_route(path)
+        return path, route if route is not None and self._all_plain_http() else None
+
+    def _prepare(self, inc: _Incoming, route: tuple[Api, bool, str | None]) -> RoutedRequest | web.Response:
+        """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
+        api, chat, endpoint_name = route
+        headers = H.RawHeaderView(inc.headers)
+        body: bytes | BodyTooLarge
+        if inc.too_large is not None:
+            body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
+        else:
+            body = inc.body[0] if len(inc.body) == 1 else b"".join(inc.body)
+        return prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body,
+                                 request_id(headers), inc.t0)
+
+    def begin(self, client: _Client, inc: _Incoming) -> None:
+        """A request's critical path, run from the client parser's callback when its
+        connection has nothing else to answer (the usual case): route it, claim its
+        instance and, over an idle pooled connection, send it. Waking the request's
+        task, and all that does not need to come before the send, then overlaps with
+        the instance's work. What cannot be done without waiting (a new connection,
+        an error to answer) is left to :meth:`handle`, which resumes from
+        :attr:`_Incoming.started`."""
+        if inc.too_large is not None or inc.refusal is not None:
+            return
+        _, route = self._route(inc)
+        if route is None:
+            return
+        rr = self._prepare(inc, route)
+        started = inc.started = _Started(rr)
+        if not isinstance(rr, RoutedRequest):
+            return  # the task sends the error answer
+        pool = rr.pool
+        try:
+            lease = started.lease = pool.acquire(rr.key, (), rr.blocks, learn=False)
+        except NoHealthyInstance:
+            return  # the task answers 503
+        if rr.blocks:
+            self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
+        target = self._target(lease.decision.instance.instance_id)
+        up = started.up = self.upstreams.take(target[:3])
+        if up is not None:
+            started.router_s = time.perf_counter() - rr.t0
+            self._send(client, up, rr, target, self._head_tail(rr), lease.decision, started.router_s,
+                       inc.keep_alive)
+
     async def handle(self, client: _Client, inc: _Incoming) -> None:
         """Answer one request (never raises but for cancellation)."""
-        url = inc.url.decode("latin-1")
-        path = url.split("?", 1)[0]
-        route = match_route(path) if inc.method == b"POST" and inc.version == "1.1" and \
-            self.state.settings.record_trace is None else None
-        if route is not None and inc.encoded:
-            route = None  # aiohttp decodes compressed request bodies
-        if route is None or not self._all_plain_http():
+        started, inc.started = inc.started, None
+        if started is not None:  # routed by begin(), perhaps sent
+            rr = started.prepared
+            if isinstance(rr, RoutedRequest):
+                await self._forward(client, rr, inc.keep_alive, started)
+            else:
+                client.write(_serialize(rr, inc.keep_alive))
+            return
+        path, route = self._route(inc)
+        if route is None:
             if inc.too_large is not None:
                 limit = self.state.settings.max_body_bytes
                 size = f"{inc.too_large:,} bytes" if inc.too_large >= 0 else "a chunked body went past it"
@@ -999,15 +1093,7 @@ class FrontServer:
                 return
             await self._delegate(client, inc)
             return
-        api, chat, endpoint_name = route
-        headers = H.RawHeaderView(inc.headers)
-        rid = request_id(headers)
-        body: bytes | BodyTooLarge
-        if inc.too_large is not None:
-            body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
-        else:
-            body = inc.body[0] if len(inc.body) == 1 else b"".join(inc.body)
-        rr = prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body, rid, inc.t0)
+        rr = self._prepare(inc, route)
         if not isinstance(rr, RoutedRequest):
             client.write(_serialize(rr, inc.keep_alive))
             return
@@ -1031,63 +1117,82 @@ class FrontServer:
             if handle is not None:
                 handle.cancel()
 
-    async def _forward(self, client: _Client, rr: RoutedRequest, keep_alive: bool) -> None:
-        """:func:`prefixroute.server.proxy.forward` on raw protocols."""
+    def _head_tail(self, rr: RoutedRequest) -> bytes:
+        """The upstream request head after its ``Host`` line: the headers relayed, ours,
+        ``Content-Length`` and the blank line."""
+        if rr.api is Api.OPENAI:
+            lines = H.openai_upstream_lines(rr.raw_headers, rr.request_id, self.state.settings.admin_token)
+        else:
+            lines = H.header_lines(upstream_headers(self.state, rr))
+        return lines + b"Content-Length: %d\r\n\r\n" % len(rr.body)
+
+    def _send(self, client: _Client, up: _Upstream, rr: RoutedRequest, target: tuple[Any, ...], head_tail: bytes,
+              decision: Any, router_s: float, keep_alive: bool) -> None:
+        """Send ``rr`` on ``up``; a whole answer is then written to the client as it
+        arrives (:meth:`_whole`)."""
+        up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
+                + head_tail, rr.body)
+        # The instance is at work: what follows until its answer is off the critical path.
+        up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr.request_id, decision), router_s,
+                                        keep_alive)
+
+    async def _forward(self, client: _Client, rr: RoutedRequest, keep_alive: bool,
+                       started: _Started | None = None) -> None:
+        """:func:`prefixroute.server.proxy.forward` on raw protocols, from the start or
+        from where :meth:`begin` left the request (``started``: its lease, maybe the
+        connection it was sent on)."""
         state = self.state
         m = state.metrics
         settings = state.settings
         pool = rr.pool
         variant = pool.name
         base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
-        if rr.api is Api.OPENAI:
-            head_tail = H.openai_upstream_lines(rr.raw_headers, rr.request_id, settings.admin_token)
-        else:
-            head_tail = H.header_lines(upstream_headers(state, rr))
-        head_tail += b"Content-Length: %d\r\n\r\n" % len(rr.body)
+        head_tail = b""
         exclude: set[str] = set()
         router_s = 0.0
         mark = rr.t0
         code: int | str = 0
         retry: str | None = None
+        lease = started.lease if started is not None else None
+        up: _Upstream | None = started.up if started is not None else None
+        if up is not None:
+            router_s = started.router_s  # type: ignore[union-attr]
         try:
             for _attempt in range(1 + settings.max_retries):
-                try:
-                    lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
-                except NoHealthyInstance as exc:
-                    code = 503
-                    msg = (f"no instance of production variant {variant!r} could take the request (tried "
-                           f"{', '.join(sorted(exclude))})") if exclude else str(exc)
-                    self._error(client, rr, 503, msg, "upstream_unavailable" if exclude else "no_healthy_instance",
-                                base_headers, keep_alive)
-                    return
-                if rr.blocks:
-                    self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
+                if lease is None:
+                    try:
+                        lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
+                    except NoHealthyInstance as exc:
+                        code = 503
+                        msg = (f"no instance of production variant {variant!r} could take the request (tried "
+                               f"{', '.join(sorted(exclude))})") if exclude else str(exc)
+                        self._error(client, rr, 503, msg, "upstream_unavailable" if exclude else
+                                    "no_healthy_instance", base_headers, keep_alive)
+                        return
+                    if rr.blocks:
+                        self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
                 if retry is not None:
                     m.retries.labels(rr.endpoint, variant, retry).inc()
-                up: _Upstream | None = None
                 try:
                     decision = lease.decision
                     instance = decision.instance.instance_id
-                    target = self._target(instance)
-                    t_send = time.perf_counter()
-                    router_s += t_send - mark
-                    try:
-                        up = self.upstreams.take(target[:3]) or \
-                            await self.upstreams.connect(target[:3], settings.connect_timeout_s)
-                    except (OSError, TimeoutError) as exc:
-                        mark = time.perf_counter()
-                        m.upstream_errors.labels(instance, "connect").inc()
-                        retry = "connect"
-                        state.health.passive_failure(instance, definitive=True)
-                        log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
-                        exclude.add(instance)
-                        continue
-                    up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
-                            + head_tail, rr.body)
-                    # The instance is at work: what follows until its answer is off the
-                    # critical path, and a whole answer is written as it arrives.
-                    up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr.request_id, decision),
-                                                    router_s, keep_alive)
+                    if up is None:
+                        target = self._target(instance)
+                        t_send = time.perf_counter()
+                        router_s += t_send - mark
+                        try:
+                            up = self.upstreams.take(target[:3]) or \
+                                await self.upstreams.connect(target[:3], settings.connect_timeout_s)
+                        except (OSError, TimeoutError) as exc:
+                            mark = time.perf_counter()
+                            m.upstream_errors.labels(instance, "connect").inc()
+                            retry = "connect"
+                            state.health.passive_failure(instance, definitive=True)
+                            log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
+                            exclude.add(instance)
+                            continue
+                        head_tail = head_tail or self._head_tail(rr)
+                        self._send(client, up, rr, target, head_tail, decision, router_s, keep_alive)
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
@@ -1123,9 +1228,11 @@ class FrontServer:
                     return
                 finally:
                     lease.release()
+                    m.decision_seconds.labels(rr.endpoint, variant).observe(lease.decision.decision_s)
+                    lease = None
                     if up is not None:
                         up.finish()
-                    m.decision_seconds.labels(rr.endpoint, variant).observe(lease.decision.decision_s)
+                        up = None
             code = 503
             self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
                         f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
