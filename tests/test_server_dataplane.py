@@ -494,14 +494,19 @@ class _PacedBackend(_ScriptedEngine):
 async def test_an_answer_that_comes_whole_is_relayed_as_one_that_comes_in_pieces(chunked, monkeypatch):
     from test_server_helpers import in_flight, metric_value
 
-    written_whole: list[bool] = []
-    original = FrontServer._relay
+    paths: list[str] = []  # which path answered each request
+    relay, settle = FrontServer._relay, FrontServer._settle
 
-    async def observed_relay(self, client, rr, up, *args):  # sees which path answered, changes nothing
-        written_whole.append(up.reply is not None)
-        return await original(self, client, rr, up, *args)
+    async def observed_relay(self, client, rr, up, *args):  # sees the path, changes nothing
+        paths.append("task, written whole" if up.reply is not None else "task relay")
+        return await relay(self, client, rr, up, *args)
+
+    def observed_settle(self, client, started):
+        paths.append("callbacks")
+        return settle(self, client, started)
 
     monkeypatch.setattr(FrontServer, "_relay", observed_relay)
+    monkeypatch.setattr(FrontServer, "_settle", observed_settle)
     backend = _PacedBackend()
     backend.chunked = chunked
     url = await backend.start()
@@ -519,7 +524,9 @@ async def test_an_answer_that_comes_whole_is_relayed_as_one_that_comes_in_pieces
         writer.close()
         whole, paced = answers["whole"][0], answers["paced"][0]
         assert answers["whole"][1][0] == 200 and answers["whole"][1][2] == whole[2]
-        assert written_whole == [True, False, True]  # the paths the answers took
+        # The first request opens the instance's connection (its task sends it); on the
+        # pooled connection, a paced answer is handed to the task, a whole one is not.
+        assert paths == ["task, written whole", "task relay", "callbacks"]
         for status, headers, body in (whole, paced):
             assert status == 200 and body == _PacedBackend.BODY
             assert headers["x-engine"] == "e1" and "x-engine-hop" not in headers
@@ -622,3 +629,71 @@ async def test_a_request_is_sent_from_the_parser_callback_and_freed_if_its_clien
         async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
             assert r.status == 200
     assert _in_flight(router) == [0]
+
+
+async def test_answers_that_need_the_task_are_handed_over_from_callbacks(backend, monkeypatch):
+    """On a pooled connection a request is sent, and a whole answer written and settled,
+    by callbacks alone; every other outcome is handed to the connection's task, which
+    answers it as ever: a stream, an instance that fails or says nothing in time, a
+    server error relayed, pipelined requests after it, in order."""
+    from fault_backend import Fault
+    from test_server_helpers import metric_value
+
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1, response_headers_timeout_s=0.3, max_retries=0))
+    settled: list[str] = []
+    settle = FrontServer._settle
+
+    def observed_settle(self, client, started):  # sees the path, changes nothing
+        settled.append(started.prepared.request_id)
+        return settle(self, client, started)
+
+    monkeypatch.setattr(FrontServer, "_settle", observed_settle)
+    try:
+        reader, writer = await _connect(handle)
+
+        async def ask(rid: str, body: bytes = CHAT, fault: Fault | None = None) -> tuple[int, dict, bytes]:
+            backend.default = fault or Fault()
+            writer.write(_post("/v1/chat/completions", body, f"X-Request-Id: {rid}\r\n"))
+            return await _read_response(reader)
+
+        assert (await ask("warm"))[0] == 200  # opens the pooled connection (the task sends it)
+        assert (await ask("whole"))[0] == 200
+        status, headers, streamed = await ask("stream", orjson.dumps({**orjson.loads(CHAT), "stream": True}))
+        assert status == 200 and headers["transfer-encoding"] == "chunked"
+        assert streamed.rstrip().endswith(b"data: [DONE]")
+        status, _, body = await ask("5xx", fault=Fault("status", status=500))
+        assert status == 500 and orjson.loads(body)["error"]["message"] == "fault"
+        status, _, body = await ask("closed", fault=Fault("close_before_headers"))
+        assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_error"
+        assert (await ask("after-502"))[0] == 200  # a new connection (the task's)
+        status, _, body = await ask("late", fault=Fault("stall"))
+        assert status == 504 and orjson.loads(body)["error"]["code"] == "upstream_timeout"
+        assert (await ask("after-504"))[0] == 200
+        backend.default = Fault()
+        writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: p1\r\n")
+                     + _post("/v1/chat/completions", b"{not json", "X-Request-Id: p2\r\n")
+                     + _post("/v1/chat/completions", CHAT, "X-Request-Id: p3\r\n"))
+        answers = [await _read_response(reader) for _ in range(3)]
+        assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, "p1"), (400, "p2"), (200, "p3")]
+        assert (await ask("last"))[0] == 200
+        writer.close()
+        # Written whole on a pooled connection with nothing before it: settled by callbacks.
+        assert settled == ["whole", "5xx", "p1", "last"]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(handle.url + "/metrics") as r:
+                text = await r.text()
+        lbl = dict(endpoint="default", variant="AllTraffic")
+        counts = {code: metric_value(text, "prefixroute_responses_total", **lbl, code=code)
+                  for code in ("200", "400", "500", "502", "504")}
+        assert counts == {"200": 8, "400": 1, "500": 1, "502": 1, "504": 1}
+        # Every request routed has a duration (the 400 was refused before routing).
+        assert metric_value(text, "prefixroute_request_duration_seconds_count", **lbl) == 11
+        assert metric_value(text, "prefixroute_upstream_errors_total", instance=backend.url, kind="http_5xx") == 1
+        assert metric_value(text, "prefixroute_upstream_errors_total", instance=backend.url,
+                            kind="headers_timeout") == 1
+        assert _in_flight(handle) == [0]
+    finally:
+        await handle.close()

@@ -4,7 +4,8 @@ aiohttp's server and client cost about 0.4 ms of CPU per proxied request on the
 development machine (docs/PERFORMANCE.md, "Where the time goes"), several times the
 routing itself. The inference routes therefore run here, on ``asyncio.Protocol``
 objects with ``httptools`` (llhttp) parsing both sides, with no task, stream reader
-or response object per request; everything else goes to the aiohttp application.
+or response object per request (the usual request, sent over a pooled connection and
+answered whole, wakes no task at all); everything else goes to the aiohttp application.
 
 ::
 
@@ -13,7 +14,8 @@ or response object per request; everything else goes to the aiohttp application.
                  ├──► prepare_inference (app.py: resolve, validate, routing key)
                  │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
                  │      (from the parser's callback, FrontServer.begin, when the client
-                 │      connection is idle; its task takes over after the send)
+                 │      connection is idle; a whole answer is then written and settled
+                 │      by callbacks, anything else handed to the connection's task)
                  │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
                  │ Content-Encoding, unknown paths, --record-trace, https instances)
                  └──► the aiohttp app on a private Unix socket (same process), relayed
@@ -588,18 +590,26 @@ class _Incoming:
 class _Started:
     """How far :meth:`FrontServer.begin` took a request from the parser's callback: its
     routed form (or the error answer to send), and, once routed, its lease and the
-    connection it was sent on (``None``: the request's task connects)."""
+    connection it was sent on (``None``: the request's task connects). A request sent
+    there is answered by callbacks alone (:meth:`FrontServer._settle`) unless its answer
+    needs the task (:meth:`FrontServer._hand_over`); ``timer`` is its response-headers
+    timeout meanwhile."""
 
-    __slots__ = ("prepared", "lease", "up", "router_s")
+    __slots__ = ("inc", "prepared", "lease", "up", "router_s", "timer")
 
-    def __init__(self, prepared: RoutedRequest | web.Response) -> None:
+    def __init__(self, inc: _Incoming, prepared: RoutedRequest | web.Response) -> None:
+        self.inc = inc
         self.prepared = prepared
         self.lease: Any = None
         self.up: _Upstream | None = None
         self.router_s = 0.0  # the router's time on it until it was sent, seconds
+        self.timer: asyncio.TimerHandle | None = None
 
     def drop(self) -> None:
         """Never handled (its client connection ended first): free what it holds."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -621,6 +631,7 @@ class _Client(asyncio.Protocol):
         self.task: asyncio.Task[None] | None = None
         self.wake: asyncio.Future[None] | None = None  # set while the task waits for a request
         self.busy = False  # a request is being answered
+        self.detached: _Started | None = None  # the request being answered by callbacks alone
         self.closed = False
         self.discard = False  # a body over the limit: read no further, close after the answer
         self.upstream: _Upstream | None = None  # the exchange being relayed to this client
@@ -701,6 +712,8 @@ class _Client(asyncio.Protocol):
             self.wake.set_result(None)
         if self.upstream is not None:
             self.upstream.resume()
+        if self.detached is not None:  # the task accounts for it (499) and frees it
+            self.front.hand_over(self, self.detached)
 
     def pause_writing(self) -> None:
         self.write_paused = True
@@ -792,20 +805,24 @@ class _Client(asyncio.Protocol):
         if self.raw_inc is None and self.parser.should_upgrade():
             self.upgrading = cur  # its body (if any) comes after the upgrade point
             return
+        if not self.busy and not self.queue and not self.closed:
+            # Nothing else to answer on this connection: the request's critical path
+            # (routing, the send) runs here, now; if it was sent, callbacks answer it
+            # and the task is not woken at all (FrontServer.begin).
+            try:
+                if self.front.begin(self, cur):
+                    return
+            except Exception:  # our bug: the task handles the request from the start
+                log.exception("starting a request from the parser's callback failed")
+                if cur.started is not None:
+                    if self.detached is cur.started:
+                        self.detached, self.busy = None, False
+                    cur.started.drop()
+                    cur.started = None
         self.queue.append(cur)
         if len(self.queue) > 1 and self.transport is not None and not self.read_paused:
             self.read_paused = True
             self.transport.pause_reading()  # pipelined: read on once the queue drains
-        elif not self.busy and not self.closed:
-            # The connection's task is idle: the request's critical path (routing, the
-            # send) runs here, now; the task takes over from there when it wakes.
-            try:
-                self.front.begin(self, cur)
-            except Exception:  # our bug: the task handles the request from the start
-                log.exception("starting a request from the parser's callback failed")
-                if cur.started is not None:
-                    cur.started.drop()
-                    cur.started = None
         self._start()
 
     # -- internals ----------------------------------------------------------------
@@ -822,6 +839,8 @@ class _Client(asyncio.Protocol):
         self._start()
 
     def _start(self) -> None:
+        if self.detached is not None:
+            return  # the queue waits for the answer being written by callbacks
         if self.wake is not None:
             if not self.wake.done():
                 self.wake.set_result(None)
@@ -834,7 +853,9 @@ class _Client(asyncio.Protocol):
         the connection's life, no task per request)."""
         loop = self.front.loop
         try:
-            while not self.closed:
+            # A request handed over by callbacks is answered (accounted for, freed) even
+            # once the client has gone.
+            while not self.closed or (self.queue and self.queue[0].started is not None):
                 if not self.queue:
                     if self.read_paused and self.transport is not None:
                         self.read_paused = False
@@ -855,18 +876,25 @@ class _Client(asyncio.Protocol):
                         await self.front.handle(self, inc)
                 finally:
                     self.busy = False
-                if not inc.keep_alive or self.front.closing:
-                    self.linger_close() if self.discard else self.close()
+                if not self.answered(inc):
                     break
-                if self.pending_continue and not self.queue:
-                    self.pending_continue = False
-                    self.write(_CONTINUE)
         finally:
             for inc in self.queue:
                 if inc.started is not None:
                     inc.started.drop()
             self.front.tasks.discard(self.task)  # type: ignore[arg-type]
             self.task = None
+
+    def answered(self, inc: _Incoming) -> bool:
+        """After the answer to ``inc``: close if it was the last one, else send a
+        ``100 Continue`` owed to the next request. False if the connection is closing."""
+        if not inc.keep_alive or self.front.closing:
+            self.linger_close() if self.discard else self.close()
+            return False
+        if self.pending_continue and not self.queue:
+            self.pending_continue = False
+            self.write(_CONTINUE)
+        return True
 
     def _arm_idle(self) -> None:
         """The connection is idle from now: closed after ``client_keepalive_s`` without
@@ -1041,36 +1069,111 @@ class FrontServer:
         return prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body,
                                  request_id(headers), inc.t0)
 
-    def begin(self, client: _Client, inc: _Incoming) -> None:
+    def begin(self, client: _Client, inc: _Incoming) -> bool:
         """A request's critical path, run from the client parser's callback when its
         connection has nothing else to answer (the usual case): route it, claim its
-        instance and, over an idle pooled connection, send it. Waking the request's
-        task, and all that does not need to come before the send, then overlaps with
-        the instance's work. What cannot be done without waiting (a new connection,
-        an error to answer) is left to :meth:`handle`, which resumes from
-        :attr:`_Incoming.started`."""
+        instance and, over an idle pooled connection, send it.
+
+        Returns True if it was sent: callbacks then answer it without the connection's
+        task (an answer that comes whole is written by :meth:`_whole`, then
+        :meth:`_settle` does the bookkeeping), unless its answer needs the task (a
+        stream, an error, a timeout, the client gone: :meth:`hand_over`). False: the
+        task answers it, from where this left it (:attr:`_Incoming.started`: routed, or
+        the error answer to send; maybe its lease, when a new connection is needed)."""
         if inc.too_large is not None or inc.refusal is not None:
-            return
+            return False
         _, route = self._route(inc)
         if route is None:
-            return
+            return False
         rr = self._prepare(inc, route)
-        started = inc.started = _Started(rr)
+        started = inc.started = _Started(inc, rr)
         if not isinstance(rr, RoutedRequest):
-            return  # the task sends the error answer
+            return False  # the task sends the error answer
         pool = rr.pool
         try:
             lease = started.lease = pool.acquire(rr.key, (), rr.blocks, learn=False)
         except NoHealthyInstance:
-            return  # the task answers 503
+            return False  # the task answers 503
         if rr.blocks:
             self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
         target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
-        if up is not None:
-            started.router_s = time.perf_counter() - rr.t0
-            self._send(client, up, rr, target, self._head_tail(rr), lease.decision, started.router_s,
-                       inc.keep_alive)
+        if up is None:
+            return False
+        started.router_s = time.perf_counter() - rr.t0
+        self._send(client, up, rr, target, self._head_tail(rr), lease.decision, started.router_s, inc.keep_alive)
+        client.busy = True
+        client.detached = started
+        on_event = functools.partial(self._detached_event, client, started)
+        up.headers_fut.add_done_callback(on_event)
+        up.done.add_done_callback(on_event)
+        started.timer = self.loop.call_later(self.state.settings.response_headers_timeout_s, self._headers_late,
+                                             client, started)
+        return True
+
+    def _detached_event(self, client: _Client, started: _Started, _fut: Any) -> None:
+        """The answer's head came, or the exchange ended, while callbacks answer the
+        request: settle it if written whole, else hand it to the task."""
+        if client.detached is not started:
+            return  # settled or handed over already
+        up = started.up
+        assert up is not None
+        if up.reply is not None and up.done.done() and up.error is None:
+            self._settle(client, started)
+        elif up.done.done() or up.reply is None:
+            self.hand_over(client, started)
+
+    def _headers_late(self, client: _Client, started: _Started) -> None:
+        """No answer head within the response-headers timeout: the task answers 504."""
+        started.timer = None
+        up = started.up
+        if client.detached is started and up is not None and not up.headers_fut.done():
+            _expire(up.headers_fut)  # what the task's wait then raises
+
+    def hand_over(self, client: _Client, started: _Started) -> None:
+        """The connection's task takes over a request answered by callbacks until now
+        (:meth:`_forward` from where :meth:`begin` left it: it waits for the answer's
+        head, relays the rest, retries, times out, and accounts for it as ever)."""
+        client.detached = None
+        client.busy = False
+        if started.timer is not None:
+            started.timer.cancel()
+            started.timer = None
+        if client.closed and self.closing:
+            started.drop()  # shutting down: no new task
+            return
+        client.queue.appendleft(started.inc)
+        client._start()
+
+    def _settle(self, client: _Client, started: _Started) -> None:
+        """The bookkeeping of a request whose answer :meth:`_whole` wrote (what
+        :meth:`_forward` and :meth:`_relay` do for it), then the connection's next request."""
+        client.detached = None
+        client.busy = False
+        if started.timer is not None:
+            started.timer.cancel()
+            started.timer = None
+        rr, lease, up = started.prepared, started.lease, started.up
+        assert isinstance(rr, RoutedRequest) and up is not None and up.reply is not None
+        started.lease = started.up = None
+        decision = lease.decision
+        self._answered(rr, up, decision)
+        status = self._account_whole(rr, up, up.reply, decision.instance.instance_id)
+        lease.release()
+        self._released(rr, decision)
+        up.finish()
+        self._count(rr, status)
+        inc = started.inc
+        inc.started = None
+        if client.closed or not client.answered(inc):
+            return
+        if client.queue:
+            client._start()
+            return
+        if client.read_paused and client.transport is not None:
+            client.read_paused = False
+            client.transport.resume_reading()
+        client._arm_idle()
 
     async def handle(self, client: _Client, inc: _Incoming) -> None:
         """Answer one request (never raises but for cancellation)."""
@@ -1222,13 +1325,12 @@ class FrontServer:
                         self._error(client, rr, 502, f"instance {instance} failed before responding ({kind})",
                                     "upstream_error", {**base_headers, H.INSTANCE: instance}, keep_alive)
                         return
-                    m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
-                    state.health.passive_success(instance)
+                    self._answered(rr, up, decision)
                     code = await self._relay(client, rr, up, decision, router_s, keep_alive)
                     return
                 finally:
                     lease.release()
-                    m.decision_seconds.labels(rr.endpoint, variant).observe(lease.decision.decision_s)
+                    self._released(rr, lease.decision)
                     lease = None
                     if up is not None:
                         up.finish()
@@ -1242,8 +1344,37 @@ class FrontServer:
             code = 499
             raise
         finally:
-            m.responses.labels(rr.endpoint, variant, str(code or 500)).inc()
-            m.duration_seconds.labels(rr.endpoint, variant).observe(time.perf_counter() - rr.t0)
+            self._count(rr, code or 500)
+
+    # -- the bookkeeping of an answer, for _forward/_relay and _settle --------------
+
+    def _answered(self, rr: RoutedRequest, up: _Upstream, decision: Any) -> None:
+        """The instance answered (its head came): counted, and a passive health success."""
+        instance = decision.instance.instance_id
+        self.state.metrics.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
+        self.state.health.passive_success(instance)
+        if up.status >= 500:
+            self.state.metrics.upstream_errors.labels(instance, "http_5xx").inc()
+
+    def _account_whole(self, rr: RoutedRequest, up: _Upstream, reply: _Reply, instance: str) -> int:
+        """Metrics of an answer :meth:`_whole` wrote; returns its status."""
+        m = self.state.metrics
+        variant = rr.pool.name
+        m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
+        m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
+        if reply.sse and rr.api is Api.OPENAI and b"[DONE]" not in reply.tail:
+            m.upstream_errors.labels(instance, "no_done").inc()
+        return reply.status
+
+    def _released(self, rr: RoutedRequest, decision: Any) -> None:
+        self.state.metrics.decision_seconds.labels(rr.endpoint, rr.pool.name).observe(decision.decision_s)
+
+    def _count(self, rr: RoutedRequest, code: int | str) -> None:
+        """The request is over: its response code (a status, ``499``, ``stream_aborted``)
+        and its duration."""
+        m = self.state.metrics
+        m.responses.labels(rr.endpoint, rr.pool.name, str(code)).inc()
+        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(time.perf_counter() - rr.t0)
 
     def _error(self, client: _Client, rr: RoutedRequest, status: int, message: str, code: str,
                headers: dict[str, str], keep_alive: bool) -> None:
@@ -1259,15 +1390,9 @@ class FrontServer:
         m = state.metrics
         instance = decision.instance.instance_id
         variant = decision.variant
-        if up.status >= 500:
-            m.upstream_errors.labels(instance, "http_5xx").inc()
         reply = up.reply
         if reply is not None:  # written whole as it arrived
-            m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
-            m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
-            if reply.sse and rr.api is Api.OPENAI and b"[DONE]" not in reply.tail:
-                m.upstream_errors.labels(instance, "no_done").inc()
-            return reply.status
+            return self._account_whole(rr, up, reply, instance)
         up.on_whole = None  # from here on, this task relays the answer
         t_headers = time.perf_counter()
         if rr.api is not Api.OPENAI and not 200 <= up.status < 300:
