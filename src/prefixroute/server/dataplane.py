@@ -1120,7 +1120,7 @@ class FrontServer:
         assert up is not None
         if up.reply is not None and up.done.done() and up.error is None:
             self._settle(client, started)
-        elif up.done.done() or up.reply is None:
+        else:  # a stream, a failure, a 504 due, a ModelError, the client gone
             self.hand_over(client, started)
 
     def _headers_late(self, client: _Client, started: _Started) -> None:
@@ -1158,7 +1158,7 @@ class FrontServer:
         started.lease = started.up = None
         decision = lease.decision
         self._answered(rr, up, decision)
-        status = self._account_whole(rr, up, up.reply, decision.instance.instance_id)
+        status = self._account_whole(rr, up.reply, decision.instance.instance_id)
         lease.release()
         self._released(rr, decision)
         up.finish()
@@ -1356,7 +1356,7 @@ class FrontServer:
         if up.status >= 500:
             self.state.metrics.upstream_errors.labels(instance, "http_5xx").inc()
 
-    def _account_whole(self, rr: RoutedRequest, up: _Upstream, reply: _Reply, instance: str) -> int:
+    def _account_whole(self, rr: RoutedRequest, reply: _Reply, instance: str) -> int:
         """Metrics of an answer :meth:`_whole` wrote; returns its status."""
         m = self.state.metrics
         variant = rr.pool.name
@@ -1392,7 +1392,7 @@ class FrontServer:
         variant = decision.variant
         reply = up.reply
         if reply is not None:  # written whole as it arrived
-            return self._account_whole(rr, up, reply, instance)
+            return self._account_whole(rr, reply, instance)
         up.on_whole = None  # from here on, this task relays the answer
         t_headers = time.perf_counter()
         if rr.api is not Api.OPENAI and not 200 <= up.status < 300:
