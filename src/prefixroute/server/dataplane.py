@@ -62,7 +62,7 @@ from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import BodyTooLarge, error_for_path, prepare_inference, request_id
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
-    model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
+    connect_failed, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES"]
@@ -1288,11 +1288,8 @@ class FrontServer:
                                 await self.upstreams.connect(target[:3], settings.connect_timeout_s)
                         except (OSError, TimeoutError) as exc:
                             mark = time.perf_counter()
-                            m.upstream_errors.labels(instance, "connect").inc()
                             retry = "connect"
-                            state.health.passive_failure(instance, definitive=True)
-                            log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
-                            exclude.add(instance)
+                            connect_failed(state, instance, exc, exclude)
                             continue
                         head_tail = head_tail or self._head_tail(rr)
                         self._send(client, up, rr, target, head_tail, decision, router_s, keep_alive)

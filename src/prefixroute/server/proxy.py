@@ -234,6 +234,16 @@ def _error_kind(exc: BaseException) -> str:
     return "other"
 
 
+def connect_failed(state: RouterState, instance: str, exc: BaseException, exclude: set[str]) -> None:
+    """No connection to ``instance`` could be opened for a request: counted
+    (``upstream_errors_total{kind="connect"}``), the instance marked down at once (a
+    definitive passive failure: nothing was sent) and excluded from the request's retries."""
+    state.metrics.upstream_errors.labels(instance, "connect").inc()
+    state.health.passive_failure(instance, definitive=True)
+    log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
+    exclude.add(instance)
+
+
 def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes, bytes]]:
     """The headers ``rr`` is sent to an instance with (raw pairs, no ``Host`` or
     ``Content-Length``): :mod:`headers`' rules for its API, without any header that
@@ -301,11 +311,8 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                             **kwargs)
                 except CONNECT_ERRORS as exc:
                     mark = time.perf_counter()
-                    m.upstream_errors.labels(instance, "connect").inc()
                     retry = "connect"
-                    state.health.passive_failure(instance, definitive=True)
-                    log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
-                    exclude.add(instance)
+                    connect_failed(state, instance, exc, exclude)
                     continue  # the finally below releases this lease first
                 except TimeoutError:
                     m.upstream_errors.labels(instance, "headers_timeout").inc()
