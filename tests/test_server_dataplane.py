@@ -697,3 +697,88 @@ async def test_answers_that_need_the_task_are_handed_over_from_callbacks(backend
         assert _in_flight(handle) == [0]
     finally:
         await handle.close()
+
+
+async def test_an_answer_landing_as_the_headers_timeout_fires_is_not_written_after_the_504(backend):
+    """The response-headers timeout of a request answered by callbacks hands it to the
+    task, which answers 504; an answer that lands before the task runs is not written
+    too: the client gets one answer per request."""
+    from fault_backend import Fault
+
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1, response_headers_timeout_s=30.0))
+    try:
+        reader, writer = await _connect(handle)
+        writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: warm\r\n"))
+        assert (await _read_response(reader))[0] == 200  # a pooled connection from now on
+        front = handle._front
+        (client,) = front.clients
+        backend.default = Fault("stall")
+        client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: late\r\n"))
+        started = client.detached
+        assert started is not None and started.timer is not None
+        started.timer.cancel()
+        front._headers_late(client, started)  # the timeout fires...
+        # ...and, before the task runs, the instance's whole answer arrives.
+        started.up.data_received(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+        status, headers, body = await _read_response(reader)
+        assert (status, headers["x-request-id"]) == (504, "late")
+        assert orjson.loads(body)["error"]["code"] == "upstream_timeout"
+        with pytest.raises(asyncio.TimeoutError):  # and nothing after it
+            await asyncio.wait_for(reader.read(1), 0.3)
+        writer.close()
+        assert _in_flight(handle) == [0]
+    finally:
+        await handle.close()
+
+
+async def test_no_100_continue_is_sent_for_a_body_that_came_without_it(router, backend):
+    """A request with ``Expect: 100-continue`` behind one in progress, whose body the
+    client sent at once, gets its answer and no 100 Continue after it (which the client
+    would take for an interim answer to its next request)."""
+    from fault_backend import Fault
+
+    backend.default = Fault("ok", events=4, delay=0.05)
+    streamed = orjson.dumps({**orjson.loads(CHAT), "stream": True})
+    reader, writer = await _connect(router)
+    writer.write(_post("/v1/chat/completions", streamed, "X-Request-Id: first\r\n"))
+    await asyncio.sleep(0.05)  # the stream has started
+    writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: second\r\nExpect: 100-continue\r\n"))
+    answers = [await _read_response(reader) for _ in range(2)]
+    assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, "first"), (200, "second")]
+    backend.default = Fault()
+    writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: third\r\n"))
+    status, headers, _ = await _read_response(reader)  # not a stray "100 Continue"
+    assert (status, headers["x-request-id"]) == (200, "third")
+    writer.close()
+
+
+async def test_a_client_that_pipelines_and_does_not_read_gets_no_more_answers_until_it_reads(router, backend):
+    """Answers are not produced faster than a client reads them: pipelined requests
+    behind an answer the client has not read wait (and reading from the client stays
+    paused), so the router's memory does not grow with them; once it reads, every
+    answer comes, in order."""
+    import socket
+
+    from fault_backend import Fault
+
+    backend.default = Fault("status", status=200, body=b'{"pad": "' + b"x" * 200_000 + b'"}')
+    n = 100
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    loop = asyncio.get_running_loop()
+    await loop.sock_connect(sock, ("127.0.0.1", router.port))
+    requests = b"".join(_post("/v1/chat/completions", CHAT, f"X-Request-Id: r{i}\r\n") for i in range(n))
+    send = loop.create_task(loop.sock_sendall(sock, requests))
+    await asyncio.sleep(1.0)
+    # What the kernel's socket buffers hold went out (a few MB); the rest waits.
+    assert len(backend.received) < n // 2
+    reader, writer = await asyncio.open_connection(sock=sock)
+    answers = [await _read_response(reader) for _ in range(n)]
+    await send
+    assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, f"r{i}") for i in range(n)]
+    assert len(backend.received) == n
+    writer.close()

@@ -637,6 +637,7 @@ class _Client(asyncio.Protocol):
         self.upstream: _Upstream | None = None  # the exchange being relayed to this client
         self.waiting: asyncio.Future[None] | None = None  # what the task awaits for this client
         self.write_paused = False
+        self.drained: asyncio.Future[None] | None = None  # set while the task waits for a slow client
         self.read_paused = False
         self.pending_continue = False
         self.upgrading: _Incoming | None = None  # a request with Upgrade, until llhttp stops
@@ -710,6 +711,8 @@ class _Client(asyncio.Protocol):
             self.waiting.set_exception(_ClientGone())
         if self.wake is not None and not self.wake.done():
             self.wake.set_result(None)
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
         if self.upstream is not None:
             self.upstream.resume()
         if self.detached is not None:  # the task accounts for it (499) and frees it
@@ -722,6 +725,8 @@ class _Client(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self.drained is not None and not self.drained.done():
+            self.drained.set_result(None)
         if self.upstream is not None:
             self.upstream.resume()
 
@@ -802,10 +807,11 @@ class _Client(asyncio.Protocol):
         if cur is None or cur.too_large is not None or self.discard:
             return
         self.cur = None
+        self.pending_continue = False  # its body is all here: no 100 Continue is owed any more
         if self.raw_inc is None and self.parser.should_upgrade():
             self.upgrading = cur  # its body (if any) comes after the upgrade point
             return
-        if not self.busy and not self.queue and not self.closed:
+        if not self.busy and not self.queue and not self.closed and not self.write_paused:
             # Nothing else to answer on this connection: the request's critical path
             # (routing, the send) runs here, now; if it was sent, callbacks answer it
             # and the task is not woken at all (FrontServer.begin).
@@ -866,6 +872,15 @@ class _Client(asyncio.Protocol):
                         await self.wake
                     finally:
                         self.wake = None
+                    continue
+                if self.write_paused and not self.closed:
+                    # A client that does not read its answers gets no more of them
+                    # (pipelined requests wait, and reading stays paused behind them).
+                    self.drained = loop.create_future()
+                    try:
+                        await self.drained
+                    finally:
+                        self.drained = None
                     continue
                 inc = self.queue.popleft()
                 self.busy = True
@@ -1124,10 +1139,12 @@ class FrontServer:
             self.hand_over(client, started)
 
     def _headers_late(self, client: _Client, started: _Started) -> None:
-        """No answer head within the response-headers timeout: the task answers 504."""
+        """No answer head within the response-headers timeout: the task answers 504 (an
+        answer arriving before it runs is not written: the client gets one answer)."""
         started.timer = None
         up = started.up
         if client.detached is started and up is not None and not up.headers_fut.done():
+            up.on_whole = None
             _expire(up.headers_fut)  # what the task's wait then raises
 
     def hand_over(self, client: _Client, started: _Started) -> None:
