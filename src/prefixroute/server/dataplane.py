@@ -873,9 +873,10 @@ class _Client(asyncio.Protocol):
                     finally:
                         self.wake = None
                     continue
-                if self.write_paused and not self.closed:
+                if self.write_paused and not self.closed and self.queue[0].started is None:
                     # A client that does not read its answers gets no more of them
-                    # (pipelined requests wait, and reading stays paused behind them).
+                    # (pipelined requests wait, and reading stays paused behind them);
+                    # one already routed (it holds a lease) is answered.
                     self.drained = loop.create_future()
                     try:
                         await self.drained
