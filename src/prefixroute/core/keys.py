@@ -279,15 +279,30 @@ def _utf8_head(text: str, n: int) -> bytes | memoryview:
     return text[:n].encode("utf-8", "surrogatepass")
 
 
+def _head_text(pieces: Sequence[str], limit: int) -> str:
+    """``"".join(pieces)[:limit]``, copying nothing past ``limit``."""
+    out: list[str] = []
+    left = limit
+    for p in pieces:
+        if len(p) >= left:
+            out.append(p[:left])
+            break
+        out.append(p)
+        left -= len(p)
+    return "".join(out)
+
+
 def _pieces_key(pieces: Sequence[str], limit: int, seed: int) -> int:
     """``xxh3_64`` of the UTF-8 bytes of ``"".join(pieces)[:limit]``, seeded with ``seed``.
 
     A long text is hashed piece by piece (xxh3's streaming and one-shot forms give the
     same value), short pieces joined, long ones on their own, without building the
     text. Only the piece that crosses ``limit`` is cut, so a 64 KB message (whole, or
-    ASCII) is copied once (its encoding) instead of three times (join, cut, encoding)."""
-    if sum(map(len, pieces)) < _JOIN_BELOW:
-        return _xxh3("".join(pieces)[:limit].encode("utf-8", "surrogatepass"), seed)
+    ASCII) is copied once (its encoding) instead of three times (join, cut, encoding).
+    With a ``limit`` of at most :data:`_JOIN_BELOW` characters, nothing past ``limit``
+    is copied anyway: the pieces are cut, joined and hashed in one call."""
+    if limit <= _JOIN_BELOW or sum(map(len, pieces)) < _JOIN_BELOW:
+        return _xxh3(_head_text(pieces, limit).encode("utf-8", "surrogatepass"), seed)
     h = xxhash.xxh3_64(seed=seed)
     short: list[str] = []
     left = limit
