@@ -782,3 +782,25 @@ async def test_a_client_that_pipelines_and_does_not_read_gets_no_more_answers_un
     assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, f"r{i}") for i in range(n)]
     assert len(backend.received) == n
     writer.close()
+
+
+async def test_a_broken_body_in_the_read_that_brings_the_head_ends_the_answer_as_apart():
+    # On a pooled connection the head resolves once its whole read is parsed; a body
+    # that breaks in that same read still ends the answer as a broken one (the head
+    # relayed, then the client connection closed), and frees everything.
+    broken = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\n"
+    async with _scripted_router([_ScriptedEngine.OK, broken]) as (engine, router):
+        reader, writer = await _connect(router)
+        writer.write(_post("/v1/chat/completions", CHAT))
+        assert (await _read_response(reader))[0] == 200  # opens the pooled connection
+        writer.write(_post("/v1/chat/completions", CHAT))
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200 OK\r\n") and b"Transfer-Encoding: chunked\r\n" in head
+        assert await asyncio.wait_for(reader.read(), 5) == b""  # no body, no last chunk: closed
+        writer.close()
+        reader, writer = await _connect(router)
+        writer.write(_post("/v1/chat/completions", CHAT))
+        status, _, body = await _read_response(reader)
+        assert (status, body) == (200, b"{}")
+        writer.close()
+        assert _in_flight(router) == [0] and engine.accepted == 2

@@ -266,6 +266,10 @@ class _Upstream(asyncio.Protocol):
         # relay has not started): FrontServer._whole writes it to the client at once.
         self.on_whole: Callable[[_Upstream], None] | None = None
         self.reply: _Reply | None = None  # what on_whole wrote
+        # The head came while on_whole was set: headers_fut is resolved once the read
+        # that brought it is parsed (after on_whole wrote a whole answer to the client,
+        # so that scheduling its callbacks is not on the way).
+        self.headers_due = False
 
     # -- asyncio.Protocol ---------------------------------------------------------
 
@@ -297,6 +301,8 @@ class _Upstream(asyncio.Protocol):
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
+            if self.headers_due:  # a head parsed, then a broken body: as when it resolved at once
+                self._headers_now()
             log.warning("instance %s: invalid HTTP response (%s)", self.target[0], exc)
             self._fail(exc)
             if self.transport is not None:
@@ -304,6 +310,8 @@ class _Upstream(asyncio.Protocol):
         finally:
             if self.flush is not None:  # what the sink framed from these bytes, in one write
                 self.flush()
+            if self.headers_due:
+                self._headers_now()
 
     def eof_received(self) -> bool | None:
         if self.until_eof and self.headers_fut.done() and not self.complete:
@@ -365,7 +373,9 @@ class _Upstream(asyncio.Protocol):
         self.chunked = chunked
         self.content_type = content_type
         self.until_eof = length is None and not chunked and self.status not in (204, 304)
-        if not self.headers_fut.done():
+        if self.on_whole is not None:
+            self.headers_due = True  # the answer may be all in this read: written first
+        elif not self.headers_fut.done():
             self.headers_fut.set_result(None)
         if self.no_body:  # llhttp cannot be told; end the exchange here, and the connection after it
             self.until_eof = False
@@ -392,8 +402,15 @@ class _Upstream(asyncio.Protocol):
                 hook(self)
             except Exception:  # our bug: the request's task relays the answer instead
                 log.exception("instance %s: writing a whole answer failed", self.target[0])
+        if self.headers_due:
+            self._headers_now()
         if not self.done.done():
             self.done.set_result(None)
+
+    def _headers_now(self) -> None:
+        self.headers_due = False
+        if not self.headers_fut.done():
+            self.headers_fut.set_result(None)
 
     # -- the exchange -------------------------------------------------------------
 
@@ -567,12 +584,13 @@ class _UpstreamPool:
 class _Incoming:
     """One request read from a client."""
 
-    __slots__ = ("url", "headers", "head_bytes", "body", "size", "too_large", "method", "version", "keep_alive",
-                 "t0", "chunked", "encoded", "refusal", "started")
+    __slots__ = ("url", "headers", "index", "head_bytes", "body", "size", "too_large", "method", "version",
+                 "keep_alive", "t0", "chunked", "encoded", "refusal", "started")
 
     def __init__(self) -> None:
         self.url = b""
         self.headers: list[tuple[bytes, bytes]] = []
+        self.index: dict[bytes, bytes] | None = None  # lower-cased name -> first value, once the head is read
         self.head_bytes = 0
         self.body: list[bytes] = []
         self.size = 0
@@ -770,8 +788,11 @@ class _Client(asyncio.Protocol):
         limit = self.front.state.settings.max_body_bytes
         declared = None
         expect = False
+        index: dict[bytes, bytes] = {}
         for k, v in cur.headers:
             low = k.lower()
+            if low not in index:
+                index[low] = v
             if low == b"content-length":
                 with contextlib.suppress(ValueError):
                     declared = int(v)
@@ -781,6 +802,7 @@ class _Client(asyncio.Protocol):
                 cur.encoded = True
             elif low == b"expect" and v.lower() == b"100-continue" and cur.version == "1.1":
                 expect = True
+        cur.index = index
         if declared is not None and declared > limit:
             cur.too_large = declared
             self._enqueue_now()
@@ -1076,7 +1098,7 @@ class FrontServer:
     def _prepare(self, inc: _Incoming, route: tuple[Api, bool, str | None]) -> RoutedRequest | web.Response:
         """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
         api, chat, endpoint_name = route
-        headers = H.RawHeaderView(inc.headers)
+        headers = H.RawHeaderView(inc.headers, inc.index)
         body: bytes | BodyTooLarge
         if inc.too_large is not None:
             body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
@@ -1490,8 +1512,6 @@ class FrontServer:
         sse = not framed and up.content_type.startswith(b"text/event-stream")
         reply = _Reply()
         reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
-        lines = b"%s%s%s%s: %.3f\r\n" % (theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours,
-                                          _OVERHEAD_MS, overhead * 1e3)
         # An event-stream answer always has a body (the events, maybe none), framed chunked.
         reply.bodyless = bodyless = status in (204, 304) and not framed
         reply.chunked = chunked = (framed or content_length is None) and not bodyless
@@ -1508,7 +1528,10 @@ class FrontServer:
         else:
             framing = b"Content-Length: " + content_length + b"\r\n"  # type: ignore[operator]
         reply.status, reply.framed, reply.sse = status, framed, sse
-        reply.head = _head(status, reason, (), framing, keep_alive, lines)
+        # Laid out as _head lays a head out (status line, headers, Date, framing), in one step.
+        reply.head = b"HTTP/1.1 %d %s\r\n%s%s%s%s: %.3f\r\nDate: %s\r\n%s%s\r\n" % (
+            status, reason, theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours, _OVERHEAD_MS,
+            overhead * 1e3, _DATE.get(), framing, b"" if keep_alive else b"Connection: close\r\n")
         return reply
 
     def _whole(self, client: _Client, rr: RoutedRequest, ours: bytes, router_s: float, keep_alive: bool,

@@ -89,6 +89,10 @@ def _has(headers: RawHeaders, low_name: bytes) -> bool:
     return any(k.lower() == low_name for k, _ in headers)
 
 
+#: Header names as looked up (``str``) -> lower-cased Latin-1 bytes, as RawHeaderView keys them.
+_LOWER: dict[str, bytes] = {}
+
+
 class RawHeaderView(Mapping[str, str]):
     """Raw request headers read by name, case-insensitively, without building a
     ``CIMultiDict`` (the fast data plane reads two to four headers of each request).
@@ -96,20 +100,26 @@ class RawHeaderView(Mapping[str, str]):
     ``view[name]`` and ``view.get(name)`` give the first header of that name, decoded as
     :func:`to_multidict` decodes it (UTF-8 with surrogate escapes); iteration gives the
     names as received (Latin-1), one per header line (duplicates included).
-    The index of lower-cased names is made on the first look-up.
+    The index of lower-cased names (each to its first value) is made on the first
+    look-up, unless given (``index``: a parser that lower-cases the names anyway).
     """
 
     __slots__ = ("_raw", "_index")
 
-    def __init__(self, raw: RawHeaders) -> None:
+    def __init__(self, raw: RawHeaders, index: dict[bytes, bytes] | None = None) -> None:
         self._raw = raw
-        self._index: dict[bytes, bytes] | None = None
+        self._index = index
 
     def _lookup(self, name: str) -> bytes | None:
         index = self._index
         if index is None:
             index = self._index = {k.lower(): v for k, v in reversed(self._raw)}  # the first one wins
-        return index.get(name.lower().encode("latin-1", "replace"))
+        low = _LOWER.get(name)
+        if low is None:
+            low = name.lower().encode("latin-1", "replace")
+            if len(_LOWER) < 256:  # the names this package looks up, and a few more
+                _LOWER[name] = low
+        return index.get(low)
 
     def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
         value = self._lookup(name)
@@ -163,11 +173,19 @@ def openai_upstream_lines(headers: RawHeaders, request_id: str, token: str | Non
     ``Connection: keep-alive`` at most); otherwise by those functions."""
     if token:
         return header_lines(strip_secrets(openai_upstream_headers(headers, request_id), token))
-    lines = _end_to_end_lines(headers, _DROP_UPSTREAM)
-    if lines is None:  # a Connection header names others to drop
-        return header_lines(openai_upstream_headers(headers, request_id))
+    lines = []
+    accept_encoding = False
+    for k, v in headers:  # _end_to_end_lines(headers, _DROP_UPSTREAM), noting Accept-Encoding
+        low = k.lower()
+        if low in _HOP_BY_HOP or low in _DROP_UPSTREAM or low.startswith(b"proxy-"):
+            if low == b"connection" and any(t.strip().lower() not in _HOP_BY_HOP for t in v.split(b",")):
+                return header_lines(openai_upstream_headers(headers, request_id))  # it names others to drop
+            continue
+        if low == b"accept-encoding":
+            accept_encoding = True
+        lines.append(b"%s: %s\r\n" % (k, v))
     lines.append(b"X-Request-Id: %s\r\n" % request_id.encode())
-    if not _has(headers, b"accept-encoding"):
+    if not accept_encoding:
         lines.append(b"Accept-Encoding: identity\r\n")
     return b"".join(lines)
 
