@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gzip
+import logging
 
 import aiohttp
 import orjson
@@ -367,6 +368,7 @@ class _ScriptedEngine:
     def __init__(self, answers: list[bytes]) -> None:
         self.answers = list(answers)
         self.accepted = 0
+        self.heads: list[bytes] = []  # each request's head as received
         self.server: asyncio.AbstractServer | None = None
 
     async def start(self) -> str:
@@ -378,6 +380,7 @@ class _ScriptedEngine:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                self.heads.append(head)
                 length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:"))
                 await reader.readexactly(length)
@@ -804,3 +807,39 @@ async def test_a_broken_body_in_the_read_that_brings_the_head_ends_the_answer_as
         assert (status, body) == (200, b"{}")
         writer.close()
         assert _in_flight(router) == [0] and engine.accepted == 2
+
+
+async def test_trailer_fields_of_a_chunked_request_are_neither_used_nor_relayed():
+    # RFC 9110 6.5.1: trailers are not headers. As on the aiohttp plane, none of them
+    # routes the request (no variant, no request id from them) or reaches the engine.
+    trailers = (b"X-Amzn-SageMaker-Target-Variant: Nope\r\nAuthorization: Bearer injected\r\n"
+                b"X-Request-Id: trailer-id\r\n")
+    async with _scripted_router([]) as (engine, router):
+        reader, writer = await _connect(router)
+        for _ in range(2):  # sent by the task (a new connection), then from the parser's callback
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         b"%x\r\n%s\r\n0\r\n%s\r\n" % (len(CHAT), CHAT, trailers))
+            status, headers, body = await _read_response(reader)
+            assert (status, body) == (200, b"{}") and headers["x-request-id"] != "trailer-id"
+        writer.close()
+        assert len(engine.heads) == 2
+        for head in engine.heads:
+            low = head.lower()
+            assert b"target-variant" not in low and b"authorization" not in low and b"trailer-id" not in low
+            assert b"content-length: %d\r\n" % len(CHAT) in low
+
+
+async def test_an_engine_answering_101_gets_a_502_and_no_traceback(caplog):
+    upgrade = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
+    async with _scripted_router([upgrade + _ScriptedEngine.OK]) as (engine, router):
+        reader, writer = await _connect(router)
+        writer.write(_post("/v1/chat/completions", CHAT))
+        status, _, body = await _read_response(reader)
+        assert status == 502 and orjson.loads(body)["error"]["code"] == "upstream_error"
+        writer.write(_post("/v1/chat/completions", CHAT))
+        status, _, body = await _read_response(reader)
+        assert (status, body) == (200, b"{}") and engine.accepted == 2
+        writer.close()
+        assert _in_flight(router) == [0]
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert any("invalid HTTP response" in r.getMessage() for r in caplog.records)

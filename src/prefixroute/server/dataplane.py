@@ -300,7 +300,7 @@ class _Upstream(asyncio.Protocol):
         self.last_data = self.pool.loop.time()
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # (an engine's 101 is invalid here)
             if self.headers_due:  # a head parsed, then a broken body: as when it resolved at once
                 self._headers_now()
             log.warning("instance %s: invalid HTTP response (%s)", self.target[0], exc)
@@ -763,8 +763,8 @@ class _Client(asyncio.Protocol):
 
     def on_header(self, name: bytes, value: bytes) -> None:
         cur = self.cur
-        if cur is None or self.discard:
-            return
+        if cur is None or self.discard or cur.index is not None:
+            return  # (a chunked body's trailer fields, after the head: neither used nor relayed, as aiohttp)
         cur.headers.append((name, value))
         cur.head_bytes += len(name) + len(value) + 4
         if len(name) + len(value) + 2 > MAX_FIELD_BYTES:
