@@ -266,9 +266,9 @@ class _Upstream(asyncio.Protocol):
         # relay has not started): FrontServer._whole writes it to the client at once.
         self.on_whole: Callable[[_Upstream], None] | None = None
         self.reply: _Reply | None = None  # what on_whole wrote
-        # The head came while on_whole was set: headers_fut is resolved once the read
-        # that brought it is parsed (after on_whole wrote a whole answer to the client,
-        # so that scheduling its callbacks is not on the way).
+        # The head came: headers_fut is resolved once the read that brought it is parsed
+        # (after on_whole wrote a whole answer to the client, so that scheduling the
+        # future's callbacks is not on the way).
         self.headers_due = False
 
     # -- asyncio.Protocol ---------------------------------------------------------
@@ -373,10 +373,7 @@ class _Upstream(asyncio.Protocol):
         self.chunked = chunked
         self.content_type = content_type
         self.until_eof = length is None and not chunked and self.status not in (204, 304)
-        if self.on_whole is not None:
-            self.headers_due = True  # the answer may be all in this read: written first
-        elif not self.headers_fut.done():
-            self.headers_fut.set_result(None)
+        self.headers_due = True  # the answer may be all in this read: written first
         if self.no_body:  # llhttp cannot be told; end the exchange here, and the connection after it
             self.until_eof = False
             self.on_message_complete()

@@ -173,36 +173,33 @@ def openai_upstream_lines(headers: RawHeaders, request_id: str, token: str | Non
     ``Connection: keep-alive`` at most); otherwise by those functions."""
     if token:
         return header_lines(strip_secrets(openai_upstream_headers(headers, request_id), token))
-    lines = []
-    accept_encoding = False
-    for k, v in headers:  # _end_to_end_lines(headers, _DROP_UPSTREAM), noting Accept-Encoding
-        low = k.lower()
-        if low in _HOP_BY_HOP or low in _DROP_UPSTREAM or low.startswith(b"proxy-"):
-            if low == b"connection" and any(t.strip().lower() not in _HOP_BY_HOP for t in v.split(b",")):
-                return header_lines(openai_upstream_headers(headers, request_id))  # it names others to drop
-            continue
-        if low == b"accept-encoding":
-            accept_encoding = True
-        lines.append(b"%s: %s\r\n" % (k, v))
+    found = _end_to_end_lines(headers, _DROP_UPSTREAM, b"accept-encoding")
+    if found is None:  # a Connection header names others to drop
+        return header_lines(openai_upstream_headers(headers, request_id))
+    lines, accept_encoding = found
     lines.append(b"X-Request-Id: %s\r\n" % request_id.encode())
     if not accept_encoding:
         lines.append(b"Accept-Encoding: identity\r\n")
     return b"".join(lines)
 
 
-def _end_to_end_lines(headers: RawHeaders, also_drop: frozenset[bytes]) -> list[bytes] | None:
-    """:func:`_end_to_end`'s headers as header lines, in one pass; ``None`` when a
-    ``Connection`` header names headers other than hop-by-hop ones (the caller then uses
-    :func:`_end_to_end`)."""
+def _end_to_end_lines(headers: RawHeaders, also_drop: frozenset[bytes],
+                      note: bytes | None = None) -> tuple[list[bytes], bool] | None:
+    """:func:`_end_to_end`'s headers as header lines, in one pass, and whether one of them
+    is named ``note`` (lower-case); ``None`` when a ``Connection`` header names headers
+    other than hop-by-hop ones (the caller then uses :func:`_end_to_end`)."""
     lines = []
+    noted = False
     for k, v in headers:
         low = k.lower()
         if low in _HOP_BY_HOP or low in also_drop or low.startswith(b"proxy-"):
             if low == b"connection" and any(t.strip().lower() not in _HOP_BY_HOP for t in v.split(b",")):
                 return None
             continue
+        if low == note:
+            noted = True
         lines.append(b"%s: %s\r\n" % (k, v))
-    return lines
+    return lines, noted
 
 
 def native_upstream_headers(headers: RawHeaders, request_id: str, stream: bool = False) -> list[tuple[bytes, bytes]]:
@@ -250,8 +247,8 @@ def openai_response_headers(upstream: RawHeaders) -> list[tuple[bytes, bytes]]:
 
 def openai_response_lines(upstream: RawHeaders) -> bytes:
     """``header_lines(openai_response_headers(upstream))``, in one pass when it can be."""
-    lines = _end_to_end_lines(upstream, _OURS)
-    return header_lines(openai_response_headers(upstream)) if lines is None else b"".join(lines)
+    found = _end_to_end_lines(upstream, _OURS)
+    return header_lines(openai_response_headers(upstream)) if found is None else b"".join(found[0])
 
 
 def native_response_headers(upstream: RawHeaders, stream: bool = False) -> list[tuple[bytes, bytes]]:
