@@ -18,12 +18,15 @@ import aiohttp
 import orjson
 import pytest
 import yaml
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
 from aiohttp import web
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import (
     InFlightTable,
     InFlightTableFull,
+    InFlightTableLocked,
     SharedInstanceState,
     slot_key,
 )
@@ -107,6 +110,142 @@ def test_capacity_error_is_all_or_nothing():
         state.apply_config(bigger)
     assert [i.instance_id for _, p in state.fleet.all_pools() for i in p.instances] == URLS[:3]
     assert t.used == 3
+
+
+def test_slots_of_instances_gone_for_good_are_taken_over_once_no_worker_holds_them():
+    w0, w1 = _table_views(2, capacity=4)
+    a, b, c, d, e, f = (slot_key("e", "v", f"http://10.0.2.{i}:8000") for i in range(6))
+    first = w0.reserve([a, b, c])
+    assert w1.reserve([c, b, a]) == first[::-1]  # the same slots, held by both
+    assert [w0.holders(s) for s in first] == [0b11] * 3
+    w0.retain([a])  # worker 0 has applied a configuration without b and c; worker 1 not yet
+    assert [w0.holders(s) for s in first] == [0b11, 0b10, 0b10]
+    with pytest.raises(InFlightTableFull, match=r"full: 3 of 4 .* needs 2 more"):
+        w0.reserve([a, d, e])  # one never-used slot; b and c are still worker 1's
+    assert w0.used == 3 and w0.holders(first[1]) == 0b10  # nothing changed
+    w1.retain([a])
+    got = w0.reserve([a, d, e])
+    assert got[0] == first[0] and got[1] == 3  # the never-used slot first
+    assert got[2] in first[1:]  # then one that nobody holds, taken over
+    assert w0.used == 4 and w0.in_use == 3
+    # A slot with a request in flight is not taken over, held or not.
+    w0.add(got[1], 1)  # a request to d, whose instance then leaves
+    w0.retain([a, e])
+    assert w0.holders(got[1]) == 0 and w0.in_use == 3
+    spare = next(s for s in first[1:] if s != got[2])
+    assert w1.reserve([f]) == [spare]
+    with pytest.raises(InFlightTableFull, match=r"full: 4 of 4 .* needs 1 more"):
+        w1.reserve([b])
+    assert w0.total(got[1]) == 1  # still d's count
+    w0.add(got[1], -1)  # the request is over: its slot is free
+    assert w1.reserve([b]) == [got[1]]
+    # A key reserved again after a worker let go of it keeps its slot while it has one.
+    w0.retain([])
+    assert w0.reserve([e]) == [got[2]]
+    # A dead worker's slots are let go with its counts.
+    w1.add(spare, 2)
+    assert w0.zero_worker(1) is True
+    assert w1.total(spare) == 0 and w0.holders(spare) == 0 and w0.holders(got[2]) == 0b01
+
+
+def test_router_state_churning_instances_reuses_slots_and_a_retired_one_keeps_its_count():
+    (t,) = _table_views(1, capacity=4)
+    lor = RoutingConfig.build("least-outstanding-requests")
+    state = RouterState(FleetConfig.single(URLS[:2], lor), ServerSettings(port=0), counters=t)
+    (_, pool), = state.fleet.all_pools()
+    lease = pool.acquire(None)
+    kept = lease.instance.instance_id
+    other = next(u for u in URLS[:2] if u != kept)
+    # Twelve configurations of fresh instances: 24 triples through a table of 4 slots,
+    # while the removed instance with its request in flight keeps its own.
+    for n in range(12):
+        state.apply_config(FleetConfig.single([f"http://10.0.3.{n}:8000", other], lor))
+        assert pool.retired_ids == (kept,) and t.in_use == 3
+    assert t.used == 4
+    state.apply_config(FleetConfig.single([kept, other], lor))  # back, with its request
+    assert pool.get(kept).in_flight == 1
+    lease.release()
+    assert pool.get(kept).in_flight == 0
+    # A variant removed with a request in flight: its slot is not taken over until the
+    # request is over, and a configuration that would need it is refused whole.
+    lease = pool.acquire(None)
+    busy = lease.instance.instance_id
+    state.apply_config(FleetConfig.single([f"http://10.0.4.{n}:8000" for n in range(2)], lor, variant="B"))
+    assert t.in_use == 3  # B's two, and the busy one
+    four = FleetConfig.single([f"http://10.0.4.{n}:8000" for n in range(4)], lor, variant="B")
+    with pytest.raises(InFlightTableFull, match=r"full: 3 of 4 .* needs 2 more"):
+        state.apply_config(four)
+    assert [i.instance_id for _, p in state.fleet.all_pools() for i in p.instances] == [f"http://10.0.4.{n}:8000" for n in range(2)]
+    lease.release()
+    assert lease.instance.in_flight == 0 and lease.instance.instance_id == busy
+    state.apply_config(four)
+    assert t.in_use == 4 and t.used == 4
+
+
+def test_zeroing_a_worker_whose_process_died_holding_the_lock_does_not_hang(monkeypatch):
+    lock = SPAWN.Lock()
+    buf = bytearray(InFlightTable.size(4, 2))
+    InFlightTable.initialize(buf, 4, 2)
+    w0, w1 = InFlightTable(buf, 0, lock), InFlightTable(buf, 1, lock)
+    (s,) = w1.reserve([7])
+    w1.add(s, 3)
+    monkeypatch.setattr("prefixroute.core.counters.LOCK_TIMEOUT_S", 0.2)
+    assert lock.acquire()  # as if worker 1 died inside reserve()
+    t0 = time.monotonic()
+    assert w0.zero_worker(1) is False
+    assert time.monotonic() - t0 < 2
+    assert w0.total(s) == 0 and w0.holders(s) == 0b10  # counts zeroed, slot kept held
+    with pytest.raises(InFlightTableLocked, match="not free within 0.2 s"):
+        w0.reserve([8])
+    lock.release()
+    assert w0.reserve([8]) == [1]
+
+
+@settings(max_examples=300, deadline=None)
+@example([("c", 0, frozenset({1, 2, 3, 4}), 0), ("a", 0, frozenset(), 0),  # a request to 1, whose variant
+          ("c", 0, frozenset({5}), 0), ("c", 1, frozenset({5, 6}), 0)])     # goes; 6 needs a slot taken over
+@given(st.lists(st.tuples(st.sampled_from("cal"), st.integers(0, 1), st.frozensets(st.integers(1, 6), max_size=4),
+                          st.integers(0, 99)), max_size=60))
+def test_reused_slots_never_mix_two_instances_counts(ops):
+    """A model of two workers: configurations applied (reserve, then retain what the
+    configuration, and maybe the retired instances with requests in flight, still name),
+    leases taken and released. A lease's slot always keeps its key, each key's count is
+    the model's, and a refusal is only ever for want of free slots."""
+    views = _table_views(2, capacity=5)
+    config: list[frozenset[int]] = [frozenset(), frozenset()]
+    leases: list[tuple[int, int, int]] = []  # (worker, key, slot)
+    for op, w, keys, pick in ops:
+        t = views[w]
+        if op == "c":
+            keyed = {t._keys[s] for s in range(t.used)}
+            free = (5 - t.used) + sum(1 for s in range(t.used) if not t.holders(s) and not t.total(s)
+                                      and t._keys[s] not in keys)
+            try:
+                t.reserve(keys)
+            except InFlightTableFull:
+                assert len(keys - keyed) > free
+                continue
+            config[w] = keys
+            # Its removed instances with requests in flight are retired if their variant
+            # stays (held), or live on only in the leases if it went (not held).
+            t.retain(keys | ({k for lw, k, _ in leases if lw == w} if pick % 2 else set()))
+        elif op == "a" and config[w]:
+            k = sorted(config[w])[pick % len(config[w])]
+            (slot,) = t.reserve([k])
+            t.add(slot, 1)
+            leases.append((w, k, slot))
+        elif op == "l" and leases:
+            lw, k, slot = leases.pop(pick % len(leases))
+            views[lw].add(slot, -1)
+        for lw, k, slot in leases:
+            assert t._keys[slot] == k  # never taken over while a request is on it
+        for v in views:
+            for k, slot in v._slots.items():
+                assert v._keys[slot] == k and v.holders(slot) >> v.worker & 1
+                assert v.total(slot) == sum(1 for _, lk, _ in leases if lk == k)
+        slot_of = {k: slot for v in views for k, slot in v._slots.items()}
+        assert all(v._slots[k] == slot_of[k] for v in views for k in v._slots)  # one slot per key
+        assert len(set(slot_of.values())) == len(slot_of)  # and one key per slot
 
 
 def test_table_rejects_foreign_buffers_and_bad_columns():
@@ -374,6 +513,35 @@ async def test_threshold_holds_across_workers_and_admin_reaches_all(backends):
         for _ in range(2):
             await _round(serve, backends, 4)
         assert max(b.max for b in backends) <= 2 + 2, [b.max for b in backends]
+    finally:
+        assert await serve.stop() == 0
+
+
+async def test_instances_churned_through_the_admin_api_past_the_table_size_get_slots(backends):
+    """More (endpoint, variant, instance) triples over the router's life than the shared
+    table has slots (4,096): the slots of instances gone for good are taken over."""
+    serve = await Serve.start(*[a for b in backends for a in ("--backend", b.url)],
+                              "--strategy", "least-outstanding-requests")
+
+    def doc(instances: list[str]) -> dict:
+        return {"Endpoints": [{"EndpointName": "default", "ProductionVariants": [{
+            "VariantName": "AllTraffic", "Instances": instances,
+            "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}]}]}
+
+    try:
+        async with aiohttp.ClientSession() as http:
+            for n in range(9):  # 9 x 500 fresh instances
+                fresh = [f"http://10.9.{n}.{i % 250}:{8000 + i // 250}" for i in range(500)]
+                async with http.put(serve.admin + "/admin/config", json=doc(fresh)) as r:
+                    assert r.status == 200, (n, await r.text())
+            async with http.get(serve.admin + "/admin/workers") as r:
+                assert (await r.json())["SharedInFlightSlots"] == {"Used": 500, "Capacity": 4096}
+            async with http.put(serve.admin + "/admin/config", json=doc([b.url for b in backends])) as r:
+                assert r.status == 200, await r.text()
+            async with http.get(serve.admin + "/admin/workers") as r:
+                assert (await r.json())["SharedInFlightSlots"] == {"Used": 3, "Capacity": 4096}
+        await _round(serve, backends, 6)  # routed, and counted, as ever
+        assert await serve.metric("prefixroute_in_flight") == 0
     finally:
         assert await serve.stop() == 0
 

@@ -11,6 +11,8 @@ Layout (native-endian 64-bit integers)::
 
     header   8 words: magic, layout version, capacity, workers, slots used, 3 reserved
     keys     capacity x uint64: the key of each claimed slot, in claim order
+    holders  capacity x uint64: per slot, the bitmask of the workers whose configuration
+             (or a removed instance's requests still in flight) holds it
     counts   capacity x workers x int64: counts[slot * workers + worker]
 
 A **slot** counts one (endpoint, production variant, instance): exactly what one
@@ -18,9 +20,13 @@ A **slot** counts one (endpoint, production variant, instance): exactly what one
 three names, so every worker maps an instance to the same slot whatever the order in
 which configuration changes reach it, and an instance removed and added back finds its
 slot (and any requests still in flight on it) again. Slots are claimed under a lock and
-only when the membership changes; they are never freed while the table lives (it holds
-:data:`DEFAULT_CAPACITY` slots: every (endpoint, variant, instance) configured since the
-router started). Claiming more raises :class:`InFlightTableFull`.
+only when the membership changes (:meth:`InFlightTable.reserve`), and each worker marks
+the slots it holds in the slot's ``holders`` bitmask; after a change a worker lets go of
+the slots its configuration no longer names (:meth:`InFlightTable.retain`). A slot no
+worker holds and with no request in flight is taken over by the next new key once the
+never-used slots are gone, so an instance that leaves for good frees its slot. The table
+holds :data:`DEFAULT_CAPACITY` slots at a time; a configuration that needs more than
+the free ones raises :class:`InFlightTableFull`.
 
 Each worker writes only its own column, so the request path takes no lock; a strategy
 reads the sum over the workers. Every worker decides and counts its request in one
@@ -33,7 +39,7 @@ zeroes its column (:meth:`InFlightTable.zero_worker`) before a replacement start
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import xxhash
 
@@ -44,6 +50,8 @@ __all__ = [
     "DEFAULT_CAPACITY",
     "MAX_WORKERS",
     "InFlightTableFull",
+    "InFlightTableLocked",
+    "LOCK_TIMEOUT_S",
     "InFlightTable",
     "SharedInstanceState",
     "slot_key",
@@ -56,15 +64,26 @@ DEFAULT_CAPACITY = 4096
 MAX_WORKERS = 64
 
 _MAGIC = 0x6C666E6978667270  # b"prfxinfl" read as a little-endian int64
-_VERSION = 1
+_VERSION = 2  # 2: a holders bitmask per slot; slots are reused
 _HEADER_WORDS = 8
 _HEADER_BYTES = _HEADER_WORDS * 8
 _H_MAGIC, _H_VERSION, _H_CAPACITY, _H_WORKERS, _H_USED = range(5)
 
 
+#: Longest wait for the table's lock (seconds): it is held for microseconds, so a longer
+#: wait means a process died holding it.
+LOCK_TIMEOUT_S = 5.0
+
+
+class InFlightTableLocked(ConfigError):
+    """The shared table's lock stayed taken for :data:`LOCK_TIMEOUT_S` (a worker died
+    while holding it): slots cannot be claimed until the router restarts."""
+
+
 class InFlightTableFull(ConfigError):
-    """The configuration names more (endpoint, variant, instance) triples than the
-    shared in-flight table has slots left; the running configuration is kept."""
+    """The configuration names more new (endpoint, variant, instance) triples than the
+    shared in-flight table has free slots (never used, or held by no worker with nothing
+    in flight); the running configuration is kept."""
 
 
 def slot_key(endpoint: str, variant: str, instance_id: str) -> int:
@@ -86,8 +105,9 @@ class InFlightTable:
             :meth:`initialize`, e.g. ``SharedMemory.buf``).
         worker: this process's column, ``0 <= worker < workers``; a supervisor that
             only reads and zeroes columns may pass any valid column.
-        lock: held while slots are claimed (a ``multiprocessing.Lock`` shared by every
-            process using the table); ``None`` for a table used by one process only.
+        lock: held while slots are claimed or let go (a ``multiprocessing.Lock`` shared
+            by every process using the table); ``None`` for a table used by one
+            process only.
 
     Raises:
         ValueError: the buffer is not a table, is too small, or ``worker`` is out of range.
@@ -114,14 +134,18 @@ class InFlightTable:
             header.release()
             raise ValueError(f"in-flight table: worker {worker} is out of range (0-{workers - 1})")
         keys_end = _HEADER_BYTES + 8 * capacity
+        holders_end = keys_end + 8 * capacity
         self._mv = mv
         self._header = header
         self._keys = mv[_HEADER_BYTES:keys_end].cast("Q")
-        self._cells = mv[keys_end:keys_end + 8 * capacity * workers].cast("q")
-        self._lock: ContextManager[Any] = lock if lock is not None else contextlib.nullcontext()
+        self._holders = mv[keys_end:holders_end].cast("Q")
+        self._cells = mv[holders_end:holders_end + 8 * capacity * workers].cast("q")
+        self._lock: Any = lock
         self.capacity: int = capacity
         self.workers: int = workers
         self.worker = worker
+        self._bit = 1 << worker
+        #: key -> slot of the slots this worker holds (its bit is set in their holders)
         self._slots: dict[int, int] = {}
 
     # -- layout -------------------------------------------------------------------
@@ -129,7 +153,7 @@ class InFlightTable:
     @staticmethod
     def size(capacity: int = DEFAULT_CAPACITY, workers: int = 1) -> int:
         """Bytes a table of ``capacity`` slots and ``workers`` columns needs."""
-        return _HEADER_BYTES + 8 * capacity + 8 * capacity * workers
+        return _HEADER_BYTES + 16 * capacity + 8 * capacity * workers
 
     @classmethod
     def initialize(cls, buf: Any, capacity: int = DEFAULT_CAPACITY, workers: int = 1) -> None:
@@ -158,42 +182,83 @@ class InFlightTable:
     def close(self) -> None:
         """Release the views on the buffer (``SharedMemory.close`` needs that). The
         :class:`SharedInstanceState` objects made by this table must not be used after."""
-        for view in (self._cells, self._keys, self._header, self._mv):
+        for view in (self._cells, self._holders, self._keys, self._header, self._mv):
             view.release()
 
     # -- slots --------------------------------------------------------------------
 
     @property
     def used(self) -> int:
-        """Slots claimed so far (by any process)."""
+        """Slots ever claimed (by any process): the high-water mark, slots taken over
+        by a new key included once."""
         return self._header[_H_USED]
 
+    @property
+    def in_use(self) -> int:
+        """Slots that cannot be taken over now: held by some worker, or with requests
+        in flight."""
+        holders, w = self._holders, self.workers
+        return sum(1 for s in range(self.used) if holders[s] or any(self._cells[s * w:(s + 1) * w]))
+
+    def holders(self, slot: int) -> int:
+        """The bitmask of the workers holding ``slot`` (bit ``w`` for worker ``w``)."""
+        return self._holders[slot]
+
     def reserve(self, keys: Iterable[int]) -> list[int]:
-        """The slots of ``keys``, claiming those not claimed yet: all or none.
+        """The slots of ``keys``, held by this worker from now on: the slot a key already
+        has, else a never-used one, else one that no worker holds and that has nothing
+        in flight (taken over). All or none.
 
         Raises:
-            InFlightTableFull: not enough free slots for the keys not claimed yet.
+            InFlightTableFull: not enough free slots for the keys without one.
+            InFlightTableLocked: the lock stayed taken (see :meth:`_locked`).
         """
         keys = list(keys)
         missing = [k for k in dict.fromkeys(keys) if k not in self._slots]
         if missing:
-            with self._lock:
+            with self._locked():
                 used = self._header[_H_USED]
                 known = {k: i for i, k in enumerate(self._keys[:used].tolist())}
                 new = [k for k in missing if k not in known]
-                if used + len(new) > self.capacity:
-                    raise InFlightTableFull(
-                        f"the shared in-flight table is full: {used:,} of {self.capacity:,} (endpoint, variant, "
-                        f"instance) slots are taken and this configuration needs {len(new):,} more; slots are "
-                        "freed only when the router restarts")
-                for k in new:
+                fresh = min(len(new), self.capacity - used)
+                reuse: list[int] = []
+                if fresh < len(new):  # taken over: held by nobody, nothing in flight
+                    w = self.workers
+                    taken = {known[k] for k in missing if k in known}
+                    reuse = [s for s in range(used) if not self._holders[s] and s not in taken
+                             and not any(self._cells[s * w:(s + 1) * w])][: len(new) - fresh]
+                    if fresh + len(reuse) < len(new):
+                        raise InFlightTableFull(
+                            f"the shared in-flight table is full: {used - len(reuse):,} of "
+                            f"{self.capacity:,} (endpoint, variant, instance) slots are held by a configuration "
+                            f"or have requests in flight, and this configuration needs {len(new):,} more")
+                for k, s in zip(new[fresh:], reuse):
+                    self._keys[s] = k
+                    known[k] = s
+                for k in new[:fresh]:
                     self._keys[used] = k
                     known[k] = used
                     used += 1
                 self._header[_H_USED] = used  # after the keys: a reader of `used` sees them
                 for k in missing:
-                    self._slots[k] = known[k]
+                    s = self._slots[k] = known[k]
+                    self._holders[s] |= self._bit
         return [self._slots[k] for k in keys]
+
+    def retain(self, keys: Iterable[int]) -> None:
+        """Let go of the slots this worker holds whose key is not in ``keys`` (what its
+        configuration, and its removed instances with requests in flight, still need):
+        once no worker holds one and its requests are over, a new key may take it.
+
+        Raises:
+            InFlightTableLocked: the lock stayed taken (see :meth:`_locked`).
+        """
+        keep = set(keys)
+        drop = [k for k in self._slots if k not in keep]
+        if drop:
+            with self._locked():
+                for k in drop:
+                    self._holders[self._slots.pop(k)] &= ~self._bit
 
     def slot(self, key: int) -> int:
         """The slot of ``key``, claimed if new. Raises :class:`InFlightTableFull`."""
@@ -220,12 +285,46 @@ class InFlightTable:
         w = self.workers
         return sum(self._cells[worker:self.used * w:w])
 
-    def zero_worker(self, worker: int) -> None:
-        """Set one worker's counts to 0 (its process is gone, and its requests with it).
-        Call only while no process writes that column."""
+    def zero_worker(self, worker: int) -> bool:
+        """Set one worker's counts to 0 and let go of its slots (its process is gone, and
+        its requests with it; its replacement reserves its configuration again). Call
+        only while no process writes that column.
+
+        Returns:
+            False if the counts were zeroed but the lock stayed taken (the dead worker
+            held it), so its slots stay held: never taken over, nothing miscounted.
+        """
         w = self.workers
         for slot in range(self.used):
             self._cells[slot * w + worker] = 0
+        bit = ~(1 << worker)
+        try:
+            with self._locked():
+                for slot in range(self.used):
+                    self._holders[slot] &= bit
+        except InFlightTableLocked:
+            return False
+        return True
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the table's lock (none for a table of one process).
+
+        Raises:
+            InFlightTableLocked: not free within :data:`LOCK_TIMEOUT_S`.
+        """
+        lock = self._lock
+        if lock is None:
+            yield
+            return
+        if not lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise InFlightTableLocked(
+                f"the shared in-flight table's lock was not free within {LOCK_TIMEOUT_S:g} s (a worker died "
+                "holding it?): slots cannot be claimed until the router restarts")
+        try:
+            yield
+        finally:
+            lock.release()
 
     def states(self, endpoint: str, variant: str) -> Callable[[str], InstanceState]:
         """A factory of :class:`SharedInstanceState` for the instances of one variant

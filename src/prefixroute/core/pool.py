@@ -141,6 +141,12 @@ class VariantPool:
     def get(self, instance_id: str) -> InstanceState | None:
         return self._by_id.get(instance_id)
 
+    @property
+    def retired_ids(self) -> tuple[str, ...]:
+        """Removed instances whose state is kept because requests were in flight on
+        them at the last membership change (added back, they count those requests)."""
+        return tuple(self._retired)
+
     def set_instances(self, instance_ids: Iterable[str]) -> None:
         """Replace the membership. Instances kept keep their state; removed ones stop
         receiving requests, and leases already on them still release correctly.

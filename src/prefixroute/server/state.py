@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
-from prefixroute.core.counters import InFlightTable, config_slot_keys
+from prefixroute.core.counters import InFlightTable, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
@@ -81,6 +81,9 @@ class RouterState:
         if self.counters is not None:
             self.counters.reserve(config_slot_keys(config))  # all or nothing, before any change
         self.fleet.apply(config, self.settings.seed)
+        if self.counters is not None:  # slots of instances gone for good may be taken over
+            self.counters.retain(slot_key(ep, pool.name, i) for ep, pool in self.fleet.all_pools()
+                                 for i in (*(s.instance_id for s in pool.instances), *pool.retired_ids))
         self.publish_engine_load()
         log.info("configuration applied: %s", _summary(config))
 

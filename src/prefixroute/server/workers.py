@@ -434,8 +434,9 @@ class Supervisor:
             w.ready.set_exception(RuntimeError(f"worker {w.index} exited with status {proc.exitcode} before it "
                                                "was listening (see its log above)"))
             w.ready.exception()  # retrieved: no "never retrieved" warning if nobody waits
-        if self.counters is not None:
-            self.counters.table.zero_worker(w.index)  # its requests died with it
+        if self.counters is not None and not self.counters.table.zero_worker(w.index):  # its requests died with it
+            log.warning("worker %d died holding the shared in-flight table's lock: its counts were zeroed, but new "
+                        "instances cannot get a slot until the router restarts", w.index)
         if self._stopping or w.process is not proc:
             return
         lived = time.monotonic() - w.started
@@ -588,7 +589,7 @@ class Supervisor:
                 entry["RoutingConfigs"] = {f"{e['EndpointName']}/{v['VariantName']}": v["RoutingConfig"]
                                            for e in doc["Endpoints"] for v in e["ProductionVariants"]}
             out.append(entry)
-        slots = {"Used": table.used if table is not None else 0,
+        slots = {"Used": table.in_use if table is not None else 0,
                  "Capacity": table.capacity if table is not None else 0}
         return json_response(200, {"Port": self.port, "Workers": out, "SharedInFlightSlots": slots})
 
