@@ -18,6 +18,7 @@ import pytest
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.server import ServerSettings, start_router
+from prefixroute.server.app import DECODED_CODINGS
 from prefixroute.server.dataplane import MAX_HEAD_BYTES, FrontServer, match_route
 from prefixroute.server.proxy import Api
 
@@ -218,6 +219,45 @@ async def test_compressed_body_is_decoded_by_aiohttp(router, backend):
     rec = backend.received[0]
     assert rec.body == CHAT
     assert "Content-Encoding" not in rec.headers
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/endpoints/default/invocations"])
+async def test_undecodable_or_unsupported_content_encodings_are_answered_in_the_apis_shape(backend, data_plane,
+                                                                                          path, caplog):
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane))
+    openai = path.startswith("/v1")
+    # br and zstd are decoded only with their libraries; aiohttp's own parser refuses
+    # them (in plain text) on the aiohttp data plane before any handler runs.
+    unsupported = ["foo", "x-gzip", "gzip, gzip"] + (
+        [c for c in ("br", "zstd") if c not in DECODED_CODINGS] if data_plane == "fast" else [])
+    try:
+        async with aiohttp.ClientSession(auto_decompress=False) as http:
+            async with http.post(handle.url + path, data=gzip.compress(CHAT)[:20] + b"not gzip at all",
+                                 headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+                assert r.status == 400, await r.text()  # was a 500 and two tracebacks
+                doc = await r.json()
+                message = doc["error"]["message"] if openai else doc["message"]
+                assert message == "the request body is not valid gzip data (its Content-Encoding)"
+                assert (doc["error"]["code"] == "invalid_content_encoding") if openai else \
+                    r.headers["X-Amzn-ErrorType"].startswith("ValidationError")
+            for coding in unsupported:
+                async with http.post(handle.url + path, data=CHAT,
+                                     headers={"Content-Encoding": coding, "Content-Type": "application/json"}) as r:
+                    assert r.status == 415, (coding, await r.text())
+                    assert r.headers["Accept-Encoding"] == "deflate, gzip"
+                    doc = await r.json()
+                    message = doc["error"]["message"] if openai else doc["message"]
+                    assert message.startswith(f"Content-Encoding {coding!r} is not supported"), message
+            async with http.post(handle.url + path, data=gzip.compress(CHAT),  # and a good one still goes
+                                 headers={"Content-Encoding": "GZIP", "Content-Type": "application/json"}) as r:
+                assert r.status == 200
+        assert [rec.body for rec in backend.received] == [CHAT]  # nothing forwarded still encoded
+        assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    finally:
+        await handle.close()
 
 
 async def test_malformed_request_is_400_and_closed(router, backend):

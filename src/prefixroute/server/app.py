@@ -32,7 +32,9 @@ from random import getrandbits
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import orjson
+from aiohttp import compression_utils as _compression
 from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError
 
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
@@ -136,6 +138,23 @@ def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response) 
     return resp
 
 
+#: The request Content-Encodings the aiohttp app decodes (the fast data plane hands every
+#: request with a Content-Encoding to it): aiohttp's own list, a single coding, brotli and
+#: zstd only with their libraries installed. ``identity`` is the body as is. Any other
+#: value is a 415 (RFC 9110 §15.5.16), with ``Accept-Encoding`` naming these, instead of
+#: a body forwarded still encoded without its Content-Encoding.
+DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"}
+                            | ({"br"} if getattr(_compression, "HAS_BROTLI", False) else set())
+                            | ({"zstd"} if getattr(_compression, "HAS_ZSTD", False) else set()))
+
+
+class BodyNotDecoded(Exception):
+    """A request body its Content-Encoding does not decode (e.g. broken gzip data)."""
+
+    def __init__(self, coding: str) -> None:
+        super().__init__(f"the request body is not valid {coding[:64]} data (its Content-Encoding)")
+
+
 class BodyTooLarge(Exception):
     """A request body over ``--max-body-size`` (declared, or found while reading it)."""
 
@@ -144,9 +163,11 @@ class BodyTooLarge(Exception):
         super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge:
-    """The whole body, at most ``limit`` bytes (a chunked body is de-chunked), or the
-    :class:`BodyTooLarge` error if its declared or actual size is over ``limit``."""
+async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
+    """The whole body, at most ``limit`` bytes (a chunked body is de-chunked, a
+    compressed one decoded), or the :class:`BodyTooLarge` error if its declared or
+    actual size is over ``limit``, or :class:`BodyNotDecoded` if its Content-Encoding
+    does not decode it."""
     declared = request.content_length
     if declared is not None and declared > limit:
         return BodyTooLarge(limit, declared)
@@ -154,6 +175,8 @@ async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
         return BodyTooLarge(limit, None)
+    except web.RequestPayloadError:  # (aiohttp: the decompressor failed)
+        return BodyNotDecoded(request.headers.get("Content-Encoding", "").strip().lower())
 
 
 def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
@@ -173,7 +196,8 @@ def endpoint_label(state: RouterState, request: web.Request) -> str:
 
 
 def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping[str, str],
-                      raw_headers: H.RawHeaders, endpoint_name: str | None, body: bytes | BodyTooLarge | None, rid: str, t0: float,
+                      raw_headers: H.RawHeaders, endpoint_name: str | None,
+                      body: bytes | BodyTooLarge | BodyNotDecoded | None, rid: str, t0: float,
                       request: web.Request | None = None) -> RoutedRequest | web.Response:
     """Everything between an inference request's arrival and its forwarding, for both
     data planes: resolve the endpoint and production variant, check the body's size,
@@ -194,7 +218,9 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     Returns:
         The :class:`RoutedRequest` to forward, or the error response to send (already
         counted in ``prefixroute_responses_total``), in the API's shape: 404 unknown
-        endpoint, 400 unknown variant or invalid request, 413 body too large.
+        endpoint, 400 unknown variant, invalid request or a body its Content-Encoding
+        does not decode, 413 body too large, 415 a Content-Encoding not decoded here
+        (checked before the body is read; :data:`DECODED_CODINGS`).
     """
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
@@ -221,7 +247,20 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         resp = openai_error(413, str(body), code="request_too_large", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), status=413, headers=hdrs)
         return _count(state, endpoint.name, pool.name, resp)
+    if isinstance(body, BodyNotDecoded):
+        resp = openai_error(400, str(body), code="invalid_content_encoding", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(body), headers=hdrs)
+        resp.force_close()  # the rest of the body is not read: aiohttp closes the connection after it
+        return _count(state, endpoint.name, pool.name, resp)
     if body is None:
+        coding = headers.get("Content-Encoding")
+        if coding is not None and coding.strip().lower() not in DECODED_CODINGS:
+            msg = (f"Content-Encoding {coding[:64]!r} is not supported: send the body as is, or in one of "
+                   f"{', '.join(sorted(DECODED_CODINGS - {'identity'}))}")
+            hdrs["Accept-Encoding"] = ", ".join(sorted(DECODED_CODINGS - {"identity"}))
+            resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
+                sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
+            return _count(state, endpoint.name, pool.name, resp)
         return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0)
     if openai:
         try:
@@ -378,9 +417,27 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         state.session = None
 
 
+class _AnsweredUndecodableBody(logging.Filter):
+    """Drops aiohttp's "Unhandled exception" record for a request whose body its
+    decompressor rejected: the handler has answered it (400, :class:`BodyNotDecoded`),
+    and aiohttp then meets the same error again while draining the rest of the body
+    before closing the connection (aio-libs/aiohttp#1710). The client's error, answered
+    already: not a traceback in the router's log for every such request."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, web.RequestPayloadError) and isinstance(exc.__cause__, ContentEncodingError))
+
+
+_UNDECODABLE_FILTER = _AnsweredUndecodableBody()
+
+
 def build_app(state: RouterState) -> web.Application:
     """The serving application for ``state``. The pooled upstream client, the health
     checks and the metrics scrapes start on startup and stop on cleanup."""
+    server_log = logging.getLogger("aiohttp.server")
+    if _UNDECODABLE_FILTER not in server_log.filters:
+        server_log.addFilter(_UNDECODABLE_FILTER)
     app = web.Application(client_max_size=state.settings.max_body_bytes, middlewares=[_error_shapes])
     app[STATE] = state
     app.cleanup_ctx.append(_background_tasks)

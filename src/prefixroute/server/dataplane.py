@@ -60,7 +60,7 @@ from aiohttp import web
 from prefixroute.core.pool import NoHealthyInstance
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
-from prefixroute.server.app import BodyTooLarge, error_for_path, prepare_inference, request_id
+from prefixroute.server.app import DECODED_CODINGS, BodyTooLarge, error_for_path, prepare_inference, request_id
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
@@ -1087,8 +1087,11 @@ class FrontServer:
         """``(path, route)``: the request's path and its inference route, or ``None``
         if the aiohttp app answers it (see the module's diagram)."""
         path = inc.url.decode("latin-1").split("?", 1)[0]
-        if inc.method != b"POST" or inc.version != "1.1" or inc.encoded or self.state.settings.record_trace is not None:
-            return path, None  # (Content-Encoding: aiohttp decodes compressed request bodies)
+        if inc.method != b"POST" or inc.version != "1.1" or self.state.settings.record_trace is not None:
+            return path, None
+        if inc.encoded and inc.index is not None and inc.index.get(b"content-encoding", b"").strip().lower().decode(
+                "latin-1") in DECODED_CODINGS:
+            return path, None  # aiohttp decodes compressed request bodies (other codings: a 415 here, in _prepare)
         route = match_route(path)
         return path, route if route is not None and self._all_plain_http() else None
 
@@ -1096,9 +1099,11 @@ class FrontServer:
         """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
         api, chat, endpoint_name = route
         headers = H.RawHeaderView(inc.headers, inc.index)
-        body: bytes | BodyTooLarge
+        body: bytes | BodyTooLarge | None
         if inc.too_large is not None:
             body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
+        elif inc.encoded:  # a coding the aiohttp app does not decode: the checks before the body answer 415
+            body = None
         else:
             body = inc.body[0] if len(inc.body) == 1 else b"".join(inc.body)
         return prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body,
