@@ -312,8 +312,11 @@ async def test_metrics_values(router, backends, http):
     assert "evil-name-123" not in text
     assert metric_value(text, "prefixroute_in_flight", **lbl, instance=inst) == 0
     assert metric_value(text, "prefixroute_instance_healthy", **lbl, instance=inst) == 1
-    for h in ("routing_decision_seconds", "ttft_seconds", "request_duration_seconds", "router_overhead_seconds"):
+    for h in ("routing_decision_seconds", "ttft_seconds", "router_overhead_seconds"):
         assert metric_value(text, f"prefixroute_{h}_count", **lbl) == 3
+    # Every answer has a duration, the router's own 400 and 404 included.
+    assert metric_value(text, "prefixroute_request_duration_seconds_count", **lbl) == 4
+    assert metric_value(text, "prefixroute_request_duration_seconds_count", endpoint="unknown", variant="") == 1
     assert metric_value(text, "prefixroute_routing_decision_seconds_bucket", **lbl, le="1e-06") is not None
     assert "S" * 50 not in text  # never prompt text
 

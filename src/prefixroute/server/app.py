@@ -133,8 +133,12 @@ def request_id(headers: Mapping[str, str]) -> str:
     return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
 
 
-def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response) -> web.Response:
-    state.metrics.responses.labels(endpoint, variant, str(resp.status)).inc()
+def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float) -> web.Response:
+    """An answer of the router's own, before anything was sent upstream: counted in
+    ``responses_total`` and, as every answer, in ``request_duration_seconds``."""
+    m = state.metrics
+    m.responses.labels(endpoint, variant, str(resp.status)).inc()
+    m.duration_seconds.labels(endpoint, variant).observe(time.perf_counter() - t0)
     return resp
 
 
@@ -230,11 +234,11 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     except UnknownEndpoint as exc:
         resp = openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), status=404, headers=hdrs)
-        return _count(state, "unknown", "", resp)
+        return _count(state, "unknown", "", resp, t0)
     except UnknownVariant as exc:
         resp = openai_error(400, str(exc), code="variant_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), headers=hdrs)
-        return _count(state, _endpoint_label(state, endpoint_name), "", resp)
+        return _count(state, _endpoint_label(state, endpoint_name), "", resp, t0)
     hdrs[H.INVOKED_VARIANT] = pool.name
     tenant = ""
     if not openai:
@@ -242,16 +246,16 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             tenant = validate_tenant_id(headers.get(H.PREFIX_AWARE_ID))
         except InvalidRequest as exc:
             return _count(state, endpoint.name, pool.name,
-                          sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs))
+                          sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs), t0)
     if isinstance(body, BodyTooLarge):
         resp = openai_error(413, str(body), code="request_too_large", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), status=413, headers=hdrs)
-        return _count(state, endpoint.name, pool.name, resp)
+        return _count(state, endpoint.name, pool.name, resp, t0)
     if isinstance(body, BodyNotDecoded):
         resp = openai_error(400, str(body), code="invalid_content_encoding", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), headers=hdrs)
         resp.force_close()  # the rest of the body is not read: aiohttp closes the connection after it
-        return _count(state, endpoint.name, pool.name, resp)
+        return _count(state, endpoint.name, pool.name, resp, t0)
     if body is None:
         coding = headers.get("Content-Encoding")
         if coding is not None and coding.strip().lower() not in DECODED_CODINGS:
@@ -260,13 +264,13 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             hdrs["Accept-Encoding"] = ", ".join(sorted(DECODED_CODINGS - {"identity"}))
             resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
-            return _count(state, endpoint.name, pool.name, resp)
+            return _count(state, endpoint.name, pool.name, resp, t0)
         return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0)
     if openai:
         try:
             _, key, blocks = parse_openai_request(body, chat, pool.routing)
         except InvalidRequest as exc:
-            return _count(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs))
+            return _count(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
         path = "/v1/chat/completions" if chat else "/v1/completions"
     else:
         component = headers.get(H.INFERENCE_COMPONENT)
