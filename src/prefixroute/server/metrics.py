@@ -120,11 +120,13 @@ class _BackendCollector(Collector):
         lbl = ("instance",)
         queries = CounterMetricFamily(
             "prefixroute_backend_prefix_cache_queries",
-            "Prompt tokens the instance looked up in its prefix cache (its vllm:prefix_cache_queries_total).",
+            "Prompt tokens the instance looked up in its prefix cache (its vllm:prefix_cache_queries_total, or "
+            "sglang:prompt_tokens_total).",
             labels=lbl)
         hits = CounterMetricFamily(
             "prefixroute_backend_prefix_cache_hits",
-            "Prompt tokens the instance found in its prefix cache (its vllm:prefix_cache_hits_total).",
+            "Prompt tokens the instance found in its prefix cache (its vllm:prefix_cache_hits_total, or "
+            "sglang:cached_tokens_total).",
             labels=lbl)
         rate = GaugeMetricFamily(
             "prefixroute_backend_prefix_cache_hit_rate",
@@ -132,13 +134,14 @@ class _BackendCollector(Collector):
             labels=lbl)
         fleet = GaugeMetricFamily(
             "prefixroute_fleet_prefix_cache_hit_rate",
-            "Cached prompt tokens / prompt tokens over every scraped instance (sum of hits / sum of queries).")
+            "Cached prompt tokens / prompt tokens over every scraped instance reporting both (sum of hits / sum of "
+            "queries).")
         running = GaugeMetricFamily(
             "prefixroute_backend_requests_running",
-            "Requests the instance reports running (vllm:num_requests_running).", labels=lbl)
+            "Requests the instance reports running (vllm:num_requests_running, sglang:num_running_reqs).", labels=lbl)
         waiting = GaugeMetricFamily(
-            "prefixroute_backend_requests_waiting", "Requests the instance reports queued (vllm:num_requests_waiting).",
-            labels=lbl)
+            "prefixroute_backend_requests_waiting",
+            "Requests the instance reports queued (vllm:num_requests_waiting, sglang:num_queue_reqs).", labels=lbl)
         ok = GaugeMetricFamily(
             "prefixroute_backend_scrape_ok", "1 if the latest scrape of the instance's /metrics succeeded, else 0.",
             labels=lbl)
@@ -148,9 +151,10 @@ class _BackendCollector(Collector):
             ok.add_metric(labels, 1.0 if s.ok else 0.0)
             if s.prefix_cache_queries is not None:
                 queries.add_metric(labels, s.prefix_cache_queries)
-                total_q += s.prefix_cache_queries
             if s.prefix_cache_hits is not None:
                 hits.add_metric(labels, s.prefix_cache_hits)
+            if s.prefix_cache_queries is not None and s.prefix_cache_hits is not None:
+                total_q += s.prefix_cache_queries  # (an engine without a hits counter: its rate is unknown)
                 total_h += s.prefix_cache_hits
             if s.hit_rate is not None:
                 rate.add_metric(labels, s.hit_rate)

@@ -1,17 +1,25 @@
 """Periodic scrape of every instance's ``/metrics``: the engines' own prefix-cache
 counters and queue lengths (SPEC §4: "backend cache-hit rate scraped from the engines").
 
-Read per instance (summed over label sets, e.g. several ``model_name`` values):
+Read per instance (summed over label sets, e.g. several ``model_name`` values), under
+vLLM's names or, when those are absent, SGLang's (``--enable-metrics``):
 
-==================================  =============================================
-``vllm:prefix_cache_queries_total``  prompt tokens looked up in the prefix cache
-``vllm:prefix_cache_hits_total``     of which found (cached)
-``vllm:num_requests_running``        requests the engine is running
-``vllm:num_requests_waiting``        requests queued in the engine
-==================================  =============================================
+* prompt tokens looked up in the prefix cache: ``vllm:prefix_cache_queries_total``;
+  SGLang ``sglang:prompt_tokens_total``
+* of which found (cached): ``vllm:prefix_cache_hits_total``; SGLang
+  ``sglang:cached_tokens_total``
+* requests the engine is running: ``vllm:num_requests_running``; SGLang
+  ``sglang:num_running_reqs``
+* requests queued in the engine: ``vllm:num_requests_waiting``; SGLang
+  ``sglang:num_queue_reqs``
 
 Older vLLM releases name the counters ``vllm:gpu_prefix_cache_queries_total`` and
 ``vllm:gpu_prefix_cache_hits_total``; they are used when the new names are absent.
+SGLang counts a request's prompt and cached tokens when it finishes (its
+``cached_tokens_total`` is labelled by ``cache_source``: device, host, storage, all
+summed; releases before it have only ``sglang:cache_hit_rate``, a gauge of the last
+batches, not read: the hit rate is then unknown). The hit rate of either engine is
+``hits / queries`` since the engine started.
 
 The text is parsed with ``prometheus_client``'s parser after keeping only the lines of
 these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsing them
@@ -37,11 +45,12 @@ __all__ = ["BackendStats", "parse_engine_metrics", "scrape_instance", "scrape_al
 
 log = logging.getLogger("prefixroute.server.scrape")
 
-_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries")
-_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits")
-_RUNNING = "vllm:num_requests_running"
-_WAITING = "vllm:num_requests_waiting"
-_FAMILIES = (*_QUERIES, *_HITS, _RUNNING, _WAITING)
+# Each tuple: the names of one figure, the first present is used (a page is one engine's).
+_QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries", "sglang:prompt_tokens")
+_HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits", "sglang:cached_tokens")
+_RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
+_WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
+_FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING)
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
 
 
@@ -106,7 +115,7 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
     def first(names: tuple[str, ...]) -> float | None:
         return next((sums[n] for n in names if n in sums), None)
 
-    return BackendStats(first(_QUERIES), first(_HITS), sums.get(_RUNNING), sums.get(_WAITING), scraped_at, True)
+    return BackendStats(first(_QUERIES), first(_HITS), first(_RUNNING), first(_WAITING), scraped_at, True)
 
 
 async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:

@@ -1,0 +1,113 @@
+"""What the router reads from each engine's ``/metrics``: vLLM's names, or SGLang's."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.core.endpoint import Fleet
+from prefixroute.server.metrics import RouterMetrics
+from prefixroute.server.scrape import BackendStats, parse_engine_metrics, scrape_all
+
+from test_server_helpers import metric_value, router_for
+
+M = 'model_name="meta-llama/Llama-3.1-8B-Instruct"'
+
+# The shape of an SGLang (--enable-metrics) page: counters by is_streaming and
+# cache_source, with their _created samples, gauges per scheduler, histograms whose
+# names start like the counters'.
+SGLANG_PAGE = f"""\
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{{{M},is_streaming="false"}} 6000.0
+sglang:prompt_tokens_total{{{M},is_streaming="true"}} 2000.0
+# HELP sglang:prompt_tokens_created Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_created gauge
+sglang:prompt_tokens_created{{{M},is_streaming="false"}} 1.7917e+09
+# HELP sglang:cached_tokens_total Number of cached prompt tokens by source.
+# TYPE sglang:cached_tokens_total counter
+sglang:cached_tokens_total{{{M},cache_source="device"}} 5000.0
+sglang:cached_tokens_total{{{M},cache_source="host"}} 1000.0
+# HELP sglang:prompt_tokens_histogram Histogram of prompt token length.
+# TYPE sglang:prompt_tokens_histogram histogram
+sglang:prompt_tokens_histogram_bucket{{{M},le="1000.0"}} 3.0
+sglang:prompt_tokens_histogram_bucket{{{M},le="+Inf"}} 4.0
+sglang:prompt_tokens_histogram_sum{{{M}}} 8000.0
+sglang:prompt_tokens_histogram_count{{{M}}} 4.0
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{{M},dp_rank="0"}} 3.0
+sglang:num_running_reqs{{{M},dp_rank="1"}} 2.0
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{{M},dp_rank="0"}} 4.0
+sglang:num_queue_reqs{{{M},dp_rank="1"}} 0.0
+# HELP sglang:cache_hit_rate The prefix cache hit rate.
+# TYPE sglang:cache_hit_rate gauge
+sglang:cache_hit_rate{{{M}}} 0.42
+# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_bucket{{{M},le="0.1"}} 4.0
+sglang:time_to_first_token_seconds_bucket{{{M},le="+Inf"}} 4.0
+sglang:time_to_first_token_seconds_sum{{{M}}} 0.2
+sglang:time_to_first_token_seconds_count{{{M}}} 4.0
+"""
+
+
+def test_an_sglang_page_gives_prompt_and_cached_tokens_and_the_queue():
+    s = parse_engine_metrics(SGLANG_PAGE, 12.5)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits) == (8000.0, 6000.0)  # summed over the label sets
+    assert s.hit_rate == 0.75  # from the counters, not the cache_hit_rate gauge
+    assert (s.requests_running, s.requests_waiting, s.engine_load) == (5.0, 4.0, 9)
+    assert s.ok and s.scraped_at == 12.5
+
+
+def test_an_sglang_release_without_cached_tokens_has_no_hit_rate_and_stays_out_of_the_fleet_rate():
+    old = "\n".join(line for line in SGLANG_PAGE.splitlines() if "cached_tokens" not in line)
+    s = parse_engine_metrics(old)
+    assert s.prefix_cache_queries == 8000.0 and s.prefix_cache_hits is None and s.hit_rate is None
+    assert s.engine_load == 9
+    vllm = parse_engine_metrics("vllm:prefix_cache_queries_total 1000.0\nvllm:prefix_cache_hits_total 900.0\n")
+    stats = {"http://a:1": vllm, "http://b:1": s}
+    fleet = Fleet(FleetConfig.single(list(stats), RoutingConfig()))
+    text = RouterMetrics(lambda: fleet, lambda: stats).render().decode()
+    assert metric_value(text, "prefixroute_fleet_prefix_cache_hit_rate") == 0.9  # (b's hits are unknown)
+    assert metric_value(text, "prefixroute_backend_prefix_cache_queries_total", instance="http://b:1") == 8000
+    assert metric_value(text, "prefixroute_backend_prefix_cache_hits_total", instance="http://b:1") is None
+
+
+def test_vllm_names_come_first_and_the_older_gpu_names_are_a_fallback():
+    both = "vllm:prefix_cache_queries_total 10.0\nvllm:gpu_prefix_cache_queries_total 99.0\n" \
+           "vllm:prefix_cache_hits_total 4.0\nvllm:num_requests_running 1.0\n"
+    s = parse_engine_metrics(both)
+    assert (s.prefix_cache_queries, s.prefix_cache_hits, s.requests_running, s.requests_waiting) == \
+        (10.0, 4.0, 1.0, None)
+    old = parse_engine_metrics("vllm:gpu_prefix_cache_queries_total 20.0\nvllm:gpu_prefix_cache_hits_total 5.0\n")
+    assert old.hit_rate == 0.25 and old.engine_load is None
+    assert parse_engine_metrics("# nothing an engine of ours exports\nother_total 3.0\n") == BackendStats(ok=True)
+
+
+async def test_the_router_scrapes_an_sglang_instance_and_its_load_reaches_the_strategy():
+    app = web.Application()
+
+    async def metrics(_request: web.Request) -> web.Response:
+        return web.Response(text=SGLANG_PAGE, content_type="text/plain")
+
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    handle = await router_for([url], RoutingConfig.build("cache-aware", None, 8))
+    try:
+        stats = await scrape_all(handle.state)
+        assert stats[url].hit_rate == 0.75 and stats[url].ok
+        [(_, pool)] = handle.fleet.all_pools()
+        assert pool.get(url).engine_load == 9  # running + waiting, what CACHE_AWARE weighs
+        text = handle.state.metrics.render().decode()
+        assert metric_value(text, "prefixroute_backend_requests_waiting", instance=url) == 4
+        assert metric_value(text, "prefixroute_fleet_prefix_cache_hit_rate") == 0.75
+    finally:
+        await handle.close()
+        await runner.cleanup()
