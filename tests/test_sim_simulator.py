@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from prefixroute.core.config import RoutingConfig
 from prefixroute.engine.core import EngineCore
 from prefixroute.engine.model import EngineConfig
 from prefixroute.sim import MembershipChange, SimConfig, Simulator, instance_ids, parse_changes, simulate
+from prefixroute.core.keys import openai_block_hashes
+from prefixroute.sim.blocks import prompt_blocks
+from prefixroute.workloads.traces import load_trace
+from test_workloads_traces import MOONCAKE, recorded_trace, write_jsonl
 from prefixroute.workloads.multi_turn import MultiTurnWorkload
 from prefixroute.workloads.shared_prefix import SharedPrefixWorkload
 
 PA = RoutingConfig.build("prefix-aware", 1024, 4)
+CA = RoutingConfig.build("cache-aware", None, 4)
 RANDOM = RoutingConfig.build("random")
 SMALL_ENGINE = EngineConfig(kv_capacity_tokens=20_000)
 
@@ -35,7 +42,7 @@ def fingerprint(res):
 
 
 @pytest.mark.parametrize("make", [shared, chats])
-@pytest.mark.parametrize("routing", [RANDOM, PA])
+@pytest.mark.parametrize("routing", [RANDOM, PA, CA])
 def test_a_seed_gives_the_same_run(make, routing) -> None:
     cfg = SimConfig(instance_ids(3), routing, engine=SMALL_ENGINE, duration_s=30, seed=5)
     a, b = simulate(cfg, make()), simulate(cfg, make())
@@ -108,6 +115,63 @@ def test_fast_path_prompts_hit_the_cache_exactly_like_text(make) -> None:
     assert [(r.instance, r.prompt_tokens, r.cached_tokens) for r in fast.requests] == \
            [(r.instance, r.prompt_tokens, r.cached_tokens) for r in text.requests]
     assert fast.cache_hit_rate == text.cache_hit_rate > 0
+
+
+@pytest.mark.parametrize("make", [shared, lambda: chats(system_prompts=3, conversation_rate=3.0)])
+def test_cache_aware_blocks_of_fast_prompts_are_shared_exactly_as_the_routers_are(make) -> None:
+    """The fast path's blocks come from routing keys, not text: two prompts must still
+    share exactly the leading blocks whose text they share, as the router's hashes of
+    the rendered text (the exact path) do, and the blocks must have the same ends."""
+    ca = CA.cache_aware
+    fast, text = [], []
+    for s in itertools.islice(make().sessions(), 40):
+        fast.append(prompt_blocks(s.turn(0).prompt, ca.block_size, ca.max_prefix_length))
+        text.append(prompt_blocks(s.turn(0, []).prompt, ca.block_size, ca.max_prefix_length))
+
+    def shared_blocks(a, b) -> int:
+        return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    assert [list(f.ends) for f in fast] == [list(t.ends) for t in text]
+    assert [f.sizes() for f in fast] == [t.sizes() for t in text]
+    pairs = [(shared_blocks(a, b), shared_blocks(c, d)) for (a, c), (b, d) in
+             itertools.combinations(zip(fast, text), 2)]
+    assert [p for p, _ in pairs] == [q for _, q in pairs]
+    assert len({p for p, _ in pairs}) >= 2 and max(p for p, _ in pairs) > 10  # pairs share more or less
+
+
+def test_cache_aware_blocks_of_trace_prompts(tmp_path) -> None:
+    ca = CA.cache_aware
+    # A prefixroute trace: digests of 64-character blocks, against the text they came from.
+    wl = shared(groups=4, prefix_tokens=600)
+    path = tmp_path / "trace.jsonl"
+    recorded_trace(path, wl, 12)
+    bodies = [s.body(0, []) for s in itertools.islice(shared(groups=4, prefix_tokens=600).sessions(), 12)]
+    fast = [prompt_blocks(r.prompt, ca.block_size, ca.max_prefix_length) for r in load_trace(path).records]
+    text = [openai_block_hashes(b, True, ca.block_size, ca.max_prefix_length) for b in bodies]
+    assert [list(f.ends) for f in fast] == [list(t.ends) for t in text]
+    for (a, c), (b, d) in itertools.combinations(zip(fast, text), 2):
+        assert [x == y for x, y in zip(a, b)] == [x == y for x, y in zip(c, d)]
+    # A Mooncake trace: hash ids of 512-token blocks, so sharing is known to 2,048 characters.
+    mc = tmp_path / "mooncake.jsonl"
+    write_jsonl(mc, MOONCAKE)
+    x, y, _, z = (prompt_blocks(r.prompt, ca.block_size, ca.max_prefix_length) for r in load_trace(mc).records)
+    within = sum(1 for e in x.ends if e <= 2048)  # the blocks inside hash id 0
+    assert x.ends[-1] == 4800 and within == 24
+    assert x.hashes()[:within] == y.hashes()[:within] == z.hashes()[:within] and x[within] != y[within]
+    two = sum(1 for e in z.ends if e <= 4096)  # ids 0 and 1 in common: 1,024 tokens
+    assert x.hashes()[:two] == z.hashes()[:two] and x[two] != z[two] and two > within
+
+
+def test_cache_aware_routes_conversations_on_their_blocks_in_the_simulator() -> None:
+    # Conversations over three system prompts: PREFIX_AWARE's key (1,024 characters)
+    # ends inside the system prompt, so every conversation of one prompt shares a key.
+    wl = dict(system_prompts=3, system_tokens=400, conversation_rate=3.0)
+    ca = simulate(SimConfig(instance_ids(4), CA, engine=SMALL_ENGINE, duration_s=60, seed=1), chats(**wl))
+    rnd = simulate(SimConfig(instance_ids(4), RANDOM, engine=SMALL_ENGINE, duration_s=60, seed=1), chats(**wl))
+    kinds = {r.decision for r in ca.requests}
+    assert "fallback" not in kinds and "affinity" in kinds  # routed on blocks, not the empty-prompt fallback
+    assert ca.cache_hit_rate > rnd.cache_hit_rate + 0.1
+    assert ca.summary().p50_ttft_s < rnd.summary().p50_ttft_s
 
 
 def test_prefix_aware_beats_random_when_the_working_set_fits_the_fleet_not_one_instance() -> None:

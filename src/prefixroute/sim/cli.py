@@ -59,7 +59,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-length", type=int, default=4096,
                    help="PrefixLength for PREFIX_AWARE, characters (default: 4096)")
     g.add_argument("--concurrency-threshold", type=int, default=8,
-                   help="ConcurrencyThreshold for PREFIX_AWARE (default: 8)")
+                   help="ConcurrencyThreshold for PREFIX_AWARE and CACHE_AWARE (default: 8; CACHE_AWARE's other "
+                        "settings are its defaults)")
     g = p.add_argument_group("load")
     g.add_argument("--duration", type=float, default=600.0,
                    help="model seconds during which requests start; requests in flight then finish (default: 600)")
@@ -244,7 +245,8 @@ def run(args: argparse.Namespace) -> int:
         if not strategies:
             raise ConfigError("--strategies: no strategy given")
         routings = [RoutingConfig.build(s, args.prefix_length, args.concurrency_threshold)
-                    if s is RoutingStrategy.PREFIX_AWARE else RoutingConfig.build(s) for s in strategies]
+                    if s in (RoutingStrategy.PREFIX_AWARE, RoutingStrategy.CACHE_AWARE) else RoutingConfig.build(s)
+                    for s in strategies]
         changes = parse_changes(args.change)
         engine = EngineConfig() if args.kv_capacity_tokens is None else EngineConfig(
             kv_capacity_tokens=args.kv_capacity_tokens)

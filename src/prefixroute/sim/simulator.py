@@ -35,6 +35,7 @@ from prefixroute.core.pool import Lease, NoHealthyInstance, VariantPool
 from prefixroute.engine.core import EngineCore, RequestRejected, StepOutput
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tokenizer import decode
+from prefixroute.sim.blocks import prompt_blocks
 from prefixroute.workloads.session import Session, Workload
 
 __all__ = ["MembershipChange", "SimConfig", "RequestRecord", "SimResult", "Simulator", "simulate", "instance_ids",
@@ -267,9 +268,13 @@ class Simulator:
                        for i in range(config.replicas)]
         for iid in config.instances:
             self._add_instance(iid)
-        pa = config.routing.prefix_aware
+        pa, ca = config.routing.prefix_aware, config.routing.cache_aware
         self._prefix_length = (pa.prefix_length if config.routing.strategy is RoutingStrategy.PREFIX_AWARE
                                and pa is not None else None)
+        # CACHE_AWARE routes on chained blocks of the routing text (sim.blocks: from the
+        # prompts' routing keys, the router's own hashes for exact text).
+        self._blocks = ((ca.block_size, ca.max_prefix_length) if config.routing.strategy is
+                        RoutingStrategy.CACHE_AWARE and ca is not None else None)
         self._flights: dict[str, _Flight] = {}
         self._records: list[RequestRecord] = []
         self._sessions: Iterator[Session] = iter(workload.sessions())
@@ -386,8 +391,9 @@ class Simulator:
                             prompt_tokens=turn.prompt.num_tokens)
         self._records.append(rec)
         key = turn.prompt.routing_key(self._prefix_length) if self._prefix_length is not None else None
+        blocks = prompt_blocks(turn.prompt, *self._blocks) if self._blocks is not None else ()
         try:
-            lease: Lease = self._pools[replica].acquire(key)
+            lease: Lease = self._pools[replica].acquire(key, (), blocks)
         except NoHealthyInstance as exc:
             rec.error = str(exc)
             self._session_done(s, t)

@@ -62,6 +62,7 @@ SHAREGPT_MEAN_OUTPUT_TOKENS = 337.99
 _SYSTEM_WRAP = len("<|system|>\n") + len("\n")  # 12
 _FIRST_USER_WRAP = len("<|user|>\n") + len("\n") + len("<|assistant|>\n")  # 24
 _NEXT_USER_WRAP = len("\n") + _FIRST_USER_WRAP  # 25: "\n" closes the previous answer
+_GENERATION = len("<|assistant|>\n")  # 14: the end of a prompt the router does not route on
 
 
 def _lognormal_tokens(rng: random.Random, mean: float, sigma: float, lo: int, hi: int) -> int:
@@ -245,7 +246,8 @@ class Conversation(Session):
         if answers is not None:
             return Turn(TextChatPrompt(self.body(k, answers)), self.output_tokens[k])
         answer = self._answer(k) if k + 1 < self.num_turns else None
-        return Turn(ChainPrompt(self.prompt_chain(k), answer, self.workload.model), self.output_tokens[k])
+        return Turn(ChainPrompt(self.prompt_chain(k), answer, self.workload.model, routing_tail=_GENERATION),
+                    self.output_tokens[k])
 
     def body(self, k: int, answers: Sequence[str]) -> dict[str, Any]:
         """Turn ``k``'s chat body; ``answers`` are the texts of answers 0..k-1 as received.

@@ -35,9 +35,14 @@ class SimPrompt(Protocol):
 
     Attributes:
         num_tokens: prompt length in tokens of the emulated engine.
+        routing_units: length of the routing text in the units ``routing_key`` counts
+            (what ``CACHE_AWARE``'s blocks cut; :func:`prefixroute.sim.blocks.prompt_blocks`).
+        token_ids: those units are token ids (a token-id trace), not characters or bytes.
     """
 
     num_tokens: int
+    routing_units: int
+    token_ids: bool
 
     def engine_prompt(self, block_tokens: int) -> HashedPrompt | str:
         """What :meth:`prefixroute.engine.core.EngineCore.add_request` gets."""
@@ -56,16 +61,25 @@ class ChainPrompt:
             later prompt contains it (a conversation's next turn), else None.
         model: the ``model`` field (part of the routing key).
         tenant: the tenant id (``prompt_cache_key``), "" for none.
+        routing_tail: characters at the end of ``chain`` that the router does not see
+            (the engine's generation prompt, after the rendered messages).
     """
 
     chain: PromptChain
     answer: Segment | None = None
     model: str = ""
     tenant: str = ""
+    routing_tail: int = 0
 
     @property
     def num_tokens(self) -> int:
         return self.chain.num_tokens
+
+    @property
+    def routing_units(self) -> int:
+        return self.chain.chars - self.routing_tail
+
+    token_ids = False
 
     def engine_prompt(self, block_tokens: int) -> HashedPrompt:
         return self.chain.hashed_prompt(self.answer, block_tokens)

@@ -258,7 +258,7 @@ class SharedPrefixSession(Session):
         if answers is not None:
             return Turn(TextChatPrompt(self.body(k, answers)), wl.output_tokens)
         chain = wl._prefix_chain(self.doc).extend(wl._question_segment(self.doc, self.index))
-        return Turn(ChainPrompt(chain, None, wl.model), wl.output_tokens)
+        return Turn(ChainPrompt(chain, None, wl.model, routing_tail=_GENERATION), wl.output_tokens)
 
     def body(self, k: int, answers: Sequence[str]) -> dict[str, Any]:
         return self.workload._body(self.doc, self.index)

@@ -163,6 +163,14 @@ class _DigestPrompt:
     tenant: str
     units_per_token: int = _CHARS_PER_TOKEN  # 1 for token-id prompts
 
+    @property
+    def routing_units(self) -> int:
+        return self.length
+
+    @property
+    def token_ids(self) -> bool:
+        return self.units_per_token == 1
+
     def engine_prompt(self, block_tokens: int) -> HashedPrompt:
         d = self.digests
         units = block_tokens * self.units_per_token
@@ -201,6 +209,12 @@ class _MooncakePrompt:
     num_tokens: int
     chain: array.array  # chained hash of hash_ids[0..b] for each block b
     model: str
+
+    @property
+    def routing_units(self) -> int:
+        return self.num_tokens * _CHARS_PER_TOKEN  # characters, as routing_key counts them
+
+    token_ids = False
 
     def engine_prompt(self, block_tokens: int) -> HashedPrompt:
         c = self.chain
