@@ -30,12 +30,12 @@ from prefixroute.core.counters import (
     SharedInstanceState,
     slot_key,
 )
-from prefixroute.core.pool import VariantPool
+from prefixroute.core.pool import NoHealthyInstance, VariantPool
 from prefixroute.core.strategies import DecisionKind, InstanceState
 from prefixroute.server.cli import configure_parser
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
-from prefixroute.server.workers import SharedCounters, worker_trace_path
+from prefixroute.server.workers import FileLock, SharedCounters, worker_trace_path
 
 SPAWN = multiprocessing.get_context("spawn")
 URLS = [f"http://10.0.0.{i}:8000" for i in range(1, 5)]
@@ -182,23 +182,86 @@ def test_router_state_churning_instances_reuses_slots_and_a_retired_one_keeps_it
     assert t.in_use == 4 and t.used == 4
 
 
-def test_zeroing_a_worker_whose_process_died_holding_the_lock_does_not_hang(monkeypatch):
-    lock = SPAWN.Lock()
+def _die_holding(path: str, held) -> None:
+    lock = FileLock(path)
+    assert lock.acquire(timeout=5)
+    held.set()
+    os.kill(os.getpid(), signal.SIGKILL)  # inside a claim, as a worker killed mid-reserve()
+
+
+def test_the_lock_of_a_worker_killed_while_holding_it_is_free_again(tmp_path):
+    path = str(tmp_path / "inflight.lock")
     buf = bytearray(InFlightTable.size(4, 2))
     InFlightTable.initialize(buf, 4, 2)
+    lock = FileLock(path)
     w0, w1 = InFlightTable(buf, 0, lock), InFlightTable(buf, 1, lock)
     (s,) = w1.reserve([7])
     w1.add(s, 3)
-    monkeypatch.setattr("prefixroute.core.counters.LOCK_TIMEOUT_S", 0.2)
-    assert lock.acquire()  # as if worker 1 died inside reserve()
+    held = SPAWN.Event()
+    p = SPAWN.Process(target=_die_holding, args=(path, held))
+    p.start()
+    assert held.wait(60)
+    p.join(20)
+    assert p.exitcode == -signal.SIGKILL
     t0 = time.monotonic()
-    assert w0.zero_worker(1) is False
-    assert time.monotonic() - t0 < 2
-    assert w0.total(s) == 0 and w0.holders(s) == 0b10  # counts zeroed, slot kept held
+    assert w0.zero_worker(1) is True  # the kernel let go of the dead process's lock
+    assert w0.reserve([8]) == [1]
+    assert time.monotonic() - t0 < 1
+    assert w0.total(s) == 0 and w0.holders(s) == 0
+
+
+def test_a_lock_held_past_the_timeout_refuses_a_claim_and_changes_nothing(tmp_path, monkeypatch):
+    path = str(tmp_path / "inflight.lock")
+    buf = bytearray(InFlightTable.size(4, 2))
+    InFlightTable.initialize(buf, 4, 2)
+    w0, w1 = InFlightTable(buf, 0, FileLock(path)), InFlightTable(buf, 1, FileLock(path))
+    (s,) = w1.reserve([7])
+    w1.add(s, 3)
+    monkeypatch.setattr("prefixroute.core.counters.LOCK_TIMEOUT_S", 0.2)
+    other = FileLock(path)  # another holder (its own open file: flock excludes it even here)
+    assert other.acquire(timeout=1)
+    t0 = time.monotonic()
     with pytest.raises(InFlightTableLocked, match="not free within 0.2 s"):
         w0.reserve([8])
-    lock.release()
+    assert w0.zero_worker(1) is False  # counts zeroed, the slot stays held
+    assert time.monotonic() - t0 < 2
+    assert w0.total(s) == 0 and w0.holders(s) == 0b10 and w0.used == 1
+    other.release()
     assert w0.reserve([8]) == [1]
+
+
+def test_a_removed_variant_takes_no_new_lease_so_a_retry_cannot_count_on_a_reused_slot():
+    (t,) = _table_views(1, capacity=3)
+    lor = RoutingConfig.build("least-outstanding-requests")
+    x1, x2, y1, z1 = (f"http://10.0.5.{i}:8000" for i in range(1, 5))
+    state = RouterState(FleetConfig.single([x1, x2], lor, variant="V"), ServerSettings(port=0), counters=t)
+    (_, old), = state.fleet.all_pools()
+    lease = old.acquire(None, {x2})  # a request on x1, about to fail and retry
+    state.apply_config(FleetConfig.single([z1], lor, variant="Z"))  # V removed
+    state.apply_config(FleetConfig.single([y1], lor, variant="W"))
+    (_, new), = state.fleet.all_pools()
+    assert old.closed and not new.closed
+    assert t.reserve([slot_key("default", "W", y1)]) == [1]  # x2's slot, taken over (x1's has the request)
+    with pytest.raises(NoHealthyInstance, match="'V' was removed"):
+        old.acquire(None, {x1})  # the retry: no instance of the removed variant
+    assert new.get(y1).in_flight == 0
+    lease.release()
+    assert lease.instance.in_flight == 0
+
+
+def test_removed_instances_whose_requests_ended_free_their_slots_for_the_next_change():
+    (t,) = _table_views(1, capacity=4)
+    lor = RoutingConfig.build("least-outstanding-requests")
+    urls = [f"http://10.0.6.{i}:8000" for i in range(6)]
+    state = RouterState(FleetConfig.single(urls[:2], lor), ServerSettings(port=0), counters=t)
+    (_, pool), = state.fleet.all_pools()
+    lease = pool.acquire(None)
+    state.apply_config(FleetConfig.single(urls[2:4], lor))  # the busy one is retired, and keeps its slot
+    assert pool.retired_ids == (lease.instance.instance_id,) and t.in_use == 3
+    lease.release()
+    state.apply_config(FleetConfig.single(urls[4:6], lor))  # needs the retired one's slot: it is free now
+    assert [i.instance_id for i in pool.instances] == urls[4:6] and pool.retired_ids == ()
+    assert t.in_use == 2
 
 
 @settings(max_examples=300, deadline=None)

@@ -70,14 +70,14 @@ _HEADER_BYTES = _HEADER_WORDS * 8
 _H_MAGIC, _H_VERSION, _H_CAPACITY, _H_WORKERS, _H_USED = range(5)
 
 
-#: Longest wait for the table's lock (seconds): it is held for microseconds, so a longer
-#: wait means a process died holding it.
+#: Longest wait for the table's lock (seconds): it is held for a few milliseconds at most
+#: (claiming thousands of slots), so a longer wait means something is wrong.
 LOCK_TIMEOUT_S = 5.0
 
 
 class InFlightTableLocked(ConfigError):
-    """The shared table's lock stayed taken for :data:`LOCK_TIMEOUT_S` (a worker died
-    while holding it): slots cannot be claimed until the router restarts."""
+    """The shared table's lock stayed taken for :data:`LOCK_TIMEOUT_S`: nothing was
+    claimed or let go of."""
 
 
 class InFlightTableFull(ConfigError):
@@ -105,15 +105,17 @@ class InFlightTable:
             :meth:`initialize`, e.g. ``SharedMemory.buf``).
         worker: this process's column, ``0 <= worker < workers``; a supervisor that
             only reads and zeroes columns may pass any valid column.
-        lock: held while slots are claimed or let go (a ``multiprocessing.Lock`` shared
-            by every process using the table); ``None`` for a table used by one
-            process only.
+        lock: held while slots are claimed or let go, shared by every process using
+            the table: an object with ``acquire(timeout=seconds) -> bool`` and
+            ``release()``, best one that the kernel frees when its holder dies
+            (:class:`prefixroute.server.workers.FileLock`; a ``multiprocessing.Lock``
+            stays taken then). ``None`` for a table used by one process only.
 
     Raises:
         ValueError: the buffer is not a table, is too small, or ``worker`` is out of range.
     """
 
-    def __init__(self, buf: Any, worker: int, lock: ContextManager[Any] | None = None) -> None:
+    def __init__(self, buf: Any, worker: int, lock: Any = None) -> None:
         mv = memoryview(buf)
         if mv.format != "B" or mv.ndim != 1:
             mv = mv.cast("B")
@@ -291,8 +293,8 @@ class InFlightTable:
         only while no process writes that column.
 
         Returns:
-            False if the counts were zeroed but the lock stayed taken (the dead worker
-            held it), so its slots stay held: never taken over, nothing miscounted.
+            False if the counts were zeroed but the lock stayed taken, so its slots stay
+            held: never taken over, nothing miscounted.
         """
         w = self.workers
         for slot in range(self.used):
@@ -319,8 +321,8 @@ class InFlightTable:
             return
         if not lock.acquire(timeout=LOCK_TIMEOUT_S):
             raise InFlightTableLocked(
-                f"the shared in-flight table's lock was not free within {LOCK_TIMEOUT_S:g} s (a worker died "
-                "holding it?): slots cannot be claimed until the router restarts")
+                f"the shared in-flight table's lock was not free within {LOCK_TIMEOUT_S:g} s: no slot was claimed "
+                "or let go of; try again")
         try:
             yield
         finally:

@@ -60,6 +60,9 @@ class Endpoint:
                 pool.set_instances(v.instances)
                 pool.set_routing(v.routing)
             pools[v.name] = pool
+        for name, gone in self.pools.items():
+            if name not in pools:
+                gone.close()  # a retry of a request still on it gets no instance
         self.pools = pools
         self._weights = {v.name: v.weight for v in config.variants}
 
@@ -117,6 +120,10 @@ class Fleet:
             else:
                 ep.apply(e, sub_seed)
             endpoints[e.name] = ep
+        for name, gone in self.endpoints.items():
+            if name not in endpoints:
+                for pool in gone.pools.values():
+                    pool.close()
         self.endpoints = endpoints
         self.default_name = config.endpoints[0].name
         self.config = config

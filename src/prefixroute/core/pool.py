@@ -116,6 +116,7 @@ class VariantPool:
         self._healthy: tuple[InstanceState, ...] | None = None
         self._routing = routing
         self._strategy: Strategy = make_strategy(routing, self._rng)
+        self._closed = False
         self.set_instances(instance_ids)
 
     # -- configuration ------------------------------------------------------------
@@ -146,6 +147,21 @@ class VariantPool:
         """Removed instances whose state is kept because requests were in flight on
         them at the last membership change (added back, they count those requests)."""
         return tuple(self._retired)
+
+    def prune_retired(self) -> None:
+        """Forget the removed instances whose requests have all finished since."""
+        self._retired = {i: s for i, s in self._retired.items() if s.in_flight > 0}
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """The variant was removed from the configuration: no decision is made on it
+        any more (:meth:`choose` raises), so a request still on it that retries does not
+        claim one of its instances again (with ``--workers N`` their shared slots may
+        count another instance by then). Leases already taken still release."""
+        self._closed = True
 
     def set_instances(self, instance_ids: Iterable[str]) -> None:
         """Replace the membership. Instances kept keep their state; removed ones stop
@@ -184,9 +200,12 @@ class VariantPool:
             blocks: chained block hashes (``CACHE_AWARE``), or empty.
 
         Raises:
-            NoHealthyInstance: no healthy, non-excluded instance.
+            NoHealthyInstance: no healthy, non-excluded instance, or the pool is
+                :meth:`closed`.
         """
         t0 = time.perf_counter()
+        if self._closed:
+            raise NoHealthyInstance(f"production variant {self.name!r} was removed from the configuration")
         if exclude:
             candidates = [s for s in self._instances if s.healthy and s.instance_id not in exclude]
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import aiohttp
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
-from prefixroute.core.counters import InFlightTable, config_slot_keys, slot_key
+from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
@@ -78,14 +78,28 @@ class RouterState:
             prefixroute.core.counters.InFlightTableFull: (``--workers N``) the shared
                 in-flight table has no room for the new instances; nothing changed.
         """
-        if self.counters is not None:
-            self.counters.reserve(config_slot_keys(config))  # all or nothing, before any change
+        counters = self.counters
+        if counters is not None:
+            # Removed instances whose requests have finished since need their slots no
+            # more: let go of them first, so that the new configuration may take them.
+            for _, pool in self.fleet.all_pools():
+                pool.prune_retired()
+            counters.retain(self._held_slot_keys())
+            counters.reserve(config_slot_keys(config))  # all or nothing, before any change
         self.fleet.apply(config, self.settings.seed)
-        if self.counters is not None:  # slots of instances gone for good may be taken over
-            self.counters.retain(slot_key(ep, pool.name, i) for ep, pool in self.fleet.all_pools()
-                                 for i in (*(s.instance_id for s in pool.instances), *pool.retired_ids))
+        if counters is not None:  # slots of instances gone for good may be taken over
+            try:
+                counters.retain(self._held_slot_keys())
+            except InFlightTableLocked as exc:  # the change is made; the slots are let go of next time
+                log.warning("configuration applied, but the slots of removed instances are kept for now: %s", exc)
         self.publish_engine_load()
         log.info("configuration applied: %s", _summary(config))
+
+    def _held_slot_keys(self) -> list[int]:
+        """The shared slots this process's pools need: their instances' and their
+        removed instances' with requests in flight."""
+        return [slot_key(ep, pool.name, i) for ep, pool in self.fleet.all_pools()
+                for i in (*(s.instance_id for s in pool.instances), *pool.retired_ids)]
 
     def set_routing(self, endpoint: str, variant: str, routing: RoutingConfig) -> FleetConfig:
         """Switch one production variant's routing; returns the new configuration.

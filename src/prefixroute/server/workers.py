@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import logging
 import multiprocessing
+import fcntl
 import os
 import secrets
 import shutil
@@ -57,10 +58,10 @@ import orjson
 from aiohttp import web
 
 from prefixroute.core.config import ConfigError, FleetConfig
-from prefixroute.core.counters import DEFAULT_CAPACITY, MAX_WORKERS, InFlightTable
+from prefixroute.core.counters import DEFAULT_CAPACITY, LOCK_TIMEOUT_S, MAX_WORKERS, InFlightTable
 from prefixroute.server.settings import ServerSettings
 
-__all__ = ["SharedCounters", "WorkerSpec", "Supervisor", "serve_workers", "worker_trace_path",
+__all__ = ["FileLock", "SharedCounters", "WorkerSpec", "Supervisor", "serve_workers", "worker_trace_path",
            "MAX_WORKERS", "READY_TIMEOUT_S"]
 
 log = logging.getLogger("prefixroute.server")
@@ -74,6 +75,47 @@ _EXIT_GRACE_S = 10.0
 #: Timeout of one supervisor -> worker admin call, seconds.
 _ADMIN_CALL_TIMEOUT_S = 15.0
 _SHM_PREFIX = "prefixroute-"
+
+
+class FileLock:
+    """An exclusive ``flock`` on ``path``: the shared in-flight table's lock. The kernel
+    releases it when its holder's process dies, even by SIGKILL (a ``multiprocessing``
+    lock would stay taken, and every later claim of a slot would wait for it). Each
+    process opens the file itself (only the path is pickled to a worker).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path, self._fd = state["path"], None
+
+    def acquire(self, timeout: float = -1.0) -> bool:
+        """Take the lock; False if it is still taken after ``timeout`` seconds (< 0: wait)."""
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if 0 <= timeout and time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.0005)  # held for milliseconds at most, and only while slots are claimed
+
+    def release(self) -> None:
+        assert self._fd is not None
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 class SharedCounters:
@@ -282,7 +324,7 @@ class Supervisor:
         self.counters: SharedCounters | None = None
         self.metrics_dir: str | None = None
         self._ctx = multiprocessing.get_context("spawn")
-        self._lock = self._ctx.Lock()
+        self._lock: FileLock | None = None  # in metrics_dir, made by run()
         self._token = secrets.token_urlsafe(32)
         self._workers = [_Worker(i) for i in range(settings.workers)]
         self._stopping = False
@@ -334,8 +376,10 @@ class Supervisor:
             return 1
         try:
             self.url = _url(s.host, self.port)
-            self.counters = SharedCounters.create(s.workers, self._lock)
             self.metrics_dir = tempfile.mkdtemp(prefix=f"prefixroute-metrics-{os.getpid()}-")
+            # (prometheus-client reads only the *.db files there)
+            self._lock = FileLock(os.path.join(self.metrics_dir, "inflight.lock"))
+            self.counters = SharedCounters.create(s.workers, self._lock)
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_ADMIN_CALL_TIMEOUT_S))
             for w in self._workers:
                 self._spawn(w, self.config)
@@ -435,8 +479,8 @@ class Supervisor:
                                                "was listening (see its log above)"))
             w.ready.exception()  # retrieved: no "never retrieved" warning if nobody waits
         if self.counters is not None and not self.counters.table.zero_worker(w.index):  # its requests died with it
-            log.warning("worker %d died holding the shared in-flight table's lock: its counts were zeroed, but new "
-                        "instances cannot get a slot until the router restarts", w.index)
+            log.warning("worker %d: its in-flight counts were zeroed, but the shared table's lock was not free within "
+                        "%g s, so its slots stay held", w.index, LOCK_TIMEOUT_S)
         if self._stopping or w.process is not proc:
             return
         lived = time.monotonic() - w.started
@@ -522,6 +566,8 @@ class Supervisor:
         if self.counters is not None:
             self.counters.unlink()
             self.counters = None
+        if self._lock is not None:
+            self._lock.close()
         if self.metrics_dir is not None:
             shutil.rmtree(self.metrics_dir, ignore_errors=True)
             self.metrics_dir = None
