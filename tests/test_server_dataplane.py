@@ -211,7 +211,7 @@ async def test_other_routes_and_http10_go_through_aiohttp(router, backend):
     assert len(backend.received) == 1
 
 
-async def test_compressed_body_is_decoded_by_aiohttp(router, backend):
+async def test_a_compressed_body_is_forwarded_decoded(router, backend):
     async with aiohttp.ClientSession() as http:
         async with http.post(router.url + "/v1/chat/completions", data=gzip.compress(CHAT),
                              headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
@@ -258,6 +258,73 @@ async def test_undecodable_or_unsupported_content_encodings_are_answered_in_the_
         assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
     finally:
         await handle.close()
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/endpoints/default/invocations"])
+async def test_content_encoding_values_are_read_alike_by_the_check_and_the_decoders(backend, data_plane, path,
+                                                                                   caplog):
+    """Raw heads: two Content-Encoding lines are a list (RFC 9110 §5.3), a value with
+    non-ASCII space is no coding anyone decodes. Both are 415 and nothing is forwarded
+    (aiohttp decodes by the last line, and only ASCII values)."""
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane))
+    packed = gzip.compress(CHAT)
+    try:
+        for extra in (b"Content-Encoding: gzip\r\nContent-Encoding: gzip\r\n",
+                      b"Content-Encoding: gzip\xc2\xa0\r\n", b"Content-Encoding: gzip\r\ncontent-encoding: x-foo\r\n"):
+            reader, writer = await _connect(handle)
+            writer.write(b"POST %s HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n%sContent-Length: %d\r\n\r\n"
+                         % (path.encode(), extra, len(packed)) + packed)
+            status, headers, body = await _read_response(reader)
+            writer.close()
+            assert status == 415, (extra, body)
+            assert b"is not supported" in body and headers["accept-encoding"] == "deflate, gzip"
+        assert backend.received == []
+        assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
+    finally:
+        await handle.close()
+
+
+async def test_the_fast_plane_decodes_gzip_and_deflate_strictly(router, backend, caplog):
+    """gzip (several members too) and deflate (zlib-wrapped or raw) bodies are decoded
+    on the fast plane; one cut short, with a bad checksum or with bytes after its end is
+    a 400 (aiohttp would pass a gzip body cut short on as the part that decoded), and a
+    body past --max-body-size once decoded a 413, decoding stopped there."""
+    import zlib
+
+    def deflate(data: bytes, wbits: int) -> bytes:
+        c = zlib.compressobj(wbits=wbits)
+        return c.compress(data) + c.flush()
+
+    half = len(CHAT) // 2
+    good = {"gzip": [gzip.compress(CHAT), gzip.compress(CHAT[:half]) + gzip.compress(CHAT[half:])],
+            "deflate": [deflate(CHAT, 15), deflate(CHAT, -15)]}
+    packed = gzip.compress(CHAT)
+    bad_crc = packed[:-8] + bytes([packed[-8] ^ 1]) + packed[-7:]
+    bad = {"gzip": [packed[: len(packed) // 2], packed[:-4], bad_crc, packed + b"junk", packed + packed[:10]],
+           "deflate": [deflate(CHAT, 15)[:-4], deflate(CHAT, -15)[:-3], deflate(CHAT, 15) + b"junk"]}
+    bomb = gzip.compress(b"[" + b"0," * LIMIT + b"0]")
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        for coding, bodies in good.items():
+            for body in bodies:
+                async with http.post(router.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Encoding": coding, "Content-Type": "application/json"}) as r:
+                    assert r.status == 200, (coding, await r.text())
+        for coding, bodies in bad.items():
+            for body in bodies:
+                async with http.post(router.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Encoding": coding, "Content-Type": "application/json"}) as r:
+                    assert r.status == 400, (coding, body[-12:], await r.text())
+                    assert (await r.json())["error"]["code"] == "invalid_content_encoding"
+        async with http.post(router.url + "/endpoints/default/invocations", data=bomb,
+                             headers={"Content-Encoding": "gzip", "Content-Type": "application/json"}) as r:
+            assert r.status == 413 and len(bomb) < LIMIT
+            assert "decoded from its Content-Encoding, it went past it" in (await r.json())["message"]
+    assert [rec.body for rec in backend.received] == [CHAT] * 4
+    assert all("Content-Encoding" not in rec.headers for rec in backend.received)
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]
 
 
 async def test_malformed_request_is_400_and_closed(router, backend):

@@ -87,6 +87,19 @@ def test_vllm_names_come_first_and_the_older_gpu_names_are_a_fallback():
     assert parse_engine_metrics("# nothing an engine of ours exports\nother_total 3.0\n") == BackendStats(ok=True)
 
 
+def test_nan_infinite_or_negative_samples_leave_a_figure_unknown_and_break_nothing():
+    page = ("sglang:num_running_reqs NaN\nsglang:num_queue_reqs{dp_rank=\"0\"} 2\n"
+            "sglang:num_queue_reqs{dp_rank=\"1\"} +Inf\nsglang:prompt_tokens_total 100\n"
+            "sglang:cached_tokens_total -5\n")
+    s = parse_engine_metrics(page)
+    assert (s.requests_running, s.requests_waiting, s.prefix_cache_queries, s.prefix_cache_hits) == \
+        (None, None, 100.0, None)
+    assert s.engine_load is None and s.hit_rate is None  # was a ValueError out of engine_load
+    fleet = Fleet(FleetConfig.single(["http://a:1"], RoutingConfig()))
+    text = RouterMetrics(lambda: fleet, lambda: {"http://a:1": s}).render().decode()
+    assert metric_value(text, "prefixroute_backend_requests_running", instance="http://a:1") is None
+
+
 async def test_the_router_scrapes_an_sglang_instance_and_its_load_reaches_the_strategy():
     app = web.Application()
 

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import zlib
 from random import getrandbits
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
@@ -49,7 +50,8 @@ from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
 from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
-__all__ = ["STATE", "BodyTooLarge", "build_app", "error_for_path", "parse_openai_request", "native_request_key",
+__all__ = ["STATE", "DECODED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app", "decode_request_body",
+           "request_coding", "error_for_path", "parse_openai_request", "native_request_key",
            "prepare_inference", "request_id", "validate_openai_body"]
 
 log = logging.getLogger("prefixroute.server")
@@ -142,14 +144,66 @@ def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response, 
     return resp
 
 
-#: The request Content-Encodings the aiohttp app decodes (the fast data plane hands every
-#: request with a Content-Encoding to it): aiohttp's own list, a single coding, brotli and
-#: zstd only with their libraries installed. ``identity`` is the body as is. Any other
-#: value is a 415 (RFC 9110 §15.5.16), with ``Accept-Encoding`` naming these, instead of
-#: a body forwarded still encoded without its Content-Encoding.
+#: The request Content-Encodings decoded: gzip and deflate (the fast data plane decodes
+#: them itself, strictly: :func:`decode_request_body`), brotli and zstd by the aiohttp app
+#: only with their libraries installed; ``identity`` (or an empty value) is the body as is.
+#: One coding only. Any other value is a 415 (RFC 9110 §15.5.16) with ``Accept-Encoding``
+#: naming these, instead of a body forwarded still encoded without its Content-Encoding.
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"}
                             | ({"br"} if getattr(_compression, "HAS_BROTLI", False) else set())
                             | ({"zstd"} if getattr(_compression, "HAS_ZSTD", False) else set()))
+
+#: Most gzip members one body may hold (aiohttp has a cap too): each costs a decoder.
+_MAX_GZIP_MEMBERS = 1024
+
+
+def request_coding(headers: Any) -> str | None:
+    """The request's Content-Encoding as one normalised value: every field line's value
+    joined with ", " (RFC 9110 §5.3: two lines are a list of two codings), without the
+    surrounding spaces and tabs, lower-cased; ``"identity"`` for none or an empty value;
+    ``None`` if it is not ASCII (no decoder reads it). ``headers``: a ``CIMultiDict`` or
+    :class:`~prefixroute.server.headers.RawHeaderView` (anything with ``getall``)."""
+    value = ", ".join(headers.getall("Content-Encoding", []))
+    if not value.isascii():
+        return None
+    value = value.strip(" \t").lower()
+    return value or "identity"
+
+
+def decode_request_body(data: bytes, coding: str, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
+    """``data`` decoded from ``coding``, at most ``limit`` bytes of it.
+
+    ``gzip``: one or more members (RFC 1952); ``deflate``: zlib-wrapped (RFC 1950) or
+    raw (RFC 1951), as aiohttp and browsers take it. Strict where aiohttp is not: a
+    truncated stream, a bad checksum or bytes after the end are :class:`BodyNotDecoded`
+    (aiohttp passes a gzip body cut short on as the part that decoded). Decoding stops
+    as soon as the output passes ``limit`` (:class:`BodyTooLarge`: a decompression
+    bomb costs at most ``limit`` bytes). An empty ``data`` is an empty body.
+    """
+    if not data:
+        return b""
+    out: list[bytes] = []
+    size = 0
+    rest = data
+    wbits = 31 if coding == "gzip" else (15 if data[0] & 0x0F == 8 else -15)
+    try:
+        for _ in range(_MAX_GZIP_MEMBERS):
+            d = zlib.decompressobj(wbits)
+            chunk = d.decompress(rest, limit + 1 - size)
+            size += len(chunk)
+            if size > limit:
+                return BodyTooLarge(limit, None, decoded=True)
+            out.append(chunk)
+            if not d.eof:
+                return BodyNotDecoded(coding)  # cut short
+            rest = d.unused_data
+            if not rest:
+                return b"".join(out)
+            if coding != "gzip":
+                return BodyNotDecoded(coding)  # bytes after the end
+    except zlib.error:
+        return BodyNotDecoded(coding)
+    return BodyNotDecoded(coding)  # more members than we decode
 
 
 class BodyNotDecoded(Exception):
@@ -160,10 +214,12 @@ class BodyNotDecoded(Exception):
 
 
 class BodyTooLarge(Exception):
-    """A request body over ``--max-body-size`` (declared, or found while reading it)."""
+    """A request body over ``--max-body-size`` (declared, or found while reading or
+    decoding it)."""
 
-    def __init__(self, limit: int, size: int | None) -> None:
-        got = f"{size:,} bytes" if size is not None else "a chunked body went past it"
+    def __init__(self, limit: int, size: int | None, decoded: bool = False) -> None:
+        got = f"{size:,} bytes" if size is not None else (
+            "decoded from its Content-Encoding, it went past it" if decoded else "a chunked body went past it")
         super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
 
 
@@ -180,7 +236,7 @@ async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge |
     except web.HTTPRequestEntityTooLarge:
         return BodyTooLarge(limit, None)
     except web.RequestPayloadError:  # (aiohttp: the decompressor failed)
-        return BodyNotDecoded(request.headers.get("Content-Encoding", "").strip().lower())
+        return BodyNotDecoded(request_coding(request.headers) or "")
 
 
 def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
@@ -257,9 +313,10 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         resp.force_close()  # the rest of the body is not read: aiohttp closes the connection after it
         return _count(state, endpoint.name, pool.name, resp, t0)
     if body is None:
-        coding = headers.get("Content-Encoding")
-        if coding is not None and coding.strip().lower() not in DECODED_CODINGS:
-            msg = (f"Content-Encoding {coding[:64]!r} is not supported: send the body as is, or in one of "
+        coding = request_coding(headers)
+        if coding not in DECODED_CODINGS:
+            shown = ", ".join(headers.getall("Content-Encoding", []))
+            msg = (f"Content-Encoding {shown[:64]!r} is not supported: send the body as is, or in one of "
                    f"{', '.join(sorted(DECODED_CODINGS - {'identity'}))}")
             hdrs["Accept-Encoding"] = ", ".join(sorted(DECODED_CODINGS - {"identity"}))
             resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
@@ -422,15 +479,18 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
 
 
 class _AnsweredUndecodableBody(logging.Filter):
-    """Drops aiohttp's "Unhandled exception" record for a request whose body its
-    decompressor rejected: the handler has answered it (400, :class:`BodyNotDecoded`),
-    and aiohttp then meets the same error again while draining the rest of the body
-    before closing the connection (aio-libs/aiohttp#1710). The client's error, answered
-    already: not a traceback in the router's log for every such request."""
+    """Drops aiohttp's records of a request body its decompressor rejected: "Unhandled
+    exception" after the handler answered it (400, :class:`BodyNotDecoded`), when aiohttp
+    meets the error again while draining the rest of the body (aio-libs/aiohttp#1710),
+    and "Error handling request" when its parser refuses the body or its coding itself
+    (a deflate stream cut short, br without Brotli: its plain-text 400, aiohttp data
+    plane). The client's error, answered: not a traceback in the router's log each time."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not (isinstance(exc, web.RequestPayloadError) and isinstance(exc.__cause__, ContentEncodingError))
+        if isinstance(exc, web.RequestPayloadError):
+            exc = exc.__cause__
+        return not isinstance(exc, ContentEncodingError)
 
 
 _UNDECODABLE_FILTER = _AnsweredUndecodableBody()

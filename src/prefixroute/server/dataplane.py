@@ -10,14 +10,15 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
 ::
 
     client ──► FrontServer (public port, this module)
-                 │ POST inference route, HTTP/1.1, plain body, http:// instances
+                 │ POST inference route, HTTP/1.1, http:// instances, a body plain or
+                 │ gzip/deflate (decoded here, strictly; any coding but br/zstd: 415)
                  ├──► prepare_inference (app.py: resolve, validate, routing key)
                  │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
                  │      (from the parser's callback, FrontServer.begin, when the client
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)
                  │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
-                 │ Content-Encoding, unknown paths, --record-trace, https instances)
+                 │ br/zstd bodies, unknown paths, --record-trace, https instances)
                  └──► the aiohttp app on a private Unix socket (same process), relayed
 
 Behaviour is the aiohttp path's (:func:`prefixroute.server.proxy.forward`), which stays
@@ -60,7 +61,16 @@ from aiohttp import web
 from prefixroute.core.pool import NoHealthyInstance
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
-from prefixroute.server.app import DECODED_CODINGS, BodyTooLarge, error_for_path, prepare_inference, request_id
+from prefixroute.server.app import (
+    DECODED_CODINGS,
+    BodyNotDecoded,
+    BodyTooLarge,
+    decode_request_body,
+    error_for_path,
+    prepare_inference,
+    request_coding,
+    request_id,
+)
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
@@ -77,6 +87,11 @@ _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [
 # Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).
 _FRAMING = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te",
                       b"trailer", b"upgrade", b"proxy-connection", b"expect"})
+
+
+#: Request codings the aiohttp app decodes and the fast plane does not (their libraries
+#: installed): such requests go there.
+_AIOHTTP_DECODES = DECODED_CODINGS - {"identity", "gzip", "deflate"}
 
 
 def match_route(path: str) -> tuple[Api, bool, str | None] | None:
@@ -1089,9 +1104,8 @@ class FrontServer:
         path = inc.url.decode("latin-1").split("?", 1)[0]
         if inc.method != b"POST" or inc.version != "1.1" or self.state.settings.record_trace is not None:
             return path, None
-        if inc.encoded and inc.index is not None and inc.index.get(b"content-encoding", b"").strip().lower().decode(
-                "latin-1") in DECODED_CODINGS:
-            return path, None  # aiohttp decodes compressed request bodies (other codings: a 415 here, in _prepare)
+        if inc.encoded and request_coding(H.RawHeaderView(inc.headers, inc.index)) in _AIOHTTP_DECODES:
+            return path, None  # br, zstd: aiohttp decodes them (gzip, deflate: _prepare; the others: a 415 there)
         route = match_route(path)
         return path, route if route is not None and self._all_plain_http() else None
 
@@ -1099,13 +1113,17 @@ class FrontServer:
         """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
         api, chat, endpoint_name = route
         headers = H.RawHeaderView(inc.headers, inc.index)
-        body: bytes | BodyTooLarge | None
+        body: bytes | BodyTooLarge | BodyNotDecoded | None
         if inc.too_large is not None:
             body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
-        elif inc.encoded:  # a coding the aiohttp app does not decode: the checks before the body answer 415
-            body = None
         else:
             body = inc.body[0] if len(inc.body) == 1 else b"".join(inc.body)
+            if inc.encoded:
+                coding = request_coding(headers)
+                if coding in ("gzip", "deflate"):
+                    body = decode_request_body(body, coding, self.state.settings.max_body_bytes)
+                elif coding != "identity":  # decoded by nobody: the checks before the body answer 415
+                    body = None
         return prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body,
                                  request_id(headers), inc.t0)
 

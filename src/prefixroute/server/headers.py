@@ -134,6 +134,13 @@ class RawHeaderView(Mapping[str, str]):
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and self._lookup(name) is not None
 
+    def getall(self, name: str, default: list[str] | None = None) -> list[str]:
+        """Every value of ``name``, in order (``CIMultiDict.getall``; ``default`` or
+        ``[]`` when there is none)."""
+        low = name.lower().encode("latin-1", "replace")
+        out = [v.decode("utf-8", "surrogateescape") for k, v in self._raw if k.lower() == low]
+        return out if out else (default if default is not None else [])
+
     def __iter__(self) -> Iterator[str]:
         return (k.decode("latin-1") for k, _ in self._raw)
 

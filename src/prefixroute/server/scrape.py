@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -99,18 +100,25 @@ def _wanted(line: str) -> bool:
 
 
 def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
-    """The :class:`BackendStats` in a Prometheus text exposition.
+    """The :class:`BackendStats` in a Prometheus text exposition. A figure any of whose
+    samples is NaN, infinite or negative is unknown (``None``), as if not exported.
 
     Raises:
         ValueError: the relevant lines are not valid exposition format.
     """
     kept = "\n".join(line for line in text.splitlines() if _wanted(line)) + "\n"
     sums: dict[str, float] = {}
+    bad: set[str] = set()
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
-            if name in _FAMILIES and not sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
-                sums[name] = sums.get(name, 0.0) + float(sample.value)
+            value = float(sample.value)
+            if not 0.0 <= value < math.inf:  # NaN, infinite or negative: not a count, the figure stays unknown
+                bad.add(name)
+            elif name in _FAMILIES and not sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
+                sums[name] = sums.get(name, 0.0) + value
+    for name in bad:
+        sums.pop(name, None)
 
     def first(names: tuple[str, ...]) -> float | None:
         return next((sums[n] for n in names if n in sums), None)
