@@ -218,6 +218,19 @@ def test_no_instance_left_is_an_error_not_a_crash() -> None:
     assert res.summary().errors == len(late)
 
 
+def test_closed_loop_users_wait_for_an_instance_when_none_is_left() -> None:
+    # Was a RecursionError: each user's request failed at once and it began the next one
+    # at the same model time, forever.
+    changes = (MembershipChange(5.0, "remove", "instance-0"), MembershipChange(12.0, "add", "instance-1"))
+    res = simulate(SimConfig(instance_ids(1), RANDOM, duration_s=20, users=3, changes=changes), shared())
+    failed = [r for r in res.requests if r.error]
+    assert len(failed) == 3 and all(5.0 <= r.arrival_s < 12.0 for r in failed)  # one per user, then it waits
+    after = [r for r in res.requests if r.arrival_s >= 12.0]
+    assert after and all(not r.error and r.instance == "instance-1" for r in after)
+    gone = simulate(SimConfig(instance_ids(1), RANDOM, duration_s=20, users=3, changes=changes[:1]), shared())
+    assert [r.arrival_s >= 5.0 for r in gone.requests if r.error] == [True] * 3  # none comes back: the run ends
+
+
 def test_overhead_is_added_to_every_request() -> None:
     base = simulate(SimConfig(instance_ids(2), RANDOM, duration_s=10), shared(arrival_rate=0.5))
     slow = simulate(SimConfig(instance_ids(2), RANDOM, duration_s=10, overhead_s=0.25), shared(arrival_rate=0.5))

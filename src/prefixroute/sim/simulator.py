@@ -280,6 +280,7 @@ class Simulator:
         self._sessions: Iterator[Session] = iter(workload.sessions())
         self._session_index: dict[int, int] = {}
         self._started_sessions = 0
+        self._parked = 0  # closed-loop users whose request found no instance, until one is added
         self._stopped = False
         self.now = 0.0
 
@@ -327,7 +328,7 @@ class Simulator:
                 self._begin_session(a, t)
                 self._next_open_session()
             else:
-                self._change(a)
+                self._change(a, t)
             if progress is not None and events >= next_report:
                 next_report = events + 5000
                 progress(t)
@@ -396,6 +397,12 @@ class Simulator:
             lease: Lease = self._pools[replica].acquire(key, (), blocks)
         except NoHealthyInstance as exc:
             rec.error = str(exc)
+            if self.config.users is not None:
+                # A closed-loop user would fail again at once, forever, at this model
+                # time: it waits for an instance to join instead.
+                self._session_index.pop(id(s), None)
+                self._parked += 1
+                return
             self._session_done(s, t)
             return
         decision = lease.decision
@@ -501,13 +508,17 @@ class Simulator:
                 else:
                     self._session_done(s, t)
 
-    def _change(self, ch: MembershipChange) -> None:
+    def _change(self, ch: MembershipChange, t: float) -> None:
         if ch.action == "add":
             self._add_instance(ch.instance)
         elif ch.instance in self._members:
             self._members.remove(ch.instance)
         for pool in self._pools:
             pool.set_instances(self._members)
+        if ch.action == "add" and self._parked:  # closed-loop users left without an instance
+            parked, self._parked = self._parked, 0
+            for _ in range(parked):
+                self._start_closed_session(t)
 
 
 def simulate(config: SimConfig, workload: Workload, progress: Callable[[float], None] | None = None) -> SimResult:
