@@ -33,9 +33,7 @@ from random import getrandbits
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import orjson
-from aiohttp import compression_utils as _compression
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
 
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
@@ -144,17 +142,18 @@ def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response, 
     return resp
 
 
-#: The request Content-Encodings decoded: gzip and deflate (the fast data plane decodes
-#: them itself, strictly: :func:`decode_request_body`), brotli and zstd by the aiohttp app
-#: only with their libraries installed; ``identity`` (or an empty value) is the body as is.
-#: One coding only. Any other value is a 415 (RFC 9110 §15.5.16) with ``Accept-Encoding``
-#: naming these, instead of a body forwarded still encoded without its Content-Encoding.
-DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"}
-                            | ({"br"} if getattr(_compression, "HAS_BROTLI", False) else set())
-                            | ({"zstd"} if getattr(_compression, "HAS_ZSTD", False) else set()))
+#: The request Content-Encodings decoded, one coding per request, by
+#: :func:`decode_request_body` on both data planes (the aiohttp app runs with its own
+#: decompression off): gzip and deflate; ``identity`` (or an empty value) is the body as
+#: is. Any other value is a 415 (RFC 9110 §15.5.16) with ``Accept-Encoding`` naming
+#: these, instead of a body forwarded still encoded without its Content-Encoding.
+DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
 
 #: Most gzip members one body may hold (aiohttp has a cap too): each costs a decoder.
 _MAX_GZIP_MEMBERS = 1024
+#: Input fed to the decoder at a time: what is left over when a gzip member ends is at
+#: most this much (``unused_data`` is a copy), so many members cost linear time.
+_DECODE_SLICE = 64 * 1024
 
 
 def request_coding(headers: Any) -> str | None:
@@ -182,28 +181,39 @@ def decode_request_body(data: bytes, coding: str, limit: int) -> bytes | BodyToo
     """
     if not data:
         return b""
+    view = memoryview(data)
     out: list[bytes] = []
-    size = 0
-    rest = data
+    size = pos = 0
     wbits = 31 if coding == "gzip" else (15 if data[0] & 0x0F == 8 else -15)
+    d = zlib.decompressobj(wbits)
+    members = 1
+    left: bytes | memoryview = b""  # input after the end of a gzip member, not fed yet
     try:
-        for _ in range(_MAX_GZIP_MEMBERS):
-            d = zlib.decompressobj(wbits)
-            chunk = d.decompress(rest, limit + 1 - size)
+        while True:
+            if left:
+                feed, left = left, b""
+            elif pos < len(view):
+                feed = view[pos:pos + _DECODE_SLICE]
+                pos += len(feed)
+            else:
+                break
+            chunk = d.decompress(feed, limit + 1 - size)  # (output capped: a bomb stops at the limit)
             size += len(chunk)
             if size > limit:
                 return BodyTooLarge(limit, None, decoded=True)
             out.append(chunk)
-            if not d.eof:
-                return BodyNotDecoded(coding)  # cut short
-            rest = d.unused_data
-            if not rest:
-                return b"".join(out)
-            if coding != "gzip":
-                return BodyNotDecoded(coding)  # bytes after the end
+            if d.eof:
+                left = d.unused_data
+                if left or pos < len(view):  # more after the end
+                    if coding != "gzip" or members == _MAX_GZIP_MEMBERS:
+                        return BodyNotDecoded(coding)
+                    d = zlib.decompressobj(wbits)  # the next gzip member
+                    members += 1
     except zlib.error:
         return BodyNotDecoded(coding)
-    return BodyNotDecoded(coding)  # more members than we decode
+    if not d.eof:
+        return BodyNotDecoded(coding)  # cut short
+    return b"".join(out)
 
 
 class BodyNotDecoded(Exception):
@@ -225,18 +235,19 @@ class BodyTooLarge(Exception):
 
 async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
     """The whole body, at most ``limit`` bytes (a chunked body is de-chunked, a
-    compressed one decoded), or the :class:`BodyTooLarge` error if its declared or
-    actual size is over ``limit``, or :class:`BodyNotDecoded` if its Content-Encoding
-    does not decode it."""
+    compressed one decoded by :func:`decode_request_body`: the app runs with aiohttp's
+    decompression off), or the :class:`BodyTooLarge` error if its declared, actual or
+    decoded size is over ``limit``, or :class:`BodyNotDecoded` if its Content-Encoding
+    does not decode it (the coding itself was checked before the body was read)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         return BodyTooLarge(limit, declared)
     try:
-        return await request.read()
+        body = await request.read()
     except web.HTTPRequestEntityTooLarge:
         return BodyTooLarge(limit, None)
-    except web.RequestPayloadError:  # (aiohttp: the decompressor failed)
-        return BodyNotDecoded(request_coding(request.headers) or "")
+    coding = request_coding(request.headers)
+    return decode_request_body(body, coding, limit) if coding in ("gzip", "deflate") else body
 
 
 def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
@@ -310,7 +321,6 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     if isinstance(body, BodyNotDecoded):
         resp = openai_error(400, str(body), code="invalid_content_encoding", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), headers=hdrs)
-        resp.force_close()  # the rest of the body is not read: aiohttp closes the connection after it
         return _count(state, endpoint.name, pool.name, resp, t0)
     if body is None:
         coding = request_coding(headers)
@@ -478,30 +488,9 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         state.session = None
 
 
-class _AnsweredUndecodableBody(logging.Filter):
-    """Drops aiohttp's records of a request body its decompressor rejected: "Unhandled
-    exception" after the handler answered it (400, :class:`BodyNotDecoded`), when aiohttp
-    meets the error again while draining the rest of the body (aio-libs/aiohttp#1710),
-    and "Error handling request" when its parser refuses the body or its coding itself
-    (a deflate stream cut short, br without Brotli: its plain-text 400, aiohttp data
-    plane). The client's error, answered: not a traceback in the router's log each time."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, web.RequestPayloadError):
-            exc = exc.__cause__
-        return not isinstance(exc, ContentEncodingError)
-
-
-_UNDECODABLE_FILTER = _AnsweredUndecodableBody()
-
-
 def build_app(state: RouterState) -> web.Application:
     """The serving application for ``state``. The pooled upstream client, the health
     checks and the metrics scrapes start on startup and stop on cleanup."""
-    server_log = logging.getLogger("aiohttp.server")
-    if _UNDECODABLE_FILTER not in server_log.filters:
-        server_log.addFilter(_UNDECODABLE_FILTER)
     app = web.Application(client_max_size=state.settings.max_body_bytes, middlewares=[_error_shapes])
     app[STATE] = state
     app.cleanup_ctx.append(_background_tasks)

@@ -11,14 +11,14 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
 
     client ──► FrontServer (public port, this module)
                  │ POST inference route, HTTP/1.1, http:// instances, a body plain or
-                 │ gzip/deflate (decoded here, strictly; any coding but br/zstd: 415)
+                 │ gzip/deflate (decoded here, strictly; any other coding: 415)
                  ├──► prepare_inference (app.py: resolve, validate, routing key)
                  │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
                  │      (from the parser's callback, FrontServer.begin, when the client
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)
                  │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
-                 │ br/zstd bodies, unknown paths, --record-trace, https instances)
+                 │ unknown paths, --record-trace, https instances)
                  └──► the aiohttp app on a private Unix socket (same process), relayed
 
 Behaviour is the aiohttp path's (:func:`prefixroute.server.proxy.forward`), which stays
@@ -62,7 +62,6 @@ from prefixroute.core.pool import NoHealthyInstance
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import (
-    DECODED_CODINGS,
     BodyNotDecoded,
     BodyTooLarge,
     decode_request_body,
@@ -87,11 +86,6 @@ _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [
 # Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).
 _FRAMING = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te",
                       b"trailer", b"upgrade", b"proxy-connection", b"expect"})
-
-
-#: Request codings the aiohttp app decodes and the fast plane does not (their libraries
-#: installed): such requests go there.
-_AIOHTTP_DECODES = DECODED_CODINGS - {"identity", "gzip", "deflate"}
 
 
 def match_route(path: str) -> tuple[Api, bool, str | None] | None:
@@ -1104,8 +1098,6 @@ class FrontServer:
         path = inc.url.decode("latin-1").split("?", 1)[0]
         if inc.method != b"POST" or inc.version != "1.1" or self.state.settings.record_trace is not None:
             return path, None
-        if inc.encoded and request_coding(H.RawHeaderView(inc.headers, inc.index)) in _AIOHTTP_DECODES:
-            return path, None  # br, zstd: aiohttp decodes them (gzip, deflate: _prepare; the others: a 415 there)
         route = match_route(path)
         return path, route if route is not None and self._all_plain_http() else None
 

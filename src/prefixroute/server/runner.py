@@ -120,9 +120,9 @@ def reload_logged(state: RouterState) -> bool:
 
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
                  reuse_port: bool = False, unix_path: str | None = None,
-                 keepalive_timeout_s: float = 75.0) -> tuple[web.AppRunner, int]:
+                 keepalive_timeout_s: float = 75.0, auto_decompress: bool = True) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
-                           keepalive_timeout=keepalive_timeout_s)
+                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress)
     await runner.setup()
     try:
         site: web.BaseSite
@@ -164,7 +164,8 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
     if settings.data_plane == "fast":
         # The aiohttp app behind the fast data plane, on a private Unix socket.
         socket_path = internal_socket_path()
-        runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path)
+        runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path,
+                                 auto_decompress=False)  # request bodies: app._read_body decodes them
         handle = RouterHandle("", None, state, [runner], _socket_path=socket_path)
         front = FrontServer(state, socket_path)
         try:
@@ -178,7 +179,8 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
     else:
         runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
                                     reuse_port=worker is not None,
-                                    keepalive_timeout_s=settings.client_keepalive_timeout_s)
+                                    keepalive_timeout_s=settings.client_keepalive_timeout_s,
+                                    auto_decompress=False)  # request bodies: app._read_body decodes them
         handle = RouterHandle(_url(settings.host, port), None, state, [runner])
     if worker is not None:
         try:
