@@ -227,3 +227,23 @@ async def test_admin_disabled_and_port_default(backends):
         assert handle.admin_url is None
     finally:
         await handle.close()
+
+
+async def test_a_compressed_admin_body_that_does_not_decode_is_a_400_without_tracebacks(router, caplog):
+    import gzip
+    import logging
+    import zlib
+
+    doc = b'{"RoutingStrategy": "RANDOM"}'
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        for body in (gzip.compress(doc)[:-8] + b"\0" * 8, b"not gzip at all"):  # a bad CRC was a 500
+            async with http.put(router.admin_url + ROUTING_URL, data=body, headers={"Content-Encoding": "gzip"}) as r:
+                assert r.status == 400
+                assert (await r.json())["message"] == "request body could not be decoded from its Content-Encoding"
+        for body, coding in ((zlib.compress(doc)[:-3], "deflate"), (doc, "br")):  # refused by aiohttp's parser
+            async with http.put(router.admin_url + ROUTING_URL, data=body, headers={"Content-Encoding": coding}) as r:
+                assert r.status == 400
+        async with http.put(router.admin_url + ROUTING_URL, data=gzip.compress(doc),
+                            headers={"Content-Encoding": "gzip"}) as r:
+            assert r.status == 200 and (await r.json())["RoutingConfig"] == {"RoutingStrategy": "RANDOM"}
+    assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]

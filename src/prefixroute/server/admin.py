@@ -28,7 +28,7 @@ from aiohttp import web
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
 from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
-from prefixroute.server.errors import json_response
+from prefixroute.server.errors import json_response, quiet_decoding_errors
 from prefixroute.server.state import RouterState
 
 __all__ = ["build_admin_app", "config_document", "admin_middlewares", "strip_live_state"]
@@ -73,6 +73,8 @@ async def _json_body(request: web.Request) -> Any:
         return orjson.loads(await request.read())
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"request body is not valid JSON ({exc})") from None
+    except web.RequestPayloadError:  # (aiohttp's decompressor: the admin listeners keep it)
+        raise ConfigError("request body could not be decoded from its Content-Encoding") from None
 
 
 def strip_live_state(doc: Any) -> Any:
@@ -164,7 +166,10 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
 
 
 def admin_middlewares(token: str | None) -> list[Callable[..., Awaitable[web.StreamResponse]]]:
-    """JSON error bodies, and the bearer-token check if ``token`` is set."""
+    """JSON error bodies, and the bearer-token check if ``token`` is set (and aiohttp's
+    decoding errors of a client's body kept out of the log:
+    :func:`~prefixroute.server.errors.quiet_decoding_errors`)."""
+    quiet_decoding_errors()
     return [_json_errors, *([_auth_middleware(token)] if token else [])]
 
 

@@ -490,7 +490,12 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
 
 def build_app(state: RouterState) -> web.Application:
     """The serving application for ``state``. The pooled upstream client, the health
-    checks and the metrics scrapes start on startup and stop on cleanup."""
+    checks and the metrics scrapes start on startup and stop on cleanup.
+
+    Serve it with aiohttp's request decompression off (``web.AppRunner(app,
+    auto_decompress=False)``, as :mod:`prefixroute.server.runner` does): its handlers
+    decode request bodies themselves (:func:`decode_request_body`), and a body aiohttp
+    had decoded already would be decoded twice."""
     app = web.Application(client_max_size=state.settings.max_body_bytes, middlewares=[_error_shapes])
     app[STATE] = state
     app.cleanup_ctx.append(_background_tasks)

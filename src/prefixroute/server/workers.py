@@ -645,7 +645,10 @@ class Supervisor:
         the others, so that they agree again)."""
         from prefixroute.server.errors import json_response
 
-        body = await request.read()
+        try:
+            body = await request.read()
+        except web.RequestPayloadError:  # (aiohttp's decompressor: this listener keeps it)
+            return json_response(400, {"message": "request body could not be decoded from its Content-Encoding"})
         async with self._config_lock:
             results = await self._gather(request.method, request.path_qs, body)
             if not results:
