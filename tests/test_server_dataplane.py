@@ -349,6 +349,32 @@ async def _decode_cases(router, backend, good, bad, bomb) -> None:
     assert all("Content-Encoding" not in rec.headers for rec in backend.received)
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/endpoints/default/invocations"])
+async def test_a_transfer_coding_other_than_chunked_is_a_501_and_nothing_is_forwarded(backend, data_plane, path):
+    """The parsers frame "gzip, chunked" as chunked and drop the gzip: the body would
+    reach the engine still gzipped (RFC 9112 §6.1: 501)."""
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane))
+    try:
+        reader, writer = await _connect(handle)
+        for te, body, want in ((b"gzip, chunked", gzip.compress(CHAT), 501), (b"Chunked", CHAT, 200),
+                               (b"deflate,chunked", CHAT, 501), (b"chunked", CHAT, 200)):
+            writer.write(b"POST %s HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\nTransfer-Encoding: %s"
+                         b"\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (path.encode(), te, len(body), body))
+            status, _, answer = await _read_response(reader)  # (on one connection: it stays usable)
+            assert status == want, (te, answer)
+            if want == 501:
+                doc = orjson.loads(answer)
+                message = doc["error"]["message"] if path.startswith("/v1") else doc["message"]
+                assert message == f"Transfer-Encoding {te.decode().lower()!r} is not supported: only chunked"
+        writer.close()
+        assert [rec.body for rec in backend.received] == [CHAT, CHAT]
+    finally:
+        await handle.close()
+
+
 async def test_malformed_request_is_400_and_closed(router, backend):
     reader, writer = await _connect(router)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost r\r\n\r\n")

@@ -49,7 +49,7 @@ from prefixroute.server.state import RouterState
 from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
 __all__ = ["STATE", "DECODED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app", "decode_request_body",
-           "request_coding", "error_for_path", "parse_openai_request", "native_request_key",
+           "request_coding", "transfer_coding", "error_for_path", "parse_openai_request", "native_request_key",
            "prepare_inference", "request_id", "validate_openai_body"]
 
 log = logging.getLogger("prefixroute.server")
@@ -167,6 +167,15 @@ def request_coding(headers: Any) -> str | None:
         return None
     value = value.strip(" \t").lower()
     return value or "identity"
+
+
+def transfer_coding(headers: Any) -> str:
+    """The request's Transfer-Encoding as one normalised value (read as
+    :func:`request_coding` reads Content-Encoding; ``""`` for none). Only ``chunked`` is
+    understood: the HTTP parsers frame ``gzip, chunked`` as chunked and would pass the
+    body on still gzipped, so anything else is a 501 (RFC 9112 §6.1)."""
+    value = ", ".join(headers.getall("Transfer-Encoding", []))
+    return value.strip(" \t").lower() if value.isascii() else value
 
 
 def decode_request_body(data: bytes, coding: str, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
@@ -291,7 +300,8 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         counted in ``prefixroute_responses_total``), in the API's shape: 404 unknown
         endpoint, 400 unknown variant, invalid request or a body its Content-Encoding
         does not decode, 413 body too large, 415 a Content-Encoding not decoded here
-        (checked before the body is read; :data:`DECODED_CODINGS`).
+        (checked before the body is read; :data:`DECODED_CODINGS`), 501 a
+        Transfer-Encoding other than ``chunked``.
     """
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
@@ -323,6 +333,12 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             sagemaker_error("ValidationError", str(body), headers=hdrs)
         return _count(state, endpoint.name, pool.name, resp, t0)
     if body is None:
+        framing = transfer_coding(headers)
+        if framing not in ("", "chunked"):
+            msg = f"Transfer-Encoding {framing[:64]!r} is not supported: only chunked"
+            resp = openai_error(501, msg, code="unsupported_transfer_encoding", headers=hdrs) if openai else \
+                sagemaker_error("ValidationError", msg, status=501, headers=hdrs)
+            return _count(state, endpoint.name, pool.name, resp, t0)
         coding = request_coding(headers)
         if coding not in DECODED_CODINGS:
             shown = ", ".join(headers.getall("Content-Encoding", []))
