@@ -208,13 +208,15 @@ def test_the_lock_of_a_worker_killed_while_holding_it_is_free_again(tmp_path):
     assert w0.reserve([8]) == [1]
     assert time.monotonic() - t0 < 1
     assert w0.total(s) == 0 and w0.holders(s) == 0
+    lock.close()
 
 
 def test_a_lock_held_past_the_timeout_refuses_a_claim_and_changes_nothing(tmp_path, monkeypatch):
     path = str(tmp_path / "inflight.lock")
     buf = bytearray(InFlightTable.size(4, 2))
     InFlightTable.initialize(buf, 4, 2)
-    w0, w1 = InFlightTable(buf, 0, FileLock(path)), InFlightTable(buf, 1, FileLock(path))
+    locks = [FileLock(path), FileLock(path)]
+    w0, w1 = InFlightTable(buf, 0, locks[0]), InFlightTable(buf, 1, locks[1])
     (s,) = w1.reserve([7])
     w1.add(s, 3)
     monkeypatch.setattr("prefixroute.core.counters.LOCK_TIMEOUT_S", 0.2)
@@ -228,6 +230,8 @@ def test_a_lock_held_past_the_timeout_refuses_a_claim_and_changes_nothing(tmp_pa
     assert w0.total(s) == 0 and w0.holders(s) == 0b10 and w0.used == 1
     other.release()
     assert w0.reserve([8]) == [1]
+    for lock in (*locks, other):
+        lock.close()
 
 
 def test_a_removed_variant_takes_no_new_lease_so_a_retry_cannot_count_on_a_reused_slot():

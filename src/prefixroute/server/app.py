@@ -49,7 +49,7 @@ from prefixroute.server.state import RouterState
 from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
 __all__ = ["STATE", "DECODED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app", "decode_request_body",
-           "request_coding", "transfer_coding", "error_for_path", "parse_openai_request", "native_request_key",
+           "request_coding", "transfer_coding", "transfer_refused", "error_for_path", "parse_openai_request", "native_request_key",
            "prepare_inference", "request_id", "validate_openai_body"]
 
 log = logging.getLogger("prefixroute.server")
@@ -148,6 +148,7 @@ def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response, 
 #: is. Any other value is a 415 (RFC 9110 §15.5.16) with ``Accept-Encoding`` naming
 #: these, instead of a body forwarded still encoded without its Content-Encoding.
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
+_ACCEPTED = ", ".join(sorted(DECODED_CODINGS - {"identity"}))  # a 415's Accept-Encoding
 
 #: Most gzip members one body may hold (aiohttp has a cap too): each costs a decoder.
 _MAX_GZIP_MEMBERS = 1024
@@ -171,11 +172,17 @@ def request_coding(headers: Any) -> str | None:
 
 def transfer_coding(headers: Any) -> str:
     """The request's Transfer-Encoding as one normalised value (read as
-    :func:`request_coding` reads Content-Encoding; ``""`` for none). Only ``chunked`` is
-    understood: the HTTP parsers frame ``gzip, chunked`` as chunked and would pass the
-    body on still gzipped, so anything else is a 501 (RFC 9112 §6.1)."""
+    :func:`request_coding` reads Content-Encoding; ``""`` for none)."""
     value = ", ".join(headers.getall("Transfer-Encoding", []))
     return value.strip(" \t").lower() if value.isascii() else value
+
+
+def transfer_refused(headers: Any) -> bool:
+    """Whether the request's Transfer-Encoding is one we do not understand (anything but
+    none or ``chunked``): the HTTP parsers frame ``gzip, chunked`` as chunked and would
+    pass the body on still gzipped, so it is a 501 (RFC 9112 §6.1). The one test both
+    data planes apply."""
+    return transfer_coding(headers) not in ("", "chunked")
 
 
 def decode_request_body(data: bytes, coding: str, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
@@ -333,18 +340,16 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             sagemaker_error("ValidationError", str(body), headers=hdrs)
         return _count(state, endpoint.name, pool.name, resp, t0)
     if body is None:
-        framing = transfer_coding(headers)
-        if framing not in ("", "chunked"):
-            msg = f"Transfer-Encoding {framing[:64]!r} is not supported: only chunked"
+        if transfer_refused(headers):
+            msg = f"Transfer-Encoding {transfer_coding(headers)[:64]!r} is not supported: only chunked"
             resp = openai_error(501, msg, code="unsupported_transfer_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=501, headers=hdrs)
             return _count(state, endpoint.name, pool.name, resp, t0)
         coding = request_coding(headers)
         if coding not in DECODED_CODINGS:
             shown = ", ".join(headers.getall("Content-Encoding", []))
-            msg = (f"Content-Encoding {shown[:64]!r} is not supported: send the body as is, or in one of "
-                   f"{', '.join(sorted(DECODED_CODINGS - {'identity'}))}")
-            hdrs["Accept-Encoding"] = ", ".join(sorted(DECODED_CODINGS - {"identity"}))
+            msg = f"Content-Encoding {shown[:64]!r} is not supported: send the body as is, or in one of {_ACCEPTED}"
+            hdrs["Accept-Encoding"] = _ACCEPTED
             resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
             return _count(state, endpoint.name, pool.name, resp, t0)

@@ -69,7 +69,7 @@ from prefixroute.server.app import (
     prepare_inference,
     request_coding,
     request_id,
-    transfer_coding,
+    transfer_refused,
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
@@ -1109,7 +1109,7 @@ class FrontServer:
         body: bytes | BodyTooLarge | BodyNotDecoded | None
         if inc.too_large is not None:
             body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
-        elif inc.chunked and transfer_coding(headers) != "chunked":
+        elif inc.chunked and transfer_refused(headers):
             body = None  # (gzip, chunked...): the checks before the body answer 501
         else:
             body = inc.body[0] if len(inc.body) == 1 else b"".join(inc.body)

@@ -35,9 +35,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import fcntl
 import logging
 import multiprocessing
-import fcntl
 import os
 import secrets
 import shutil
