@@ -221,6 +221,43 @@ async def test_a_compressed_body_is_forwarded_decoded(router, backend):
     assert "Content-Encoding" not in rec.headers
 
 
+async def test_digests_of_a_decoded_body_are_not_sent_on(backend, data_plane):
+    """Content-Digest, Repr-Digest, Digest and Content-MD5 are computed over the body as
+    the client encoded it: next to the decoded body they would be wrong, so they go
+    with its Content-Encoding; next to a body sent on as it came they stay."""
+    import base64
+    import hashlib
+
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane))
+    names = ("Content-Digest", "Repr-Digest", "Digest", "Content-MD5")
+
+    def digests(data: bytes) -> dict[str, str]:
+        sha = base64.b64encode(hashlib.sha256(data).digest()).decode()
+        md5 = base64.b64encode(hashlib.md5(data).digest()).decode()
+        return {"Content-Digest": f"sha-256=:{sha}:", "Repr-Digest": f"sha-256=:{sha}:", "Digest": f"SHA-256={sha}",
+                "Content-MD5": md5}
+
+    packed = gzip.compress(CHAT)
+    try:
+        async with aiohttp.ClientSession(auto_decompress=False) as http:
+            for body, coding in ((packed, "gzip"), (CHAT, "identity"), (CHAT, None)):
+                headers = {"Content-Type": "application/json", "X-Custom": "kept", **digests(body)}
+                if coding:
+                    headers["Content-Encoding"] = coding
+                async with http.post(handle.url + "/v1/chat/completions", data=body, headers=headers) as r:
+                    assert r.status == 200, await r.text()
+        decoded, identity, plain = backend.received
+        assert decoded.body == identity.body == plain.body == CHAT
+        assert [n for n in names if n in decoded.headers] == [] and decoded.headers["X-Custom"] == "kept"
+        for rec in (identity, plain):  # the body unchanged: its digests hold and are sent on
+            assert {n: rec.headers[n] for n in names} == digests(CHAT)
+    finally:
+        await handle.close()
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/endpoints/default/invocations"])
 async def test_undecodable_or_unsupported_content_encodings_are_answered_in_the_apis_shape(backend, data_plane,
                                                                                           path, caplog):

@@ -15,7 +15,7 @@ _NAMES = st.sampled_from([
     b"Host", b"Content-Length", b"Content-Type", b"Connection", b"connection", b"Keep-Alive", b"TE",
     b"Transfer-Encoding", b"Upgrade", b"Proxy-Authorization", b"proxy-foo", b"X-Request-Id", b"x-request-id",
     b"Content-Encoding", b"Accept-Encoding", b"accept-encoding", b"Authorization", b"X-Custom", b"x-custom",
-    b"Trailer", b"Expect", b"Close", b"close", b"X-Amzn-SageMaker-Target-Variant",
+    b"Trailer", b"Expect", b"Close", b"close", b"X-Amzn-SageMaker-Target-Variant", b"Content-Digest", b"content-md5",
 ]) | st.from_regex(rb"\A[A-Za-z][A-Za-z0-9-]{0,12}\Z", fullmatch=True)
 _CONNECTION_VALUES = st.sampled_from([b"keep-alive", b"close", b"Keep-Alive, TE", b"x-custom", b"upgrade, X-Custom",
                                       b" keep-alive , te ", b""])
@@ -33,10 +33,10 @@ def _headers(draw: st.DrawFn) -> list[tuple[bytes, bytes]]:
 
 @settings(max_examples=400, deadline=None)
 @given(_headers(), st.sampled_from([None, "", "s3cret"]),
-       st.sampled_from(["0123456789abcdef0123456789abcdef", "req-1"]))
-def test_openai_upstream_lines_are_the_reference_rules_formatted(headers, token, rid):
-    expected = H.header_lines(H.strip_secrets(H.openai_upstream_headers(headers, rid), token))
-    assert H.openai_upstream_lines(headers, rid, token) == expected
+       st.sampled_from(["0123456789abcdef0123456789abcdef", "req-1"]), st.booleans())
+def test_openai_upstream_lines_are_the_reference_rules_formatted(headers, token, rid, decoded):
+    expected = H.header_lines(H.strip_secrets(H.openai_upstream_headers(headers, rid, decoded), token))
+    assert H.openai_upstream_lines(headers, rid, token, decoded) == expected
 
 
 def test_openai_upstream_lines_drop_what_connection_names_and_strip_the_admin_token():

@@ -366,7 +366,9 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         key, blocks = native_request_key(body, pool.routing, scope, tenant)
         path = "/invocations"
     _log_prompt(state, rid, body)
-    return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks)
+    decoded = "Content-Encoding" in headers and request_coding(headers) != "identity"  # (else a 415 before)
+    return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
+                         decoded)
 
 
 async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.StreamResponse:

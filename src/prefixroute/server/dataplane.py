@@ -1279,7 +1279,8 @@ class FrontServer:
         """The upstream request head after its ``Host`` line: the headers relayed, ours,
         ``Content-Length`` and the blank line."""
         if rr.api is Api.OPENAI:
-            lines = H.openai_upstream_lines(rr.raw_headers, rr.request_id, self.state.settings.admin_token)
+            lines = H.openai_upstream_lines(rr.raw_headers, rr.request_id, self.state.settings.admin_token,
+                                            rr.decoded)
         else:
             lines = H.header_lines(upstream_headers(self.state, rr))
         return lines + b"Content-Length: %d\r\n\r\n" % len(rr.body)

@@ -71,6 +71,11 @@ _HOP_BY_HOP = frozenset({
 _OURS = frozenset({INVOKED_VARIANT.lower().encode(), INSTANCE.lower().encode(), DECISION.lower().encode(),
                    OVERHEAD_MS.lower().encode(), REQUEST_ID.lower().encode(), b"date", b"server"})
 _DROP_UPSTREAM = frozenset({b"x-request-id", b"content-encoding"})
+# Integrity fields computed over the body as the client encoded it (RFC 9530's
+# Content-Digest and Repr-Digest, RFC 3230's Digest, RFC 1864's Content-MD5): wrong next
+# to the decoded body sent on, so they are dropped with its Content-Encoding.
+_DIGESTS = frozenset({b"content-digest", b"repr-digest", b"digest", b"content-md5"})
+_DROP_DECODED = _DROP_UPSTREAM | _DIGESTS
 _NATIVE_PASS = (b"content-type", b"accept")
 _SAGEMAKER = b"x-amzn-sagemaker-"
 
@@ -154,14 +159,16 @@ def to_multidict(headers: RawHeaders) -> CIMultiDict[str]:
     return CIMultiDict((k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in headers)
 
 
-def openai_upstream_headers(headers: RawHeaders, request_id: str) -> list[tuple[bytes, bytes]]:
+def openai_upstream_headers(headers: RawHeaders, request_id: str, decoded: bool = False) -> list[tuple[bytes, bytes]]:
     """Headers sent to the instance for an OpenAI request: the client's end-to-end
     headers (including ``Authorization``, which an engine run with ``--api-key`` needs),
     ``X-Request-Id``, and ``Accept-Encoding: identity`` unless the client chose one (we
     relay bytes undecoded, so the client must be able to read what the engine sends).
-    ``Content-Encoding`` is dropped: aiohttp has already decoded a compressed request
-    body, and the decoded bytes are what we forward."""
-    out = _end_to_end(headers, _DROP_UPSTREAM)
+    ``Content-Encoding`` is dropped: the router decodes a compressed request body and
+    forwards the decoded bytes. ``decoded`` (the body was gzip or deflate): its digests
+    (``Content-Digest``, ``Repr-Digest``, ``Digest``, ``Content-MD5``), which no longer
+    match, are dropped too."""
+    out = _end_to_end(headers, _DROP_DECODED if decoded else _DROP_UPSTREAM)
     out.append((b"X-Request-Id", request_id.encode()))
     if not _has(out, b"accept-encoding"):
         out.append((b"Accept-Encoding", b"identity"))
@@ -173,16 +180,17 @@ def header_lines(headers: RawHeaders) -> bytes:
     return b"".join([b"%s: %s\r\n" % kv for kv in headers])
 
 
-def openai_upstream_lines(headers: RawHeaders, request_id: str, token: str | None = None) -> bytes:
-    """``header_lines(strip_secrets(openai_upstream_headers(headers, request_id), token))``
-    (the same lines in the same order), in one pass over ``headers`` when no admin token
-    is set and no ``Connection`` header names other headers (the usual request: a
-    ``Connection: keep-alive`` at most); otherwise by those functions."""
+def openai_upstream_lines(headers: RawHeaders, request_id: str, token: str | None = None,
+                          decoded: bool = False) -> bytes:
+    """``header_lines(strip_secrets(openai_upstream_headers(headers, request_id, decoded),
+    token))`` (the same lines in the same order), in one pass over ``headers`` when no
+    admin token is set and no ``Connection`` header names other headers (the usual
+    request: a ``Connection: keep-alive`` at most); otherwise by those functions."""
     if token:
-        return header_lines(strip_secrets(openai_upstream_headers(headers, request_id), token))
-    found = _end_to_end_lines(headers, _DROP_UPSTREAM, b"accept-encoding")
+        return header_lines(strip_secrets(openai_upstream_headers(headers, request_id, decoded), token))
+    found = _end_to_end_lines(headers, _DROP_DECODED if decoded else _DROP_UPSTREAM, b"accept-encoding")
     if found is None:  # a Connection header names others to drop
-        return header_lines(openai_upstream_headers(headers, request_id))
+        return header_lines(openai_upstream_headers(headers, request_id, decoded))
     lines, accept_encoding = found
     lines.append(b"X-Request-Id: %s\r\n" % request_id.encode())
     if not accept_encoding:

@@ -106,6 +106,8 @@ class RoutedRequest:
         request_id: the ``X-Request-Id``.
         t0: ``time.perf_counter()`` at handler entry, seconds.
         blocks: chained block hashes (CACHE_AWARE), or empty.
+        decoded: the body came gzip or deflate encoded and is sent on decoded (the
+            client's digests of it are then not sent on).
     """
 
     request: web.Request | None
@@ -120,6 +122,7 @@ class RoutedRequest:
     request_id: str
     t0: float
     blocks: Sequence[int] = ()
+    decoded: bool = False
 
 
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
@@ -249,7 +252,7 @@ def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes,
     ``Content-Length``): :mod:`headers`' rules for its API, without any header that
     carries the router's admin token."""
     if rr.api is Api.OPENAI:
-        out = H.openai_upstream_headers(rr.raw_headers, rr.request_id)
+        out = H.openai_upstream_headers(rr.raw_headers, rr.request_id, rr.decoded)
     else:
         out = H.native_upstream_headers(rr.raw_headers, rr.request_id, stream=rr.api is Api.NATIVE_STREAM)
     return H.strip_secrets(out, state.settings.admin_token)
