@@ -637,6 +637,12 @@ async def test_killed_worker_is_replaced_and_its_counts_zeroed(backends):
             return new["Listening"] and new["Pid"] != victim["Pid"] and new["Restarts"] == 1
 
         assert await _eventually(replaced, 60)
+        # One internal-socket directory per live worker: the victim (SIGKILL) could not
+        # remove its own, the supervisor did.
+        metrics_dir = next(Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{serve.proc.pid}-*"))
+        sockets = sorted(d.name.rsplit("-", 1)[0] for d in metrics_dir.glob("socket-*"))
+        assert sockets == ["socket-0", "socket-1"]
+        assert all((d / "app.sock").is_socket() for d in metrics_dir.glob("socket-*"))
         ws = {w["Worker"]: w for w in await serve.workers()}
         assert ws[victim["Worker"]]["InFlight"] == 0  # zeroed: its requests died with it
         assert ws[survivor["Worker"]]["InFlight"] == survivor["InFlight"]

@@ -1735,9 +1735,10 @@ def _error_kind(exc: BaseException | None) -> str:
     return "other"
 
 
-def internal_socket_path() -> str:
-    """A fresh path for the aiohttp app's Unix socket, in a directory only this user
-    can enter."""
-    directory = tempfile.mkdtemp(prefix="prefixroute-")
+def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-") -> str:
+    """A fresh path for the aiohttp app's Unix socket, in a new directory only this user
+    can enter: ``<parent>/<prefix>XXXXXXXX/app.sock`` (``parent`` ``None``: the system's
+    temporary directory)."""
+    directory = tempfile.mkdtemp(prefix=prefix, dir=parent)
     os.chmod(directory, 0o700)
     return os.path.join(directory, "app.sock")

@@ -163,7 +163,13 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         state = RouterState(config, settings)
     if settings.data_plane == "fast":
         # The aiohttp app behind the fast data plane, on a private Unix socket.
-        socket_path = internal_socket_path()
+        # A worker's is in the supervisor's private directory, which goes with the
+        # supervisor; the supervisor removes a dead worker's (worker_socket_prefix).
+        if worker is None:
+            socket_path = internal_socket_path()
+        else:
+            from prefixroute.server.workers import worker_socket_prefix
+            socket_path = internal_socket_path(worker.metrics_dir, worker_socket_prefix(worker.index))
         runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path,
                                  auto_decompress=False)  # request bodies: app._read_body decodes them
         handle = RouterHandle("", None, state, [runner], _socket_path=socket_path)

@@ -62,7 +62,7 @@ from prefixroute.core.counters import DEFAULT_CAPACITY, LOCK_TIMEOUT_S, MAX_WORK
 from prefixroute.server.settings import ServerSettings
 
 __all__ = ["FileLock", "SharedCounters", "WorkerSpec", "Supervisor", "serve_workers", "worker_trace_path",
-           "MAX_WORKERS", "READY_TIMEOUT_S"]
+           "worker_socket_prefix", "MAX_WORKERS", "READY_TIMEOUT_S"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -75,6 +75,13 @@ _EXIT_GRACE_S = 10.0
 #: Timeout of one supervisor -> worker admin call, seconds.
 _ADMIN_CALL_TIMEOUT_S = 15.0
 _SHM_PREFIX = "prefixroute-"
+
+
+def worker_socket_prefix(index: int) -> str:
+    """Name prefix of the directory of worker ``index``'s internal Unix socket (the
+    aiohttp app behind its fast data plane), made in the supervisor's private metrics
+    directory: removed with it, and by the supervisor when that worker exits."""
+    return f"socket-{index}-"
 
 
 class FileLock:
@@ -478,6 +485,7 @@ class Supervisor:
             w.ready.set_exception(RuntimeError(f"worker {w.index} exited with status {proc.exitcode} before it "
                                                "was listening (see its log above)"))
             w.ready.exception()  # retrieved: no "never retrieved" warning if nobody waits
+        self._remove_sockets(w.index)  # a worker killed (SIGKILL) could not remove its own
         if self.counters is not None and not self.counters.table.zero_worker(w.index):  # its requests died with it
             log.warning("worker %d: its in-flight counts were zeroed, but the shared table's lock was not free within "
                         "%g s, so its slots stay held", w.index, LOCK_TIMEOUT_S)
@@ -489,6 +497,13 @@ class Supervisor:
         log.error("worker %d (pid %d) exited with status %s after %.1f s; its in-flight counts were zeroed; "
                   "restarting it in %.1f s", w.index, proc.pid, proc.exitcode, lived, delay)
         w.restarting = asyncio.ensure_future(self._restart(w, delay))
+
+    def _remove_sockets(self, index: int) -> None:
+        """Remove the internal-socket directory of worker ``index`` (it has exited)."""
+        if self.metrics_dir is None:
+            return
+        for d in Path(self.metrics_dir).glob(f"{worker_socket_prefix(index)}*"):
+            shutil.rmtree(d, ignore_errors=True)
 
     async def _restart(self, w: _Worker, delay: float) -> None:
         await asyncio.sleep(delay)
