@@ -1070,6 +1070,26 @@ def write_plots(out_dir: Path, results: Sequence[CellResult], streams: StreamsRe
     return paths
 
 
+def machine_facts(root: str = "/") -> dict[str, Any]:
+    """What the machine is: CPUs, platform, and how an idle CPU sleeps (Linux cpuidle's
+    driver and governor; with the ``haltpoll`` driver of a KVM guest, how long an idle
+    vCPU polls before it halts, ``guest_halt_poll_ns``). At concurrency 1 every hop
+    wakes a sleeping process; a vCPU that has halted is woken by the host, which costs
+    far more than waking one that polls, so these facts go with the latency figures.
+    ``None`` for what the system does not say (``root``: where ``/sys`` is read from)."""
+    def read(path: str) -> str | None:
+        try:
+            return (Path(root) / path.lstrip("/")).read_text().strip()
+        except OSError:
+            return None
+
+    poll_ns = read("/sys/module/haltpoll/parameters/guest_halt_poll_ns")
+    return {"cpus": os.cpu_count(), "platform": platform.platform(),
+            "cpuidle_driver": read("/sys/devices/system/cpu/cpuidle/current_driver"),
+            "cpuidle_governor": read("/sys/devices/system/cpu/cpuidle/current_governor"),
+            "guest_halt_poll_ns": int(poll_ns) if poll_ns is not None and poll_ns.isdigit() else None}
+
+
 def versions(statuses: dict[str, PeerStatus]) -> dict[str, str]:
     """Versions of everything measured: prefixroute (and its git commit), Python, peers."""
     from importlib.metadata import PackageNotFoundError, version
@@ -1110,7 +1130,7 @@ def write_json(path: Path, results: Sequence[CellResult], measurements: Sequence
         "command": command,
         "versions": versions(statuses),
         "skipped": skipped,
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+        "machine": machine_facts(),
         "notes": {"added_latency": "median over rounds of (router - direct) in the same round, ms",
                   "ttft": "not measured: wrk times whole responses",
                   "cpu": "utime+stime of the router's process tree / requests completed"},
@@ -1277,6 +1297,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{total} measurements of {s.duration_s} s (about {est / 60:.0f} min), then "
                       + (f"{s.streams:,} concurrent streams" if s.streams else "no streams phase")
                       + f"; RLIMIT_NOFILE {nofile}; scratch {tracker.workdir}")
+        facts = machine_facts()
+        console.print(f"machine: {facts['cpus']} CPUs, {escape(facts['platform'])}, cpuidle "
+                      f"{facts['cpuidle_driver'] or 'unknown'}/{facts['cpuidle_governor'] or 'unknown'}"
+                      + ("" if facts["guest_halt_poll_ns"] is None else
+                         f", guest_halt_poll_ns {facts['guest_halt_poll_ns']:,}"))
 
         def alive(t: Target) -> bool:
             p = procs.get(t.label)

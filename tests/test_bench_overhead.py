@@ -306,3 +306,18 @@ async def test_streams_client_counts_completed_streams(tracker):
     assert res2.completed == 0 and res2.errors == {"3 events instead of 4": 5}
     tracker.stop([slow.process])
     await asyncio.sleep(0)
+
+
+def test_machine_facts_say_how_idle_cpus_sleep(tmp_path):
+    sysfs = {"sys/devices/system/cpu/cpuidle/current_driver": "haltpoll\n",
+             "sys/devices/system/cpu/cpuidle/current_governor": "haltpoll\n",
+             "sys/module/haltpoll/parameters/guest_halt_poll_ns": "200000\n"}
+    for rel, text in sysfs.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    facts = overhead.machine_facts(str(tmp_path))
+    assert (facts["cpuidle_driver"], facts["cpuidle_governor"], facts["guest_halt_poll_ns"]) == \
+        ("haltpoll", "haltpoll", 200_000)
+    assert facts["cpus"] >= 1 and facts["platform"]
+    bare = overhead.machine_facts(str(tmp_path / "none"))  # not Linux, or no cpuidle: unknown, not an error
+    assert (bare["cpuidle_driver"], bare["cpuidle_governor"], bare["guest_halt_poll_ns"]) == (None, None, None)
