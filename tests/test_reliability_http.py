@@ -13,6 +13,7 @@ from prefixroute.server import ServerSettings, start_router
 
 from fault_backend import Fault, FaultBackend, sse_events
 from reliability_helpers import assert_invariants, install_floor, metrics_text
+from test_server_helpers import metric_value
 
 PA = RoutingConfig.build("prefix-aware", 1024, 64)
 LIMIT = 64 * 1024
@@ -208,6 +209,8 @@ async def test_invalid_utf8_native_body_forwarded_and_hashed_as_bytes(router, ba
     ("GET", "/nope", 404, "json"),
 ])
 async def test_unknown_paths_use_the_api_error_shape(router, http, method, path, status, shape):
+    """... and are counted, in responses_total and in the duration histogram (a 405 was
+    counted in neither, a 404 not in the histogram)."""
     async with http.request(method, router.url + path) as r:
         assert r.status == status
         assert r.headers["Content-Type"].startswith("application/json")
@@ -219,6 +222,9 @@ async def test_unknown_paths_use_the_api_error_shape(router, http, method, path,
         assert r.headers["x-amzn-ErrorType"] == "ValidationError" and doc["message"]
     else:
         assert "no route" in doc["message"]
+    text = await metrics_text(http, router)
+    assert metric_value(text, "prefixroute_responses_total", endpoint="unknown", variant="", code=str(status)) == 1
+    assert metric_value(text, "prefixroute_request_duration_seconds_count", endpoint="unknown", variant="") == 1
 
 
 # -- request ids, secrets, prompts ----------------------------------------------------------

@@ -472,23 +472,24 @@ def error_for_path(path: str, status: int, message: str, code: str) -> web.Respo
 @web.middleware
 async def _error_shapes(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
-    """aiohttp's own 404/405/413 answers are plain text; give them the API's shape."""
+    """aiohttp's own 404/405/413 answers are plain text; give them the API's shape. They
+    are counted (endpoint ``unknown``: nothing was routed) in ``responses_total`` and
+    ``request_duration_seconds``, as every answer to a request for inference is."""
+    t0 = time.perf_counter()
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        state = request.app[STATE]
-        state.metrics.responses.labels("unknown", "", "404").inc()
-        return error_for_path(request.path, 404, f"no route for {request.method} {request.path[:200]}",
-                               "not_found")
+        resp = error_for_path(request.path, 404, f"no route for {request.method} {request.path[:200]}",
+                              "not_found")
     except web.HTTPMethodNotAllowed as exc:
         resp = error_for_path(request.path, 405, f"method {request.method} is not allowed on this path "
-                               f"(allowed: {', '.join(sorted(exc.allowed_methods))})", "method_not_allowed")
+                              f"(allowed: {', '.join(sorted(exc.allowed_methods))})", "method_not_allowed")
         resp.headers["Allow"] = ",".join(sorted(exc.allowed_methods))
-        return resp
     except web.HTTPRequestEntityTooLarge:
         limit = request.app[STATE].settings.max_body_bytes
-        return error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
-                               "(--max-body-size)", "request_too_large")
+        resp = error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
+                              "(--max-body-size)", "request_too_large")
+    return _count(request.app[STATE], "unknown", "", resp, t0)
 
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
