@@ -137,6 +137,53 @@ async def test_expect_100_continue(router, backend):
     assert "expect" not in {k.lower() for k in backend.received[0].headers}
 
 
+async def test_expect_100_continue_gets_the_final_answer_when_the_head_is_refused(backend, data_plane):
+    """A request its head alone refuses gets that answer instead of 100 Continue (RFC
+    9110 §10.1.1), so the client need not send its body; the connection closes after
+    it; the refusal is counted once. A request that passes still gets 100 Continue."""
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane))
+    cases = [(b"/endpoints/nope/invocations", b"", 404), (b"/v1/chat/completions", b"Content-Encoding: br\r\n", 415),
+             (b"/v1/chat/completions", b"X-Amzn-SageMaker-Target-Variant: nope\r\n", 400),
+             (b"/invocations", b"X-Amzn-SageMaker-Prefix-Aware-Id: " + b"t" * 65 + b"\r\n", 400)]
+    try:
+        for path, extra, status in cases:
+            reader, writer = await _connect(handle)
+            writer.write(b"POST %s HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\n%sContent-Length: %d\r\n\r\n"
+                         % (path, extra, len(CHAT)))  # and no body
+            got, headers, body = await asyncio.wait_for(_read_response(reader), 5)
+            writer.close()
+            assert (got, headers["connection"]) == (status, "close"), (path, extra, body)
+        reader, writer = await _connect(handle)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nExpect: 100-continue\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(CHAT))
+        assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5) == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(CHAT)
+        assert (await _read_response(reader))[0] == 200
+        writer.close()
+        assert [rec.body for rec in backend.received] == [CHAT]
+        async with aiohttp.ClientSession() as http:
+            async with http.get(handle.url + "/metrics") as r:
+                text = await r.text()
+        refused = {code: sum(v for k, v in _samples(text, "prefixroute_responses_total") if f'code="{code}"' in k)
+                   for code in ("400", "404", "415")}
+        assert refused == {"400": 2, "404": 1, "415": 1}  # each counted once
+    finally:
+        await handle.close()
+
+
+def _samples(text: str, name: str) -> list[tuple[str, float]]:
+    """``(labels, value)`` of every sample of ``name`` in a /metrics page."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name):].rsplit(" ", 1)
+            out.append((labels, float(value)))
+    return out
+
+
 async def test_head_too_large_is_431_and_closed(router, backend):
     reader, writer = await _connect(router)
     writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nX-Big: " + b"a" * (MAX_HEAD_BYTES + 10)

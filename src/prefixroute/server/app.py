@@ -33,7 +33,7 @@ from random import getrandbits
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
 
 import orjson
-from aiohttp import web
+from aiohttp import HttpVersion11, web
 
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
@@ -469,6 +469,31 @@ def error_for_path(path: str, status: int, message: str, code: str) -> web.Respo
     return json_response(status, {"message": message})
 
 
+def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+    """The ``Expect`` handler of an inference route: a request its head alone refuses
+    (what :func:`prepare_inference` checks before the body: unknown endpoint or
+    variant, a coding not decoded, an invalid tenant id) gets its final answer instead
+    of ``100 Continue`` (RFC 9110 §10.1.1), so its body need not be sent, and the
+    connection closes after it; any other gets ``100 Continue``, as from aiohttp's
+    default handler. An ``Expect`` other than ``100-continue`` is a 417."""
+    async def handler(request: web.Request) -> web.StreamResponse | None:
+        if request.version != HttpVersion11:
+            return None
+        if request.headers.get("Expect", "").strip().lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get('Expect', '')[:64]}")
+        state = request.app[STATE]
+        checked = prepare_inference(state, api, chat, request.headers, request.raw_headers,
+                                    request.match_info.get("endpoint"), None, request_id(request.headers),
+                                    time.perf_counter(), request)
+        if not isinstance(checked, RoutedRequest):
+            checked.force_close()
+            return checked
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # as aiohttp's default handler: the answer has not started
+        return None
+    return handler
+
+
 @web.middleware
 async def _error_shapes(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
@@ -527,12 +552,13 @@ def build_app(state: RouterState) -> web.Application:
         app.cleanup_ctx.append(recorder_context(state.settings.record_trace))
     r = app.router
     for prefix in ("", "/endpoints/{endpoint}/openai", "/endpoints/{endpoint}/inference-components/{component}/openai"):
-        r.add_post(prefix + "/v1/chat/completions", chat_completions)
-        r.add_post(prefix + "/v1/completions", completions)
+        r.add_post(prefix + "/v1/chat/completions", chat_completions, expect_handler=_expect(Api.OPENAI, True))
+        r.add_post(prefix + "/v1/completions", completions, expect_handler=_expect(Api.OPENAI, False))
         r.add_get(prefix + "/v1/models", models, allow_head=False)
-    r.add_post("/endpoints/{endpoint}/invocations", invocations)
-    r.add_post("/endpoints/{endpoint}/invocations-response-stream", invocations_response_stream)
-    r.add_post("/invocations", invocations)
+    r.add_post("/endpoints/{endpoint}/invocations", invocations, expect_handler=_expect(Api.NATIVE))
+    r.add_post("/endpoints/{endpoint}/invocations-response-stream", invocations_response_stream,
+               expect_handler=_expect(Api.NATIVE_STREAM))
+    r.add_post("/invocations", invocations, expect_handler=_expect(Api.NATIVE))
     r.add_get("/ping", health)  # HEAD too: load balancers may check with HEAD
     r.add_get("/health", health)
     r.add_get("/metrics", metrics, allow_head=False)

@@ -814,7 +814,11 @@ class _Client(asyncio.Protocol):
             cur.too_large = declared
             self._enqueue_now()
         elif expect:
-            if self.busy or self.queue:
+            refused = self.front.refused_by_head(cur)
+            if refused is not None:  # its final answer instead of 100 Continue: the body is not read
+                cur.started = _Started(cur, refused)
+                self._enqueue_now()
+            elif self.busy or self.queue:
                 self.pending_continue = True  # sent once the answers before it are out
             else:
                 self.write(_CONTINUE)
@@ -1121,6 +1125,22 @@ class FrontServer:
                     body = None
         return prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body,
                                  request_id(headers), inc.t0)
+
+    def refused_by_head(self, inc: _Incoming) -> web.Response | None:
+        """The answer to an inference request that its head alone refuses (unknown
+        endpoint or variant, a Content-Encoding or Transfer-Encoding not decoded, an
+        invalid tenant id: what :func:`prepare_inference` checks before the body), or
+        ``None``. Asked for a request with ``Expect: 100-continue``: RFC 9110 §10.1.1
+        lets the final status go instead of ``100 Continue``, and the client need not
+        send the body. The refusal is counted as the answer it is."""
+        route = match_route(inc.url.decode("latin-1").split("?", 1)[0]) if inc.method == b"POST" else None
+        if route is None:
+            return None  # not for inference: the aiohttp app answers it
+        api, chat, endpoint_name = route
+        headers = H.RawHeaderView(inc.headers, inc.index)
+        checked = prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, None,
+                                    request_id(headers), inc.t0)
+        return None if isinstance(checked, RoutedRequest) else checked
 
     def begin(self, client: _Client, inc: _Incoming) -> bool:
         """A request's critical path, run from the client parser's callback when its
