@@ -148,6 +148,59 @@ def test_slots_of_instances_gone_for_good_are_taken_over_once_no_worker_holds_th
     assert w1.total(spare) == 0 and w0.holders(spare) == 0 and w0.holders(got[2]) == 0b01
 
 
+async def test_a_change_waits_for_another_worker_to_let_go_of_a_slot_it_needs():
+    """Two workers' states over a 4-slot table. Worker 1 keeps the slot of an instance
+    removed while its request was in flight (the request is over since). A change that
+    needs that slot, applied by worker 0 first, finds the table full: through the admin
+    API it waits for worker 1 to apply the same change (which lets go of the slot) and
+    is then taken, instead of a 400 that the supervisor turned into a 502."""
+    from prefixroute.server.admin import TABLE_FULL_WAIT_S, build_admin_app
+    from prefixroute.server.runner import _start
+
+    w0, w1 = _table_views(2, capacity=4)
+    lor = RoutingConfig.build("least-outstanding-requests")
+    u = [f"http://10.0.3.{i}:8000" for i in range(5)]
+    s0 = RouterState(FleetConfig.single(u[:2], lor), ServerSettings(port=0), counters=w0)
+    s1 = RouterState(FleetConfig.single(u[:2], lor), ServerSettings(port=0), counters=w1)
+    (_, pool1), = s1.fleet.all_pools()
+    lease = pool1.acquire(None, exclude={u[0]})
+    assert lease.instance.instance_id == u[1]
+    second = FleetConfig.single([u[0], u[2]], lor)
+    s0.apply_config(second)
+    s1.apply_config(second)  # u[1] retired in worker 1, its request in flight
+    lease.release()
+    third = FleetConfig.single([u[0], u[2], u[3], u[4]], lor)  # 2 more slots: 1 free, 1 is u[1]'s
+    with pytest.raises(InFlightTableFull):
+        s0.apply_config(third)  # at once: worker 1 has not let go yet
+    runner, port = await _start(build_admin_app(s0), "127.0.0.1", 0, 1.0)
+    try:
+        async def worker_1_applies_it() -> None:
+            await asyncio.sleep(TABLE_FULL_WAIT_S / 4)
+            s1.apply_config(third)
+
+        def doc(instances: list[str]) -> dict:
+            return {"Endpoints": [{"EndpointName": "default", "ProductionVariants": [{
+                "VariantName": "AllTraffic", "Instances": instances,
+                "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}]}]}
+
+        later = asyncio.create_task(worker_1_applies_it())
+        async with aiohttp.ClientSession() as http:
+            t0 = time.monotonic()
+            async with http.put(f"http://127.0.0.1:{port}/admin/config", json=doc([u[0], u[2], u[3], u[4]])) as r:
+                assert r.status == 200, await r.text()
+            assert time.monotonic() - t0 >= TABLE_FULL_WAIT_S / 4  # taken once worker 1 had let go
+            await later
+            # Nobody lets go of anything: refused, after the wait.
+            t0 = time.monotonic()
+            async with http.put(f"http://127.0.0.1:{port}/admin/config",
+                                json=doc([u[0], "http://10.0.4.1:8000", "http://10.0.4.2:8000"])) as r:
+                assert r.status == 400 and "full" in (await r.json())["message"]
+            assert time.monotonic() - t0 >= TABLE_FULL_WAIT_S
+        assert sorted(i.instance_id for _, p in s0.fleet.all_pools() for i in p.instances) == sorted(u[:1] + u[2:])
+    finally:
+        await runner.cleanup()
+
+
 def test_router_state_churning_instances_reuses_slots_and_a_retired_one_keeps_its_count():
     (t,) = _table_views(1, capacity=4)
     lor = RoutingConfig.build("least-outstanding-requests")

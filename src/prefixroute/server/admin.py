@@ -20,13 +20,16 @@ every worker and adds ``GET /admin/workers`` (:mod:`prefixroute.server.workers`)
 
 from __future__ import annotations
 
+import asyncio
 import hmac
-from typing import Any, Awaitable, Callable
+import time
+from typing import Any, Awaitable, Callable, TypeVar
 
 import orjson
 from aiohttp import web
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
+from prefixroute.core.counters import InFlightTableFull
 from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
 from prefixroute.server.errors import json_response, quiet_decoding_errors
 from prefixroute.server.state import RouterState
@@ -92,6 +95,28 @@ def strip_live_state(doc: Any) -> Any:
     return doc
 
 
+#: With ``--workers N``, how long a change that finds the shared in-flight table full
+#: waits (seconds) before it is refused: the other workers apply the same change at
+#: the same time, and one of them may still hold the slot of an instance that left
+#: (its requests over) until it does. In one process the table is never full.
+TABLE_FULL_WAIT_S = 1.0
+_T = TypeVar("_T")
+
+
+async def _applied(change: Callable[[], _T]) -> _T:
+    """``change()`` (a :class:`RouterState` method), tried again every 50 ms for up to
+    :data:`TABLE_FULL_WAIT_S` while it raises ``InFlightTableFull`` (which changes
+    nothing); then that error."""
+    deadline = time.monotonic() + TABLE_FULL_WAIT_S
+    while True:
+        try:
+            return change()
+        except InFlightTableFull:
+            if time.monotonic() >= deadline:
+                raise
+            await asyncio.sleep(0.05)
+
+
 async def get_config(request: web.Request) -> web.Response:
     """``GET /admin/config``."""
     return json_response(200, config_document(request.app[_STATE]))
@@ -102,7 +127,7 @@ async def put_config(request: web.Request) -> web.Response:
     state = request.app[_STATE]
     try:
         config = FleetConfig.from_mapping(strip_live_state(await _json_body(request)))
-        state.apply_config(config)  # --workers N: InFlightTableFull (a ConfigError), nothing changed
+        await _applied(lambda: state.apply_config(config))  # InFlightTableFull: a ConfigError, nothing changed
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))
@@ -117,7 +142,7 @@ async def put_routing(request: web.Request) -> web.Response:
     except ConfigError as exc:
         return _error(400, str(exc))
     try:
-        state.set_routing(endpoint, variant, routing)
+        await _applied(lambda: state.set_routing(endpoint, variant, routing))
     except (UnknownEndpoint, UnknownVariant) as exc:
         return _error(404, str(exc.args[0]))
     except ConfigError as exc:
@@ -129,7 +154,7 @@ async def reload(request: web.Request) -> web.Response:
     """``POST /admin/reload``: re-read the configuration file."""
     state = request.app[_STATE]
     try:
-        state.reload_config_file()
+        await _applied(state.reload_config_file)
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))
