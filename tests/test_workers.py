@@ -515,12 +515,12 @@ class Serve:
         self.proc, self.url, self.admin = proc, url, admin
 
     @classmethod
-    async def start(cls, *args: str, workers: int = 2) -> "Serve":
+    async def start(cls, *args: str, workers: int = 2, env: dict[str, str] | None = None) -> "Serve":
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "prefixroute.server.cli", "--workers", str(workers), "--port", "0",
             "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "5",
             "--log-level", "info", *args,
-            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            stdout=asyncio.subprocess.PIPE, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
         assert proc.stdout is not None
         line = (await asyncio.wait_for(proc.stdout.readline(), 90)).decode()
         m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
@@ -718,6 +718,24 @@ async def test_killed_worker_is_replaced_and_its_counts_zeroed(backends):
         await _round(serve, backends, 4)  # the replacement serves with the other one
     finally:
         assert await serve.stop() == 0
+
+
+async def test_workers_start_under_a_long_tmpdir(backends, tmp_path):
+    """A worker's socket directory goes in the supervisor's metrics directory, which is
+    in $TMPDIR: with a long $TMPDIR that path would pass the 107 bytes a Unix socket
+    may have, so it goes in $TMPDIR itself, as in one process (it did not start)."""
+    long_dir = tmp_path / ("t" * max(1, 72 - len(str(tmp_path)) - 1))
+    long_dir.mkdir()
+    assert len(str(long_dir)) >= 72
+    serve = await Serve.start("--backend", backends[0].url, env={"TMPDIR": str(long_dir)})
+    try:
+        await _round(serve, backends[:1], 4)
+        metrics_dir = next(long_dir.glob(f"prefixroute-metrics-{serve.proc.pid}-*"))
+        assert list(metrics_dir.glob("socket-*")) == []
+        assert len(list(long_dir.glob("prefixroute-*/app.sock"))) == 2  # one per worker
+    finally:
+        assert await serve.stop() == 0
+    assert list(long_dir.iterdir()) == []
 
 
 def _leftovers(pid: int) -> list[str]:

@@ -1755,10 +1755,18 @@ def _error_kind(exc: BaseException | None) -> str:
     return "other"
 
 
+#: Longest path a Unix socket may have (``sun_path`` is 108 bytes on Linux, with its NUL).
+_UNIX_PATH_MAX = 107
+
+
 def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-") -> str:
     """A fresh path for the aiohttp app's Unix socket, in a new directory only this user
     can enter: ``<parent>/<prefix>XXXXXXXX/app.sock`` (``parent`` ``None``: the system's
-    temporary directory)."""
+    temporary directory), or in the system's temporary directory with the default prefix
+    if that path would be too long for a Unix socket (a long ``$TMPDIR``)."""
+    longest = os.path.join(parent or tempfile.gettempdir(), prefix + "X" * 8, "app.sock")
+    if parent is not None and len(os.fsencode(longest)) > _UNIX_PATH_MAX:
+        parent, prefix = None, "prefixroute-"
     directory = tempfile.mkdtemp(prefix=prefix, dir=parent)
     os.chmod(directory, 0o700)
     return os.path.join(directory, "app.sock")

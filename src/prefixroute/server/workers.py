@@ -392,10 +392,13 @@ class Supervisor:
                 self._spawn(w, self.config)
             waits = [asyncio.ensure_future(self._wait_ready(w)) for w in self._workers]
             stop = asyncio.ensure_future(self._stop.wait())
+            gathered = asyncio.gather(*waits)
             try:
-                done, _ = await asyncio.wait([asyncio.gather(*waits), stop], return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait([gathered, stop], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stop.cancel()
+                if gathered.done() and not gathered.cancelled():
+                    gathered.exception()  # retrieved (each worker's is reported below): no "never retrieved"
             if self._stop.is_set():
                 return 0
             failed = [str(t.exception()) for t in waits if t.done() and t.exception() is not None]
