@@ -50,7 +50,7 @@ from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
 __all__ = ["STATE", "DECODED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app", "decode_request_body",
            "request_coding", "transfer_coding", "transfer_refused", "error_for_path", "parse_openai_request", "native_request_key",
-           "prepare_inference", "request_id", "validate_openai_body"]
+           "prepare_inference", "request_id", "validate_openai_body", "count_answer"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -133,9 +133,10 @@ def request_id(headers: Mapping[str, str]) -> str:
     return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
 
 
-def _count(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float) -> web.Response:
+def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float) -> web.Response:
     """An answer of the router's own, before anything was sent upstream: counted in
-    ``responses_total`` and, as every answer, in ``request_duration_seconds``."""
+    ``responses_total`` and, as every answer, in ``request_duration_seconds``
+    (``t0``: ``time.perf_counter()`` at the request's arrival). Returns ``resp``."""
     m = state.metrics
     m.responses.labels(endpoint, variant, str(resp.status)).inc()
     m.duration_seconds.labels(endpoint, variant).observe(time.perf_counter() - t0)
@@ -160,14 +161,15 @@ _DECODE_SLICE = 64 * 1024
 def request_coding(headers: Any) -> str | None:
     """The request's Content-Encoding as one normalised value: every field line's value
     joined with ", " (RFC 9110 §5.3: two lines are a list of two codings), without the
-    surrounding spaces and tabs, lower-cased; ``"identity"`` for none or an empty value;
-    ``None`` if it is not ASCII (no decoder reads it). ``headers``: a ``CIMultiDict`` or
+    surrounding spaces and tabs, lower-cased; ``"identity"`` for none or an empty value,
+    ``"gzip"`` for ``x-gzip`` (RFC 9110 §8.4.1.3: the same coding); ``None`` if it is not
+    ASCII (no decoder reads it). ``headers``: a ``CIMultiDict`` or
     :class:`~prefixroute.server.headers.RawHeaderView` (anything with ``getall``)."""
     value = ", ".join(headers.getall("Content-Encoding", []))
     if not value.isascii():
         return None
     value = value.strip(" \t").lower()
-    return value or "identity"
+    return "gzip" if value == "x-gzip" else value or "identity"
 
 
 def transfer_coding(headers: Any) -> str:
@@ -318,33 +320,33 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     except UnknownEndpoint as exc:
         resp = openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), status=404, headers=hdrs)
-        return _count(state, "unknown", "", resp, t0)
+        return count_answer(state, "unknown", "", resp, t0)
     except UnknownVariant as exc:
         resp = openai_error(400, str(exc), code="variant_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), headers=hdrs)
-        return _count(state, _endpoint_label(state, endpoint_name), "", resp, t0)
+        return count_answer(state, _endpoint_label(state, endpoint_name), "", resp, t0)
     hdrs[H.INVOKED_VARIANT] = pool.name
     tenant = ""
     if not openai:
         try:
             tenant = validate_tenant_id(headers.get(H.PREFIX_AWARE_ID))
         except InvalidRequest as exc:
-            return _count(state, endpoint.name, pool.name,
+            return count_answer(state, endpoint.name, pool.name,
                           sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs), t0)
     if isinstance(body, BodyTooLarge):
         resp = openai_error(413, str(body), code="request_too_large", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), status=413, headers=hdrs)
-        return _count(state, endpoint.name, pool.name, resp, t0)
+        return count_answer(state, endpoint.name, pool.name, resp, t0)
     if isinstance(body, BodyNotDecoded):
         resp = openai_error(400, str(body), code="invalid_content_encoding", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), headers=hdrs)
-        return _count(state, endpoint.name, pool.name, resp, t0)
+        return count_answer(state, endpoint.name, pool.name, resp, t0)
     if body is None:
         if transfer_refused(headers):
             msg = f"Transfer-Encoding {transfer_coding(headers)[:64]!r} is not supported: only chunked"
             resp = openai_error(501, msg, code="unsupported_transfer_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=501, headers=hdrs)
-            return _count(state, endpoint.name, pool.name, resp, t0)
+            return count_answer(state, endpoint.name, pool.name, resp, t0)
         coding = request_coding(headers)
         if coding not in DECODED_CODINGS:
             shown = ", ".join(headers.getall("Content-Encoding", []))
@@ -352,13 +354,13 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             hdrs["Accept-Encoding"] = _ACCEPTED
             resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
-            return _count(state, endpoint.name, pool.name, resp, t0)
+            return count_answer(state, endpoint.name, pool.name, resp, t0)
         return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0)
     if openai:
         try:
             _, key, blocks = parse_openai_request(body, chat, pool.routing)
         except InvalidRequest as exc:
-            return _count(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
+            return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
         path = "/v1/chat/completions" if chat else "/v1/completions"
     else:
         component = headers.get(H.INFERENCE_COMPONENT)
@@ -472,19 +474,27 @@ def error_for_path(path: str, status: int, message: str, code: str) -> web.Respo
 def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
     """The ``Expect`` handler of an inference route: a request its head alone refuses
     (what :func:`prepare_inference` checks before the body: unknown endpoint or
-    variant, a coding not decoded, an invalid tenant id) gets its final answer instead
-    of ``100 Continue`` (RFC 9110 §10.1.1), so its body need not be sent, and the
-    connection closes after it; any other gets ``100 Continue``, as from aiohttp's
-    default handler. An ``Expect`` other than ``100-continue`` is a 417."""
+    variant, a coding not decoded, an invalid tenant id; and a declared body over
+    ``--max-body-size``) gets its final answer instead of ``100 Continue`` (RFC 9110
+    §10.1.1), so its body need not be sent, and the connection closes after it; any
+    other gets ``100 Continue``, as from aiohttp's default handler. An ``Expect`` other
+    than ``100-continue`` is a 417 (RFC 9110 §10.1.1). Refusals are counted."""
     async def handler(request: web.Request) -> web.StreamResponse | None:
         if request.version != HttpVersion11:
             return None
-        if request.headers.get("Expect", "").strip().lower() != "100-continue":
-            raise web.HTTPExpectationFailed(text=f"unknown Expect: {request.headers.get('Expect', '')[:64]}")
         state = request.app[STATE]
+        t0 = time.perf_counter()
+        expect = request.headers.get("Expect", "")
+        if expect.strip().lower() != "100-continue":
+            resp = error_for_path(request.path, 417, f"Expect {expect[:64]!r} is not supported: only 100-continue",
+                                  "expectation_failed")
+            resp.force_close()
+            return count_answer(state, "unknown", "", resp, t0)
+        limit, declared = state.settings.max_body_bytes, request.content_length
+        body = BodyTooLarge(limit, declared) if declared is not None and declared > limit else None
         checked = prepare_inference(state, api, chat, request.headers, request.raw_headers,
-                                    request.match_info.get("endpoint"), None, request_id(request.headers),
-                                    time.perf_counter(), request)
+                                    request.match_info.get("endpoint"), body, request_id(request.headers), t0,
+                                    request)
         if not isinstance(checked, RoutedRequest):
             checked.force_close()
             return checked
@@ -514,7 +524,7 @@ async def _error_shapes(request: web.Request,
         limit = request.app[STATE].settings.max_body_bytes
         resp = error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
                               "(--max-body-size)", "request_too_large")
-    return _count(request.app[STATE], "unknown", "", resp, t0)
+    return count_answer(request.app[STATE], "unknown", "", resp, t0)
 
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:

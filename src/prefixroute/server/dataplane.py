@@ -64,6 +64,7 @@ from prefixroute.server import headers as H
 from prefixroute.server.app import (
     BodyNotDecoded,
     BodyTooLarge,
+    count_answer,
     decode_request_body,
     error_for_path,
     prepare_inference,
@@ -1267,7 +1268,7 @@ class FrontServer:
                 size = f"{inc.too_large:,} bytes" if inc.too_large >= 0 else "a chunked body went past it"
                 resp = error_for_path(path, 413, f"request body too large ({size}); the limit is {limit:,} bytes "
                                       "(--max-body-size)", "request_too_large")
-                client.write(_serialize(resp, keep_alive=False))
+                client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
                 return
             await self._delegate(client, inc)
             return
