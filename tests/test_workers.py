@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import multiprocessing
 import os
 import re
@@ -199,6 +200,46 @@ async def test_a_change_waits_for_another_worker_to_let_go_of_a_slot_it_needs():
         assert sorted(i.instance_id for _, p in s0.fleet.all_pools() for i in p.instances) == sorted(u[:1] + u[2:])
     finally:
         await runner.cleanup()
+
+
+async def test_a_reload_waits_like_an_admin_change(tmp_path, caplog):
+    """SIGHUP's reload in a worker (reload_logged_waiting) waits for the other workers to
+    let go of a slot, as an admin change does; what cannot fit is still refused, logged."""
+    from prefixroute.server.admin import TABLE_FULL_WAIT_S
+    from prefixroute.server.runner import reload_logged_waiting
+
+    w0, w1 = _table_views(2, capacity=4)
+    lor = RoutingConfig.build("least-outstanding-requests")
+    u = [f"http://10.0.5.{i}:8000" for i in range(5)]
+    cfg = tmp_path / "fleet.yaml"
+    settings = ServerSettings(port=0, config_path=str(cfg))
+    s0 = RouterState(FleetConfig.single(u[:2], lor), settings, counters=w0)
+    s1 = RouterState(FleetConfig.single(u[:2], lor), settings, counters=w1)
+    (_, pool1), = s1.fleet.all_pools()
+    lease = pool1.acquire(None, exclude={u[0]})
+    for state in (s0, s1):
+        state.apply_config(FleetConfig.single([u[0], u[2]], lor))  # u[1] retired in worker 1
+    lease.release()
+
+    def write(instances: list[str]) -> None:
+        cfg.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [{
+            "VariantName": "AllTraffic", "Instances": instances,
+            "RoutingConfig": {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}]}]}))
+
+    write([u[0], u[2], u[3], u[4]])  # 2 more slots: 1 free, 1 is u[1]'s until worker 1 reloads
+
+    async def worker_1_reloads() -> None:
+        await asyncio.sleep(TABLE_FULL_WAIT_S / 4)
+        s1.reload_config_file()
+
+    later = asyncio.create_task(worker_1_reloads())
+    assert await reload_logged_waiting(s0) is True
+    await later
+    assert sorted(i.instance_id for _, p in s0.fleet.all_pools() for i in p.instances) == sorted([u[0], *u[2:]])
+    write([u[0], "http://10.0.6.1:8000", "http://10.0.6.2:8000"])  # cannot fit while the old ones are held
+    with caplog.at_level(logging.ERROR, logger="prefixroute.server"):
+        assert await reload_logged_waiting(s0) is False
+    assert "reload failed" in caplog.text and "full" in caplog.text
 
 
 def test_router_state_churning_instances_reuses_slots_and_a_retired_one_keeps_its_count():

@@ -34,7 +34,8 @@ from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
 from prefixroute.server.errors import json_response, quiet_decoding_errors
 from prefixroute.server.state import RouterState
 
-__all__ = ["build_admin_app", "config_document", "admin_middlewares", "strip_live_state"]
+__all__ = ["build_admin_app", "config_document", "admin_middlewares", "strip_live_state", "apply_waiting",
+           "TABLE_FULL_WAIT_S"]
 
 _STATE = web.AppKey("prefixroute_admin_state", RouterState)
 
@@ -103,7 +104,7 @@ TABLE_FULL_WAIT_S = 1.0
 _T = TypeVar("_T")
 
 
-async def _applied(change: Callable[[], _T]) -> _T:
+async def apply_waiting(change: Callable[[], _T]) -> _T:
     """``change()`` (a :class:`RouterState` method), tried again every 50 ms for up to
     :data:`TABLE_FULL_WAIT_S` while it raises ``InFlightTableFull`` (which changes
     nothing); then that error."""
@@ -127,7 +128,7 @@ async def put_config(request: web.Request) -> web.Response:
     state = request.app[_STATE]
     try:
         config = FleetConfig.from_mapping(strip_live_state(await _json_body(request)))
-        await _applied(lambda: state.apply_config(config))  # InFlightTableFull: a ConfigError, nothing changed
+        await apply_waiting(lambda: state.apply_config(config))  # InFlightTableFull: a ConfigError, nothing changed
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))
@@ -142,7 +143,7 @@ async def put_routing(request: web.Request) -> web.Response:
     except ConfigError as exc:
         return _error(400, str(exc))
     try:
-        await _applied(lambda: state.set_routing(endpoint, variant, routing))
+        await apply_waiting(lambda: state.set_routing(endpoint, variant, routing))
     except (UnknownEndpoint, UnknownVariant) as exc:
         return _error(404, str(exc.args[0]))
     except ConfigError as exc:
@@ -154,7 +155,7 @@ async def reload(request: web.Request) -> web.Response:
     """``POST /admin/reload``: re-read the configuration file."""
     state = request.app[_STATE]
     try:
-        await _applied(state.reload_config_file)
+        await apply_waiting(state.reload_config_file)
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))

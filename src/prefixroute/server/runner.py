@@ -118,6 +118,20 @@ def reload_logged(state: RouterState) -> bool:
     return True
 
 
+async def reload_logged_waiting(state: RouterState) -> bool:
+    """:func:`reload_logged` for a worker of ``serve --workers N``: a change that finds
+    the shared in-flight table full waits for the other workers, which reload at the
+    same time, to let go of slots (:func:`prefixroute.server.admin.apply_waiting`)."""
+    from prefixroute.server.admin import apply_waiting
+
+    try:
+        await apply_waiting(state.reload_config_file)
+    except ConfigError as exc:
+        log.error("configuration reload failed, keeping the running configuration: %s", exc)
+        return False
+    return True
+
+
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
                  reuse_port: bool = False, unix_path: str | None = None,
                  keepalive_timeout_s: float = 75.0, auto_decompress: bool = True) -> tuple[web.AppRunner, int]:

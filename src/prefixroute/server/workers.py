@@ -219,7 +219,7 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
 
 
 async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
-    from prefixroute.server.runner import WorkerRuntime, reload_logged, start_router
+    from prefixroute.server.runner import WorkerRuntime, reload_logged_waiting, start_router
 
     loop = asyncio.get_running_loop()
     counters = SharedCounters.attach(spec.shm_name, spec.index, spec.lock)
@@ -234,7 +234,14 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        loop.add_signal_handler(signal.SIGHUP, reload_logged, handle.state)
+        reloads: set[asyncio.Task[bool]] = set()
+
+        def on_sighup() -> None:
+            task = loop.create_task(reload_logged_waiting(handle.state))
+            reloads.add(task)
+            task.add_done_callback(reloads.discard)
+
+        loop.add_signal_handler(signal.SIGHUP, on_sighup)
         parent = multiprocessing.parent_process()
         if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
             loop.add_reader(parent.sentinel, stop.set)
