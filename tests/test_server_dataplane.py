@@ -1143,3 +1143,23 @@ async def test_an_expect_other_than_100_continue(backend, data_plane):
         assert counted == 1
     finally:
         await handle.close()
+
+
+async def test_a_field_repeated_in_another_case_reaches_the_engine_whole(backend, data_plane):
+    """``X-Custom: a`` then ``x-custom: b`` is one field with two lines; both planes send
+    both (aiohttp's client kept only the last when the spelling differed)."""
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane))
+    try:
+        for version in (b"1.1", b"1.0"):  # (an HTTP/1.0 request goes through aiohttp on the fast plane too)
+            reader, writer = await _connect(handle)
+            writer.write(b"POST /v1/chat/completions HTTP/%s\r\nHost: r\r\nX-Custom: a\r\nx-custom: b\r\n"
+                         b"X-CUSTOM: c\r\nContent-Length: %d\r\n\r\n" % (version, len(CHAT)) + CHAT)
+            status, _, _ = await asyncio.wait_for(_read_response(reader), 5)
+            writer.close()
+            assert status == 200
+        assert [rec.headers.getall("X-Custom") for rec in backend.received] == [["a", "b", "c"]] * 2
+    finally:
+        await handle.close()

@@ -155,8 +155,19 @@ class RawHeaderView(Mapping[str, str]):
 
 def to_multidict(headers: RawHeaders) -> CIMultiDict[str]:
     """Raw headers as aiohttp's ``CIMultiDict`` (names Latin-1; values UTF-8 with
-    surrogate escapes, so any byte round-trips, as aiohttp decodes them)."""
-    return CIMultiDict((k.decode("latin-1"), v.decode("utf-8", "surrogateescape")) for k, v in headers)
+    surrogate escapes, so any byte round-trips, as aiohttp decodes them). A name that
+    comes again in another case (``X-A`` then ``x-a``) is spelled as it came first: the
+    same field (RFC 9110 §5.1), and aiohttp's client keeps every line of a repeated
+    name only when the spelling is the same (``ClientSession._prepare_headers``
+    compares names case-sensitively and lets the later line replace the earlier)."""
+    out: CIMultiDict[str] = CIMultiDict()
+    spelled: dict[bytes, str] = {}
+    for k, v in headers:
+        name = spelled.get(low := k.lower())
+        if name is None:
+            name = spelled[low] = k.decode("latin-1")
+        out.add(name, v.decode("utf-8", "surrogateescape"))
+    return out
 
 
 def openai_upstream_headers(headers: RawHeaders, request_id: str, decoded: bool = False) -> list[tuple[bytes, bytes]]:
