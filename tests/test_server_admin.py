@@ -229,21 +229,33 @@ async def test_admin_disabled_and_port_default(backends):
         await handle.close()
 
 
-async def test_a_compressed_admin_body_that_does_not_decode_is_a_400_without_tracebacks(router, caplog):
+async def test_a_compressed_admin_body_is_decoded_strictly_as_inference_bodies_are(router, caplog):
+    """The admin API decodes bodies with the inference routes' decoder: one that does
+    not decode (a bad CRC was a 500; a truncated gzip body was taken as the part that
+    decoded) is a JSON 400, a coding not decoded a JSON 415 (aiohttp's was plain
+    text), a body past the limit once decoded a 413; no traceback is logged."""
     import gzip
     import logging
     import zlib
 
+    from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES
+
     doc = b'{"RoutingStrategy": "RANDOM"}'
+    packed = gzip.compress(doc)
     async with aiohttp.ClientSession(auto_decompress=False) as http:
-        for body in (gzip.compress(doc)[:-8] + b"\0" * 8, b"not gzip at all"):  # a bad CRC was a 500
-            async with http.put(router.admin_url + ROUTING_URL, data=body, headers={"Content-Encoding": "gzip"}) as r:
-                assert r.status == 400
-                assert (await r.json())["message"] == "request body could not be decoded from its Content-Encoding"
-        for body, coding in ((zlib.compress(doc)[:-3], "deflate"), (doc, "br")):  # refused by aiohttp's parser
+        for body, coding in ((packed[:-8] + b"\0" * 8, "gzip"), (b"not gzip at all", "gzip"),
+                             (packed[: len(packed) // 2], "gzip"), (zlib.compress(doc)[:-3], "deflate")):
             async with http.put(router.admin_url + ROUTING_URL, data=body, headers={"Content-Encoding": coding}) as r:
-                assert r.status == 400
-        async with http.put(router.admin_url + ROUTING_URL, data=gzip.compress(doc),
-                            headers={"Content-Encoding": "gzip"}) as r:
-            assert r.status == 200 and (await r.json())["RoutingConfig"] == {"RoutingStrategy": "RANDOM"}
+                assert r.status == 400, (coding, await r.text())
+                assert (await r.json())["message"].endswith("(its Content-Encoding)")
+        for coding in ("br", "zstd", "gzip, gzip"):
+            async with http.put(router.admin_url + ROUTING_URL, data=doc, headers={"Content-Encoding": coding}) as r:
+                assert r.status == 415 and r.headers["Accept-Encoding"] == "deflate, gzip"
+                assert "is not supported" in (await r.json())["message"]
+        bomb = gzip.compress(b" " * (ADMIN_MAX_BODY_BYTES + 1) + doc)
+        async with http.put(router.admin_url + ROUTING_URL, data=bomb, headers={"Content-Encoding": "gzip"}) as r:
+            assert r.status == 413 and "too large" in (await r.json())["message"]
+        for body, coding in ((packed, "gzip"), (zlib.compress(doc), "deflate"), (doc, "identity")):
+            async with http.put(router.admin_url + ROUTING_URL, data=body, headers={"Content-Encoding": coding}) as r:
+                assert r.status == 200 and (await r.json())["RoutingConfig"] == {"RoutingStrategy": "RANDOM"}
     assert not [rec for rec in caplog.records if rec.levelno >= logging.ERROR]

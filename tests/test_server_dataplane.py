@@ -147,7 +147,8 @@ async def test_expect_100_continue_gets_the_final_answer_when_the_head_is_refuse
         ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
                        seed=1, data_plane=data_plane, max_body_bytes=LIMIT))
     n = len(CHAT)
-    cases = [(b"/endpoints/nope/invocations", b"", n, 404), (b"/v1/chat/completions", b"Content-Encoding: br\r\n", n, 415),
+    cases = [(b"/endpoints/nope/invocations", b"", n, 404),
+             (b"/v1/chat/completions", b"Content-Encoding: br\r\n", n, 415),
              (b"/v1/chat/completions", b"X-Amzn-SageMaker-Target-Variant: nope\r\n", n, 400),
              (b"/invocations", b"X-Amzn-SageMaker-Prefix-Aware-Id: " + b"t" * 65 + b"\r\n", n, 400),
              (b"/v1/chat/completions", b"", LIMIT + 1, 413)]

@@ -779,6 +779,29 @@ async def test_workers_start_under_a_long_tmpdir(backends, tmp_path):
     assert list(long_dir.iterdir()) == []
 
 
+async def test_the_supervisors_admin_api_decodes_bodies_as_the_workers_do(backends):
+    """A gzip body sent to the supervisor reaches every worker decoded; a coding not
+    decoded is a JSON 415 from the supervisor, a broken one a JSON 400 (the supervisor
+    had passed aiohttp's decoding on)."""
+    import gzip
+
+    serve = await Serve.start("--backend", backends[0].url)
+    doc = orjson.dumps({"RoutingStrategy": "RANDOM"})
+    url = serve.admin + "/admin/endpoints/default/variants/AllTraffic/routing"
+    try:
+        async with aiohttp.ClientSession(auto_decompress=False) as http:
+            async with http.put(url, data=gzip.compress(doc), headers={"Content-Encoding": "gzip"}) as r:
+                assert r.status == 200, await r.text()
+            async with http.put(url, data=doc, headers={"Content-Encoding": "br"}) as r:
+                assert r.status == 415 and "is not supported" in (await r.json())["message"]
+            async with http.put(url, data=gzip.compress(doc)[:-8], headers={"Content-Encoding": "gzip"}) as r:
+                assert r.status == 400 and (await r.json())["message"].endswith("(its Content-Encoding)")
+        workers = await serve.workers()
+        assert [w["RoutingConfigs"]["default/AllTraffic"] for w in workers] == [{"RoutingStrategy": "RANDOM"}] * 2
+    finally:
+        assert await serve.stop() == 0
+
+
 def _leftovers(pid: int) -> list[str]:
     shm = [p.name for p in Path("/dev/shm").glob(f"prefixroute-{pid}-*")]
     tmp = [p.name for p in Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{pid}-*")]

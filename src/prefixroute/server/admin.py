@@ -31,7 +31,8 @@ from aiohttp import web
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
 from prefixroute.core.counters import InFlightTableFull
 from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
-from prefixroute.server.errors import json_response, quiet_decoding_errors
+from prefixroute.server.app import ACCEPTED_CODINGS, BodyNotDecoded, BodyTooLarge, coding_refusal, read_body
+from prefixroute.server.errors import json_response
 from prefixroute.server.state import RouterState
 
 __all__ = ["build_admin_app", "config_document", "admin_middlewares", "strip_live_state", "apply_waiting",
@@ -72,13 +73,47 @@ def _error(status: int, message: str) -> web.Response:
     return json_response(status, {"message": message})
 
 
+#: Largest admin request body, bytes, as received and once decoded (aiohttp's default).
+ADMIN_MAX_BODY_BYTES = 1024 * 1024
+
+
+class BodyRefused(Exception):
+    """An admin request body that is not read: ``status`` 413 (over
+    :data:`ADMIN_MAX_BODY_BYTES`), 415 (a Content-Encoding not decoded; the answer
+    names the ones that are) or 400 (one that does not decode it)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+    def response(self) -> web.Response:
+        resp = _error(self.status, str(self))
+        if self.status == 415:
+            resp.headers["Accept-Encoding"] = ACCEPTED_CODINGS
+        return resp
+
+
+async def read_admin_body(request: web.Request) -> bytes:
+    """An admin request's body, decoded as the inference routes decode theirs (strict
+    gzip or deflate: :func:`prefixroute.server.app.read_body`; the admin listeners run
+    with aiohttp's decompression off). Raises :class:`BodyRefused`."""
+    refusal = coding_refusal(request.headers)
+    if refusal is not None:
+        raise BodyRefused(415, refusal)
+    body = await read_body(request, ADMIN_MAX_BODY_BYTES)
+    if isinstance(body, BodyTooLarge):
+        raise BodyRefused(413, str(body).replace(" (--max-body-size)", ""))
+    if isinstance(body, BodyNotDecoded):
+        raise BodyRefused(400, str(body))
+    return body
+
+
 async def _json_body(request: web.Request) -> Any:
+    body = await read_admin_body(request)
     try:
-        return orjson.loads(await request.read())
+        return orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise ConfigError(f"request body is not valid JSON ({exc})") from None
-    except web.RequestPayloadError:  # (aiohttp's decompressor: the admin listeners keep it)
-        raise ConfigError("request body could not be decoded from its Content-Encoding") from None
 
 
 def strip_live_state(doc: Any) -> Any:
@@ -182,9 +217,12 @@ def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
 @web.middleware
 async def _json_errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                        ) -> web.StreamResponse:
-    """aiohttp's own 404/405/413 answers are plain text; the admin API answers JSON."""
+    """aiohttp's own 404/405/413 answers are plain text; the admin API answers JSON (a
+    body refused, :class:`BodyRefused`, too)."""
     try:
         return await handler(request)
+    except BodyRefused as exc:
+        return exc.response()
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -192,10 +230,8 @@ async def _json_errors(request: web.Request, handler: Callable[[web.Request], Aw
 
 
 def admin_middlewares(token: str | None) -> list[Callable[..., Awaitable[web.StreamResponse]]]:
-    """JSON error bodies, and the bearer-token check if ``token`` is set (and aiohttp's
-    decoding errors of a client's body kept out of the log:
-    :func:`~prefixroute.server.errors.quiet_decoding_errors`)."""
-    quiet_decoding_errors()
+    """JSON error bodies, and the bearer-token check if ``token`` is set. An app with
+    them is served with aiohttp's decompression off: :func:`read_admin_body` decodes."""
     return [_json_errors, *([_auth_middleware(token)] if token else [])]
 
 
@@ -203,7 +239,8 @@ def build_admin_app(state: RouterState, token: str | None = None) -> web.Applica
     """The admin application for ``state``; requires ``token`` (default:
     ``settings.admin_token``) if set. A worker of ``serve --workers N`` runs it on a
     loopback port with a token only its supervisor knows."""
-    app = web.Application(middlewares=admin_middlewares(token if token is not None else state.settings.admin_token))
+    app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
+                          middlewares=admin_middlewares(token if token is not None else state.settings.admin_token))
     app[_STATE] = state
     app.router.add_get("/admin/config", get_config, allow_head=False)
     app.router.add_put("/admin/config", put_config)

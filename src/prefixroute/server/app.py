@@ -48,9 +48,10 @@ from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
 from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
-__all__ = ["STATE", "DECODED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app", "decode_request_body",
-           "request_coding", "transfer_coding", "transfer_refused", "error_for_path", "parse_openai_request", "native_request_key",
-           "prepare_inference", "request_id", "validate_openai_body", "count_answer"]
+__all__ = ["STATE", "DECODED_CODINGS", "ACCEPTED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app",
+           "decode_request_body", "request_coding", "coding_refusal", "transfer_coding", "transfer_refused",
+           "error_for_path", "parse_openai_request", "native_request_key", "prepare_inference", "request_id",
+           "validate_openai_body", "count_answer", "read_body"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -149,7 +150,8 @@ def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Resp
 #: is. Any other value is a 415 (RFC 9110 §15.5.16) with ``Accept-Encoding`` naming
 #: these, instead of a body forwarded still encoded without its Content-Encoding.
 DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
-_ACCEPTED = ", ".join(sorted(DECODED_CODINGS - {"identity"}))  # a 415's Accept-Encoding
+#: A 415's ``Accept-Encoding``: the codings decoded, besides identity.
+ACCEPTED_CODINGS = ", ".join(sorted(DECODED_CODINGS - {"identity"}))
 
 #: Most gzip members one body may hold (aiohttp has a cap too): each costs a decoder.
 _MAX_GZIP_MEMBERS = 1024
@@ -170,6 +172,17 @@ def request_coding(headers: Any) -> str | None:
         return None
     value = value.strip(" \t").lower()
     return "gzip" if value == "x-gzip" else value or "identity"
+
+
+def coding_refusal(headers: Any) -> str | None:
+    """The message of the 415 for a request whose Content-Encoding is not one
+    :data:`DECODED_CODINGS` names, or ``None`` if it is (what the 415's
+    ``Accept-Encoding`` lists is :data:`ACCEPTED_CODINGS`)."""
+    if request_coding(headers) in DECODED_CODINGS:
+        return None
+    shown = ", ".join(headers.getall("Content-Encoding", []))
+    return (f"Content-Encoding {shown[:64]!r} is not supported: send the body as is, or in one of "
+            f"{ACCEPTED_CODINGS}")
 
 
 def transfer_coding(headers: Any) -> str:
@@ -251,7 +264,7 @@ class BodyTooLarge(Exception):
         super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
+async def read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
     """The whole body, at most ``limit`` bytes (a chunked body is de-chunked, a
     compressed one decoded by :func:`decode_request_body`: the app runs with aiohttp's
     decompression off), or the :class:`BodyTooLarge` error if its declared, actual or
@@ -347,11 +360,9 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             resp = openai_error(501, msg, code="unsupported_transfer_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=501, headers=hdrs)
             return count_answer(state, endpoint.name, pool.name, resp, t0)
-        coding = request_coding(headers)
-        if coding not in DECODED_CODINGS:
-            shown = ", ".join(headers.getall("Content-Encoding", []))
-            msg = f"Content-Encoding {shown[:64]!r} is not supported: send the body as is, or in one of {_ACCEPTED}"
-            hdrs["Accept-Encoding"] = _ACCEPTED
+        msg = coding_refusal(headers)
+        if msg is not None:
+            hdrs["Accept-Encoding"] = ACCEPTED_CODINGS
             resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
             return count_answer(state, endpoint.name, pool.name, resp, t0)
@@ -382,7 +393,7 @@ async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.
                               request)
     if not isinstance(first, RoutedRequest):
         return first
-    body = await _read_body(request, state.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes)
     rr = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, body, rid, t0,
                            request)
     if not isinstance(rr, RoutedRequest):

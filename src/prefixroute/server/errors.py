@@ -10,14 +10,12 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError
 
-__all__ = ["json_response", "openai_error", "sagemaker_error", "SAGEMAKER_ERROR_STATUS", "quiet_decoding_errors"]
+__all__ = ["json_response", "openai_error", "sagemaker_error", "SAGEMAKER_ERROR_STATUS"]
 
 #: SageMaker runtime error codes and their HTTP status (botocore's sagemaker-runtime model).
 SAGEMAKER_ERROR_STATUS = {
@@ -27,30 +25,6 @@ SAGEMAKER_ERROR_STATUS = {
     "InternalFailure": 500,
     "ServiceUnavailable": 503,
 }
-
-
-class _ClientDecodingErrors(logging.Filter):
-    """Drops aiohttp's ERROR records for a request body its decompressor rejected (on
-    the admin listeners, which keep aiohttp's decompression): "Error handling request"
-    when its parser refuses the coding or the body, "Unhandled exception" when it meets
-    the error again draining the body after the handler answered (aio-libs/aiohttp#1710).
-    The client's error, answered: not a traceback in the log each time."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        exc = record.exc_info[1] if record.exc_info else None
-        if isinstance(exc, web.RequestPayloadError):
-            exc = exc.__cause__
-        return not isinstance(exc, ContentEncodingError)
-
-
-_DECODING_FILTER = _ClientDecodingErrors()
-
-
-def quiet_decoding_errors() -> None:
-    """Install :class:`_ClientDecodingErrors` on the ``aiohttp.server`` logger (once)."""
-    server_log = logging.getLogger("aiohttp.server")
-    if _DECODING_FILTER not in server_log.filters:
-        server_log.addFilter(_DECODING_FILTER)
 
 
 def json_response(status: int, data: Any, headers: Mapping[str, str] | None = None) -> web.Response:

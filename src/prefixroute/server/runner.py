@@ -189,7 +189,7 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
             from prefixroute.server.workers import worker_socket_prefix
             socket_path = internal_socket_path(worker.metrics_dir, worker_socket_prefix(worker.index))
         runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path,
-                                 auto_decompress=False)  # request bodies: app._read_body decodes them
+                                 auto_decompress=False)  # request bodies: app.read_body decodes them
         handle = RouterHandle("", None, state, [runner], _socket_path=socket_path)
         front = FrontServer(state, socket_path)
         try:
@@ -204,12 +204,12 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
                                     reuse_port=worker is not None,
                                     keepalive_timeout_s=settings.client_keepalive_timeout_s,
-                                    auto_decompress=False)  # request bodies: app._read_body decodes them
+                                    auto_decompress=False)  # request bodies: app.read_body decodes them
         handle = RouterHandle(_url(settings.host, port), None, state, [runner])
     if worker is not None:
         try:
             admin_runner, admin_port = await _start(build_admin_app(state, token=worker.admin_token), "127.0.0.1",
-                                                    0, 1.0)
+                                                    0, 1.0, auto_decompress=False)  # admin.read_admin_body decodes
         except BaseException:
             await handle.close()
             raise
@@ -220,7 +220,8 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         if admin_port is None:
             admin_port = port + 1 if settings.port else 0
         try:
-            admin_runner, admin_port = await _start(build_admin_app(state), settings.admin_host, admin_port, 1.0)
+            admin_runner, admin_port = await _start(build_admin_app(state), settings.admin_host, admin_port, 1.0,
+                                                    auto_decompress=False)  # admin.read_admin_body decodes
         except BaseException:
             await handle.close()
             raise

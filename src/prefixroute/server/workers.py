@@ -421,7 +421,8 @@ class Supervisor:
 
             admin_port = s.admin_port if s.admin_port is not None else (self.port + 1 if s.port else 0)
             try:
-                self._admin_runner, admin_port = await start_site(self._admin_app(), s.admin_host, admin_port, 1.0)
+                self._admin_runner, admin_port = await start_site(self._admin_app(), s.admin_host, admin_port, 1.0,
+                                                                  auto_decompress=False)  # read_admin_body decodes
             except OSError as exc:
                 print(f"error: cannot listen on the admin port {s.admin_host}:{admin_port}: {exc}", file=sys.stderr)
                 return 1
@@ -607,9 +608,10 @@ class Supervisor:
             return r.status, await r.read()
 
     def _admin_app(self) -> web.Application:
-        from prefixroute.server.admin import admin_middlewares
+        from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, admin_middlewares
 
-        app = web.Application(middlewares=admin_middlewares(self.settings.admin_token))
+        app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
+                              middlewares=admin_middlewares(self.settings.admin_token))
         app.router.add_get("/admin/config", self._get_config, allow_head=False)
         app.router.add_get("/admin/workers", self._get_workers, allow_head=False)
         app.router.add_put("/admin/config", self._change)
@@ -670,10 +672,9 @@ class Supervisor:
         the others, so that they agree again)."""
         from prefixroute.server.errors import json_response
 
-        try:
-            body = await request.read()
-        except web.RequestPayloadError:  # (aiohttp's decompressor: this listener keeps it)
-            return json_response(400, {"message": "request body could not be decoded from its Content-Encoding"})
+        from prefixroute.server.admin import read_admin_body
+
+        body = await read_admin_body(request)  # decoded: the workers get it plain (BodyRefused: the middleware)
         async with self._config_lock:
             results = await self._gather(request.method, request.path_qs, body)
             if not results:
