@@ -236,6 +236,10 @@ async def test_a_reload_waits_like_an_admin_change(tmp_path, caplog):
     assert await reload_logged_waiting(s0) is True
     await later
     assert sorted(i.instance_id for _, p in s0.fleet.all_pools() for i in p.instances) == sorted([u[0], *u[2:]])
+    write([u[1]])
+    assert s0.read_config_file().endpoints[0].variants[0].instances == (u[1],)
+    # (read, not applied)
+    assert sorted(i.instance_id for _, p in s0.fleet.all_pools() for i in p.instances) == sorted([u[0], *u[2:]])
     write([u[0], "http://10.0.6.1:8000", "http://10.0.6.2:8000"])  # cannot fit while the old ones are held
     with caplog.at_level(logging.ERROR, logger="prefixroute.server"):
         assert await reload_logged_waiting(s0) is False
@@ -593,12 +597,12 @@ class Serve:
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
-async def _eventually(pred, timeout: float = 15.0) -> bool:
+async def _eventually(pred, timeout: float = 15.0, every: float = 0.05) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if await pred():
             return True
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(every)
     return bool(await pred())
 
 
@@ -774,6 +778,16 @@ async def test_workers_start_under_a_long_tmpdir(backends, tmp_path):
         metrics_dir = next(long_dir.glob(f"prefixroute-metrics-{serve.proc.pid}-*"))
         assert list(metrics_dir.glob("socket-*")) == []
         assert len(list(long_dir.glob("prefixroute-*/app.sock"))) == 2  # one per worker
+        victim = (await serve.workers())[0]
+        os.kill(victim["Pid"], signal.SIGKILL)  # its directory is removed by the supervisor
+
+        async def replaced() -> bool:
+            w = (await serve.workers())[0]
+            return w["Listening"] and w["Pid"] != victim["Pid"]
+
+        assert await _eventually(replaced, 60)
+        assert len(list(long_dir.glob("prefixroute-*/app.sock"))) == 2
+        assert len(list(long_dir.glob("prefixroute-*"))) == 3  # and the metrics directory
     finally:
         assert await serve.stop() == 0
     assert list(long_dir.iterdir()) == []
@@ -806,6 +820,42 @@ def _leftovers(pid: int) -> list[str]:
     shm = [p.name for p in Path("/dev/shm").glob(f"prefixroute-{pid}-*")]
     tmp = [p.name for p in Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{pid}-*")]
     return shm + tmp
+
+
+async def test_a_sighup_while_a_worker_restarts_reaches_it_once_it_listens(backends, tmp_path):
+    """The replacement of a dead worker starts with the configuration in force before a
+    SIGHUP that came meanwhile; it reloads once it listens, so the workers agree (they
+    stayed apart)."""
+    cfg = tmp_path / "fleet.yaml"
+
+    def write(strategy: str) -> None:
+        cfg.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [
+            {"VariantName": "AllTraffic", "Instances": [backends[0].url], "RoutingConfig": {
+                "RoutingStrategy": strategy}}]}]}))
+
+    write("RANDOM")
+    serve = await Serve.start("--config", str(cfg))
+    try:
+        victim = (await serve.workers())[1]
+        os.kill(victim["Pid"], signal.SIGKILL)
+
+        async def starting() -> bool:  # the replacement runs, with the configuration in force, but does not listen yet
+            w = (await serve.workers())[1]
+            return w["Alive"] and not w["Listening"] and w["Pid"] not in (0, victim["Pid"])
+
+        assert await _eventually(starting, 30, 0.02)
+        write("LEAST_OUTSTANDING_REQUESTS")
+        serve.proc.send_signal(signal.SIGHUP)  # worker 0 reloads now, worker 1 once it listens
+
+        async def agreed() -> bool:
+            ws = await serve.workers()
+            return ws[1]["Listening"] and ws[1]["Pid"] != victim["Pid"] and all(
+                w.get("RoutingConfigs", {}).get("default/AllTraffic", {}).get("RoutingStrategy")
+                == "LEAST_OUTSTANDING_REQUESTS" for w in ws)
+
+        assert await _eventually(agreed, 60)
+    finally:
+        assert await serve.stop() == 0
 
 
 async def test_sighup_reaches_every_worker_and_sigterm_drains_and_cleans_up(backends, tmp_path):

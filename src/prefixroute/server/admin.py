@@ -190,7 +190,8 @@ async def reload(request: web.Request) -> web.Response:
     """``POST /admin/reload``: re-read the configuration file."""
     state = request.app[_STATE]
     try:
-        await apply_waiting(state.reload_config_file)
+        config = state.read_config_file()  # once: only applying it is tried again
+        await apply_waiting(lambda: state.apply_config(config))
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))

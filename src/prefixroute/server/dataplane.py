@@ -1263,6 +1263,10 @@ class FrontServer:
             return
         path, route = self._route(inc)
         if route is None:
+            inference = match_route(path) if inc.too_large is not None and inc.method == b"POST" else None
+            if inference is not None:  # (HTTP/1.0, --record-trace...): counted as the aiohttp app counts it
+                client.write(_serialize(self._prepare(inc, inference), keep_alive=False))
+                return
             if inc.too_large is not None:
                 limit = self.state.settings.max_body_bytes
                 size = f"{inc.too_large:,} bytes" if inc.too_large >= 0 else "a chunked body went past it"
@@ -1764,10 +1768,20 @@ def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-"
     """A fresh path for the aiohttp app's Unix socket, in a new directory only this user
     can enter: ``<parent>/<prefix>XXXXXXXX/app.sock`` (``parent`` ``None``: the system's
     temporary directory), or in the system's temporary directory with the default prefix
-    if that path would be too long for a Unix socket (a long ``$TMPDIR``)."""
-    longest = os.path.join(parent or tempfile.gettempdir(), prefix + "X" * 8, "app.sock")
-    if parent is not None and len(os.fsencode(longest)) > _UNIX_PATH_MAX:
+    if that path would be too long for a Unix socket (a long ``$TMPDIR``).
+
+    Raises:
+        OSError: even that path would be too long (nothing is created); the message
+            says to shorten ``$TMPDIR``.
+    """
+    def longest(parent: str | None, prefix: str) -> str:
+        return os.path.join(parent or tempfile.gettempdir(), prefix + "X" * 8, "app.sock")
+
+    if parent is not None and len(os.fsencode(longest(parent, prefix))) > _UNIX_PATH_MAX:
         parent, prefix = None, "prefixroute-"
+    if len(os.fsencode(path := longest(parent, prefix))) > _UNIX_PATH_MAX:
+        raise OSError(f"the internal Unix socket would be {path!r}, {len(os.fsencode(path))} bytes, over the "
+                      f"{_UNIX_PATH_MAX} a Unix socket path may have: set TMPDIR to a shorter directory")
     directory = tempfile.mkdtemp(prefix=prefix, dir=parent)
     os.chmod(directory, 0o700)
     return os.path.join(directory, "app.sock")

@@ -20,7 +20,7 @@ from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.admin import build_admin_app
 from prefixroute.server.app import build_app
-from prefixroute.server.dataplane import LINGER_S, FrontServer, internal_socket_path
+from prefixroute.server.dataplane import FrontServer, internal_socket_path
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -125,7 +125,8 @@ async def reload_logged_waiting(state: RouterState) -> bool:
     from prefixroute.server.admin import apply_waiting
 
     try:
-        await apply_waiting(state.reload_config_file)
+        config = state.read_config_file()  # once: only applying it is tried again
+        await apply_waiting(lambda: state.apply_config(config))
     except ConfigError as exc:
         log.error("configuration reload failed, keeping the running configuration: %s", exc)
         return False
@@ -135,12 +136,8 @@ async def reload_logged_waiting(state: RouterState) -> bool:
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
                  reuse_port: bool = False, unix_path: str | None = None,
                  keepalive_timeout_s: float = 75.0, auto_decompress: bool = True) -> tuple[web.AppRunner, int]:
-    # lingering_time: after an answer to a request whose body was not read (a refusal
-    # decided by its head), what the client still sends is read and dropped for as long
-    # as the fast data plane does (aiohttp's default is 10 s), then the connection closes.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
-                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress,
-                           lingering_time=LINGER_S)
+                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress)
     await runner.setup()
     try:
         site: web.BaseSite

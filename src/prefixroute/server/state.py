@@ -131,6 +131,16 @@ class RouterState:
             ConfigError: no configuration file was given, it cannot be read, or it is
                 invalid. The running configuration is then kept unchanged.
         """
+        config = self.read_config_file()
+        self.apply_config(config)
+        return config
+
+    def read_config_file(self) -> FleetConfig:
+        """``settings.config_path`` read and validated, not applied.
+
+        Raises:
+            ConfigError: as :meth:`reload_config_file`.
+        """
         path = self.settings.config_path
         if not path:
             raise ConfigError("no configuration file to reload (the router was started without --config)")
@@ -138,9 +148,7 @@ class RouterState:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
-        config = FleetConfig.from_yaml(text)
-        self.apply_config(config)
-        return config
+        return FleetConfig.from_yaml(text)
 
     # -- health -------------------------------------------------------------------
 

@@ -234,18 +234,31 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        reloads: set[asyncio.Task[bool]] = set()
+        # One reload at a time; SIGHUPs that come meanwhile make one more after it.
+        reloading: list[asyncio.Task[bool]] = []
+        again = [False]
 
         def on_sighup() -> None:
+            if reloading:
+                again[0] = True
+                return
             task = loop.create_task(reload_logged_waiting(handle.state))
-            reloads.add(task)
-            task.add_done_callback(reloads.discard)
+            reloading.append(task)
+
+            def done(_: asyncio.Task[bool]) -> None:
+                reloading.clear()
+                if again[0]:
+                    again[0] = False
+                    on_sighup()
+
+            task.add_done_callback(done)
 
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
         parent = multiprocessing.parent_process()
         if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
             loop.add_reader(parent.sentinel, stop.set)
-        conn.send(("ready", os.getpid(), handle.admin_url))
+        socket_path = handle._socket_path
+        conn.send(("ready", os.getpid(), handle.admin_url, os.path.dirname(socket_path) if socket_path else None))
         conn.close()
         try:
             await stop.wait()
@@ -307,6 +320,8 @@ class _Worker:
     restarts: int = 0
     young_deaths: int = 0
     restarting: asyncio.Task[None] | None = None
+    socket_dir: str | None = None  # its internal socket's directory, as it said when ready
+    missed_sighup: bool = False  # a SIGHUP came while it was not listening
 
     @property
     def alive(self) -> bool:
@@ -400,12 +415,13 @@ class Supervisor:
             waits = [asyncio.ensure_future(self._wait_ready(w)) for w in self._workers]
             stop = asyncio.ensure_future(self._stop.wait())
             gathered = asyncio.gather(*waits)
+            # Its error is each worker's, reported below (or moot once stopping): retrieved
+            # whenever it ends, so that asyncio does not log it as never retrieved.
+            gathered.add_done_callback(lambda f: f.cancelled() or f.exception())
             try:
                 await asyncio.wait([gathered, stop], return_when=asyncio.FIRST_COMPLETED)
             finally:
                 stop.cancel()
-                if gathered.done() and not gathered.cancelled():
-                    gathered.exception()  # retrieved (each worker's is reported below): no "never retrieved"
             if self._stop.is_set():
                 return 0
             failed = [str(t.exception()) for t in waits if t.done() and t.exception() is not None]
@@ -414,6 +430,8 @@ class Supervisor:
             if failed:
                 print(f"error: {failed[0]}", file=sys.stderr)
                 return 1
+            for w in self._workers:
+                self._sighup_if_missed(w)
         finally:
             hold.close()  # the workers listen now (or failed)
         if s.admin_enabled:
@@ -467,7 +485,7 @@ class Supervisor:
         if w.ready.done():
             return
         if msg[0] == "ready":
-            _, w.pid, w.admin_url = msg
+            _, w.pid, w.admin_url, w.socket_dir = msg
             w.ready.set_result(None)
             log.info("worker %d (pid %d) is listening", w.index, w.pid)
         else:
@@ -496,7 +514,7 @@ class Supervisor:
             w.ready.set_exception(RuntimeError(f"worker {w.index} exited with status {proc.exitcode} before it "
                                                "was listening (see its log above)"))
             w.ready.exception()  # retrieved: no "never retrieved" warning if nobody waits
-        self._remove_sockets(w.index)  # a worker killed (SIGKILL) could not remove its own
+        self._remove_sockets(w)  # a worker killed (SIGKILL) could not remove its own
         if self.counters is not None and not self.counters.table.zero_worker(w.index):  # its requests died with it
             log.warning("worker %d: its in-flight counts were zeroed, but the shared table's lock was not free within "
                         "%g s, so its slots stay held", w.index, LOCK_TIMEOUT_S)
@@ -509,12 +527,16 @@ class Supervisor:
                   "restarting it in %.1f s", w.index, proc.pid, proc.exitcode, lived, delay)
         w.restarting = asyncio.ensure_future(self._restart(w, delay))
 
-    def _remove_sockets(self, index: int) -> None:
-        """Remove the internal-socket directory of worker ``index`` (it has exited)."""
-        if self.metrics_dir is None:
-            return
-        for d in Path(self.metrics_dir).glob(f"{worker_socket_prefix(index)}*"):
-            shutil.rmtree(d, ignore_errors=True)
+    def _remove_sockets(self, w: _Worker) -> None:
+        """Remove the internal-socket directory of worker ``w`` (it has exited): the one it
+        said it listens in (in ``$TMPDIR`` when the metrics directory's path was too long
+        for a socket), and any of its number in the metrics directory."""
+        if w.socket_dir is not None:
+            shutil.rmtree(w.socket_dir, ignore_errors=True)
+            w.socket_dir = None
+        if self.metrics_dir is not None:
+            for d in Path(self.metrics_dir).glob(f"{worker_socket_prefix(w.index)}*"):
+                shutil.rmtree(d, ignore_errors=True)
 
     async def _restart(self, w: _Worker, delay: float) -> None:
         await asyncio.sleep(delay)
@@ -530,6 +552,8 @@ class Supervisor:
                 await self._wait_ready(w)
             except RuntimeError as exc:
                 log.error("%s", exc)  # its exit restarts it again
+            else:
+                self._sighup_if_missed(w)
 
     async def _config_in_force(self) -> FleetConfig:
         """The configuration of a live worker (admin changes and reloads included);
@@ -555,6 +579,16 @@ class Supervisor:
             if w.serving:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.pid, signal.SIGHUP)
+            else:  # starting: it reloads once it listens (_sighup_if_missed), as the others do now
+                w.missed_sighup = True
+
+    def _sighup_if_missed(self, w: _Worker) -> None:
+        """A worker now listening reloads too if a SIGHUP came while it was starting (it
+        was started with the configuration in force before the others reloaded)."""
+        if w.missed_sighup and w.serving and not self._stopping:
+            w.missed_sighup = False
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(w.pid, signal.SIGHUP)
 
     async def _shutdown(self) -> None:
         self._stopping = True
