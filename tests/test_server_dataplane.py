@@ -75,6 +75,14 @@ async def _read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, s
     return status, headers, body
 
 
+async def _plane_router(backend, data_plane: str, **settings):
+    """A PREFIX_AWARE router over ``backend`` on ``data_plane``, no background loops."""
+    return await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
+                       seed=1, data_plane=data_plane, **settings))
+
+
 def _post(path: str, body: bytes, extra: str = "") -> bytes:
     return (f"POST {path} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n{extra}"
             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
@@ -142,10 +150,7 @@ async def test_expect_100_continue_gets_the_final_answer_when_the_head_is_refuse
     9110 §10.1.1), so the client need not send its body; the connection closes after
     it (the fast plane at once; aiohttp's after its 10 s linger, unless the client
     closes); the refusal is counted once. A request that passes still gets 100 Continue."""
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane, max_body_bytes=LIMIT))
+    handle = await _plane_router(backend, data_plane, max_body_bytes=LIMIT)
     n = len(CHAT)
     cases = [(b"/endpoints/nope/invocations", b"", n, 404),
              (b"/v1/chat/completions", b"Content-Encoding: br\r\n", n, 415),
@@ -281,10 +286,7 @@ async def test_digests_of_a_decoded_body_are_not_sent_on(backend, data_plane):
     import base64
     import hashlib
 
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane))
+    handle = await _plane_router(backend, data_plane)
     names = ("Content-Digest", "Repr-Digest", "Digest", "Content-MD5")
 
     def digests(data: bytes) -> dict[str, str]:
@@ -314,10 +316,7 @@ async def test_digests_of_a_decoded_body_are_not_sent_on(backend, data_plane):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/endpoints/default/invocations"])
 async def test_undecodable_or_unsupported_content_encodings_are_answered_in_the_apis_shape(backend, data_plane,
                                                                                           path, caplog):
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane))
+    handle = await _plane_router(backend, data_plane)
     openai = path.startswith("/v1")
     unsupported = ["foo", "x-compress", "gzip, gzip", "br", "zstd", "gzip, identity", "gzip, x-gzip"]
     assert not DECODED_CODINGS & set(unsupported)
@@ -355,10 +354,7 @@ async def test_content_encoding_values_are_read_alike_by_the_check_and_the_decod
     """Raw heads: two Content-Encoding lines are a list (RFC 9110 §5.3), a value with
     non-ASCII space is no coding anyone decodes. Both are 415 and nothing is forwarded
     (aiohttp decodes by the last line, and only ASCII values)."""
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane))
+    handle = await _plane_router(backend, data_plane)
     packed = gzip.compress(CHAT)
     try:
         for extra in (b"Content-Encoding: gzip\r\nContent-Encoding: gzip\r\n",
@@ -444,10 +440,7 @@ async def _decode_cases(router, backend, good, bad, bomb) -> None:
 async def test_a_transfer_coding_other_than_chunked_is_a_501_and_nothing_is_forwarded(backend, data_plane, path):
     """The parsers frame "gzip, chunked" as chunked and drop the gzip: the body would
     reach the engine still gzipped (RFC 9112 §6.1: 501)."""
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane))
+    handle = await _plane_router(backend, data_plane)
     try:
         reader, writer = await _connect(handle)
         for te, body, want in ((b"gzip, chunked", gzip.compress(CHAT), 501), (b"Chunked", CHAT, 200),
@@ -1097,10 +1090,7 @@ async def test_refusals_of_requests_the_fast_plane_hands_over_are_counted(backen
     unknown path, HTTP/1.0) is refused by the fast plane itself: that 413 is counted
     like every answer (it was counted nowhere). On either plane the responses add up
     to the duration histogram's count."""
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane, max_body_bytes=LIMIT))
+    handle = await _plane_router(backend, data_plane, max_body_bytes=LIMIT)
     try:
         for head in (b"POST /nope HTTP/1.1\r\nHost: r\r\n", b"POST /v1/chat/completions HTTP/1.0\r\n"):
             reader, writer = await _connect(handle)
@@ -1124,10 +1114,7 @@ async def test_refusals_of_requests_the_fast_plane_hands_over_are_counted(backen
 async def test_an_expect_other_than_100_continue(backend, data_plane):
     """The aiohttp plane answers 417 (RFC 9110 §10.1.1) in the API's shape, counted; the
     fast plane ignores the field and answers the request (docs/RELIABILITY.md)."""
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane))
+    handle = await _plane_router(backend, data_plane)
     try:
         reader, writer = await _connect(handle)
         writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nExpect: 200-ok\r\nContent-Length: %d\r\n\r\n"
@@ -1152,10 +1139,7 @@ async def test_an_expect_other_than_100_continue(backend, data_plane):
 async def test_a_field_repeated_in_another_case_reaches_the_engine_whole(backend, data_plane):
     """``X-Custom: a`` then ``x-custom: b`` is one field with two lines; both planes send
     both (aiohttp's client kept only the last when the spelling differed)."""
-    handle = await start_router(
-        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
-        ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0, shutdown_timeout_s=1.0,
-                       seed=1, data_plane=data_plane))
+    handle = await _plane_router(backend, data_plane)
     try:
         for version in (b"1.1", b"1.0"):  # (an HTTP/1.0 request goes through aiohttp on the fast plane too)
             reader, writer = await _connect(handle)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import multiprocessing
 import os
@@ -816,6 +817,18 @@ async def test_the_supervisors_admin_api_decodes_bodies_as_the_workers_do(backen
         assert await serve.stop() == 0
 
 
+async def _serve_fleet_file(cfg: Path, write) -> "Serve":
+    """``serve --config cfg`` after ``write("RANDOM")``."""
+    write("RANDOM")
+    return await Serve.start("--config", str(cfg))
+
+
+def _write_fleet(path: Path, instances: list[str], strategy: str) -> None:
+    """A one-variant fleet file for ``--config``."""
+    path.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [
+        {"VariantName": "AllTraffic", "Instances": instances, "RoutingConfig": {"RoutingStrategy": strategy}}]}]}))
+
+
 def _leftovers(pid: int) -> list[str]:
     shm = [p.name for p in Path("/dev/shm").glob(f"prefixroute-{pid}-*")]
     tmp = [p.name for p in Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{pid}-*")]
@@ -827,14 +840,8 @@ async def test_a_sighup_while_a_worker_restarts_reaches_it_once_it_listens(backe
     SIGHUP that came meanwhile; it reloads once it listens, so the workers agree (they
     stayed apart)."""
     cfg = tmp_path / "fleet.yaml"
-
-    def write(strategy: str) -> None:
-        cfg.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [
-            {"VariantName": "AllTraffic", "Instances": [backends[0].url], "RoutingConfig": {
-                "RoutingStrategy": strategy}}]}]}))
-
-    write("RANDOM")
-    serve = await Serve.start("--config", str(cfg))
+    write = functools.partial(_write_fleet, cfg, [backends[0].url])
+    serve = await _serve_fleet_file(cfg, write)
     try:
         victim = (await serve.workers())[1]
         os.kill(victim["Pid"], signal.SIGKILL)
@@ -860,14 +867,8 @@ async def test_a_sighup_while_a_worker_restarts_reaches_it_once_it_listens(backe
 
 async def test_sighup_reaches_every_worker_and_sigterm_drains_and_cleans_up(backends, tmp_path):
     cfg = tmp_path / "fleet.yaml"
-
-    def write(strategy: str) -> None:
-        cfg.write_text(yaml.safe_dump({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [
-            {"VariantName": "AllTraffic", "Instances": [backends[0].url], "RoutingConfig": {
-                "RoutingStrategy": strategy}}]}]}))
-
-    write("RANDOM")
-    serve = await Serve.start("--config", str(cfg))
+    write = functools.partial(_write_fleet, cfg, [backends[0].url])
+    serve = await _serve_fleet_file(cfg, write)
     try:
         pid = serve.proc.pid
         assert len(_leftovers(pid)) == 2  # the shared block and the metrics directory exist
