@@ -186,6 +186,10 @@ async def test_reload_from_file(tmp_path, backends):
         async with aiohttp.ClientSession() as http:
             async with http.post(handle.admin_url + "/admin/reload") as r:
                 assert r.status == 400 and "ConcurrencyThreshold" in (await r.json())["message"]
+            path.write_bytes(b"Endpoints: \xff\xfe\n")  # not UTF-8: a 400 too (was a 500 and a traceback)
+            async with http.post(handle.admin_url + "/admin/reload") as r:
+                assert r.status == 400 and "not UTF-8" in (await r.json())["message"]
+            assert reload_logged(handle.state) is False
             write({"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
             async with http.post(handle.admin_url + "/admin/reload") as r:
                 assert r.status == 200

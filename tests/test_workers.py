@@ -778,7 +778,7 @@ async def test_workers_start_under_a_long_tmpdir(backends, tmp_path):
         await _round(serve, backends[:1], 4)
         metrics_dir = next(long_dir.glob(f"prefixroute-metrics-{serve.proc.pid}-*"))
         assert list(metrics_dir.glob("socket-*")) == []
-        assert len(list(long_dir.glob("prefixroute-*/app.sock"))) == 2  # one per worker
+        assert len(list(long_dir.glob(f"pr-{serve.proc.pid}-[01]-*/app.sock"))) == 2  # one per worker
         victim = (await serve.workers())[0]
         os.kill(victim["Pid"], signal.SIGKILL)  # its directory is removed by the supervisor
 
@@ -787,8 +787,8 @@ async def test_workers_start_under_a_long_tmpdir(backends, tmp_path):
             return w["Listening"] and w["Pid"] != victim["Pid"]
 
         assert await _eventually(replaced, 60)
-        assert len(list(long_dir.glob("prefixroute-*/app.sock"))) == 2
-        assert len(list(long_dir.glob("prefixroute-*"))) == 3  # and the metrics directory
+        assert len(list(long_dir.glob(f"pr-{serve.proc.pid}-[01]-*/app.sock"))) == 2
+        assert len(list(long_dir.iterdir())) == 3  # and the metrics directory
     finally:
         assert await serve.stop() == 0
     assert list(long_dir.iterdir()) == []

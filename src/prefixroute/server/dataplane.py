@@ -1764,11 +1764,12 @@ def _error_kind(exc: BaseException | None) -> str:
 _UNIX_PATH_MAX = 107
 
 
-def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-") -> str:
+def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-",
+                         fallback_prefix: str = "prefixroute-") -> str:
     """A fresh path for the aiohttp app's Unix socket, in a new directory only this user
     can enter: ``<parent>/<prefix>XXXXXXXX/app.sock`` (``parent`` ``None``: the system's
-    temporary directory), or in the system's temporary directory with the default prefix
-    if that path would be too long for a Unix socket (a long ``$TMPDIR``).
+    temporary directory), or ``<system temporary directory>/<fallback_prefix>XXXXXXXX/
+    app.sock`` if that path would be too long for a Unix socket (a long ``$TMPDIR``).
 
     Raises:
         OSError: even that path would be too long (nothing is created); the message
@@ -1778,7 +1779,7 @@ def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-"
         return os.path.join(parent or tempfile.gettempdir(), prefix + "X" * 8, "app.sock")
 
     if parent is not None and len(os.fsencode(longest(parent, prefix))) > _UNIX_PATH_MAX:
-        parent, prefix = None, "prefixroute-"
+        parent, prefix = None, fallback_prefix
     if len(os.fsencode(path := longest(parent, prefix))) > _UNIX_PATH_MAX:
         raise OSError(f"the internal Unix socket would be {path!r}, {len(os.fsencode(path))} bytes, over the "
                       f"{_UNIX_PATH_MAX} a Unix socket path may have: set TMPDIR to a shorter directory")

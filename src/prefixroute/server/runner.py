@@ -183,8 +183,9 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         if worker is None:
             socket_path = internal_socket_path()
         else:
-            from prefixroute.server.workers import worker_socket_prefix
-            socket_path = internal_socket_path(worker.metrics_dir, worker_socket_prefix(worker.index))
+            from prefixroute.server.workers import worker_socket_fallback_prefix, worker_socket_prefix
+            socket_path = internal_socket_path(worker.metrics_dir, worker_socket_prefix(worker.index),
+                                               worker_socket_fallback_prefix(os.getppid(), worker.index))
         runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path,
                                  auto_decompress=False)  # request bodies: app.read_body decodes them
         handle = RouterHandle("", None, state, [runner], _socket_path=socket_path)

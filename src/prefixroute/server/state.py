@@ -148,6 +148,8 @@ class RouterState:
             text = Path(path).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"configuration file {path} is not UTF-8 text (byte {exc.start})") from None
         return FleetConfig.from_yaml(text)
 
     # -- health -------------------------------------------------------------------

@@ -62,7 +62,7 @@ from prefixroute.core.counters import DEFAULT_CAPACITY, LOCK_TIMEOUT_S, MAX_WORK
 from prefixroute.server.settings import ServerSettings
 
 __all__ = ["FileLock", "SharedCounters", "WorkerSpec", "Supervisor", "serve_workers", "worker_trace_path",
-           "worker_socket_prefix", "MAX_WORKERS", "READY_TIMEOUT_S"]
+           "worker_socket_prefix", "worker_socket_fallback_prefix", "MAX_WORKERS", "READY_TIMEOUT_S"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -82,6 +82,12 @@ def worker_socket_prefix(index: int) -> str:
     aiohttp app behind its fast data plane), made in the supervisor's private metrics
     directory: removed with it, and by the supervisor when that worker exits."""
     return f"socket-{index}-"
+
+
+def worker_socket_fallback_prefix(supervisor_pid: int, index: int) -> str:
+    """The same, in ``$TMPDIR`` itself, when the metrics directory's path is too long for
+    a Unix socket (short, to leave room for a long ``$TMPDIR``)."""
+    return f"pr-{supervisor_pid}-{index}-"
 
 
 class FileLock:
@@ -534,9 +540,11 @@ class Supervisor:
         if w.socket_dir is not None:
             shutil.rmtree(w.socket_dir, ignore_errors=True)
             w.socket_dir = None
+        found = list(Path(tempfile.gettempdir()).glob(f"{worker_socket_fallback_prefix(os.getpid(), w.index)}*"))
         if self.metrics_dir is not None:
-            for d in Path(self.metrics_dir).glob(f"{worker_socket_prefix(w.index)}*"):
-                shutil.rmtree(d, ignore_errors=True)
+            found += Path(self.metrics_dir).glob(f"{worker_socket_prefix(w.index)}*")
+        for d in found:  # (one it made before it said so: killed while starting)
+            shutil.rmtree(d, ignore_errors=True)
 
     async def _restart(self, w: _Worker, delay: float) -> None:
         await asyncio.sleep(delay)
