@@ -373,13 +373,15 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         except InvalidRequest as exc:
             return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        # Its digests go if it came encoded (the native API never passes them on).
+        decoded = "Content-Encoding" in headers and request_coding(headers) != "identity"  # (else a 415 before)
     else:
+        decoded = False
         component = headers.get(H.INFERENCE_COMPONENT)
         scope = f"{endpoint.name}:{component}" if component else endpoint.name
         key, blocks = native_request_key(body, pool.routing, scope, tenant)
         path = "/invocations"
     _log_prompt(state, rid, body)
-    decoded = "Content-Encoding" in headers and request_coding(headers) != "identity"  # (else a 415 before)
     return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
                          decoded)
 

@@ -241,30 +241,29 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         # One reload at a time; SIGHUPs that come meanwhile make one more after it.
-        reloading: list[asyncio.Task[bool]] = []
-        again = [False]
+        reloading: asyncio.Task[bool] | None = None
+        again = False
 
         def on_sighup() -> None:
-            if reloading:
-                again[0] = True
+            nonlocal reloading, again
+            if reloading is not None:
+                again = True
                 return
-            task = loop.create_task(reload_logged_waiting(handle.state))
-            reloading.append(task)
+            reloading = loop.create_task(reload_logged_waiting(handle.state))
+            reloading.add_done_callback(reloaded)
 
-            def done(_: asyncio.Task[bool]) -> None:
-                reloading.clear()
-                if again[0]:
-                    again[0] = False
-                    on_sighup()
-
-            task.add_done_callback(done)
+        def reloaded(_: asyncio.Task[bool]) -> None:
+            nonlocal reloading, again
+            reloading = None
+            if again:
+                again = False
+                on_sighup()
 
         loop.add_signal_handler(signal.SIGHUP, on_sighup)
         parent = multiprocessing.parent_process()
         if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
             loop.add_reader(parent.sentinel, stop.set)
-        socket_path = handle._socket_path
-        conn.send(("ready", os.getpid(), handle.admin_url, os.path.dirname(socket_path) if socket_path else None))
+        conn.send(("ready", os.getpid(), handle.admin_url))
         conn.close()
         try:
             await stop.wait()
@@ -326,7 +325,6 @@ class _Worker:
     restarts: int = 0
     young_deaths: int = 0
     restarting: asyncio.Task[None] | None = None
-    socket_dir: str | None = None  # its internal socket's directory, as it said when ready
     missed_sighup: bool = False  # a SIGHUP came while it was not listening
 
     @property
@@ -491,7 +489,7 @@ class Supervisor:
         if w.ready.done():
             return
         if msg[0] == "ready":
-            _, w.pid, w.admin_url, w.socket_dir = msg
+            _, w.pid, w.admin_url = msg
             w.ready.set_result(None)
             log.info("worker %d (pid %d) is listening", w.index, w.pid)
         else:
@@ -534,16 +532,13 @@ class Supervisor:
         w.restarting = asyncio.ensure_future(self._restart(w, delay))
 
     def _remove_sockets(self, w: _Worker) -> None:
-        """Remove the internal-socket directory of worker ``w`` (it has exited): the one it
-        said it listens in (in ``$TMPDIR`` when the metrics directory's path was too long
-        for a socket), and any of its number in the metrics directory."""
-        if w.socket_dir is not None:
-            shutil.rmtree(w.socket_dir, ignore_errors=True)
-            w.socket_dir = None
+        """Remove the internal-socket directory of worker ``w`` (it has exited), found by
+        its name: in the metrics directory, or in ``$TMPDIR`` when that path was too long
+        for a socket (even one made by a worker killed while it was starting)."""
         found = list(Path(tempfile.gettempdir()).glob(f"{worker_socket_fallback_prefix(os.getpid(), w.index)}*"))
         if self.metrics_dir is not None:
             found += Path(self.metrics_dir).glob(f"{worker_socket_prefix(w.index)}*")
-        for d in found:  # (one it made before it said so: killed while starting)
+        for d in found:
             shutil.rmtree(d, ignore_errors=True)
 
     async def _restart(self, w: _Worker, delay: float) -> None:
