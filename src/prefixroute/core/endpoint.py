@@ -44,6 +44,7 @@ class Endpoint:
         self._counters = counters
         self.pools: dict[str, VariantPool] = {}
         self._weights: dict[str, float] = {}
+        self._only: VariantPool | None = None  # the one variant, if there is one
         self.apply(config, seed)
 
     def apply(self, config: EndpointConfig, seed: int | None = None) -> None:
@@ -64,6 +65,7 @@ class Endpoint:
             if name not in pools:
                 gone.close()  # a retry of a request still on it gets no instance
         self.pools = pools
+        self._only = next(iter(pools.values())) if len(pools) == 1 else None
         self._weights = {v.name: v.weight for v in config.variants}
 
     def variant(self, target: str | None = None) -> VariantPool:
@@ -80,8 +82,8 @@ class Endpoint:
                     f"(variants: {', '.join(self.pools)})"
                 )
             return pool
-        if len(self.pools) == 1:
-            return next(iter(self.pools.values()))
+        if self._only is not None:
+            return self._only
         names = list(self._weights)
         return self.pools[self._rng.choices(names, weights=[self._weights[n] for n in names])[0]]
 
@@ -139,7 +141,7 @@ class Fleet:
             UnknownEndpoint: no endpoint of that name.
         """
         if name is None:
-            return self.default
+            return self.endpoints[self.default_name]
         ep = self.endpoints.get(name)
         if ep is None:
             raise UnknownEndpoint(f"endpoint {name!r} not found (endpoints: {', '.join(self.endpoints)})")

@@ -279,19 +279,6 @@ def _utf8_head(text: str, n: int) -> bytes | memoryview:
     return text[:n].encode("utf-8", "surrogatepass")
 
 
-def _head_text(pieces: Sequence[str], limit: int) -> str:
-    """``"".join(pieces)[:limit]``, copying nothing past ``limit``."""
-    out: list[str] = []
-    left = limit
-    for p in pieces:
-        if len(p) >= left:
-            out.append(p[:left])
-            break
-        out.append(p)
-        left -= len(p)
-    return "".join(out)
-
-
 def _pieces_key(pieces: Sequence[str], limit: int, seed: int) -> int:
     """``xxh3_64`` of the UTF-8 bytes of ``"".join(pieces)[:limit]``, seeded with ``seed``.
 
@@ -302,7 +289,15 @@ def _pieces_key(pieces: Sequence[str], limit: int, seed: int) -> int:
     With a ``limit`` of at most :data:`_JOIN_BELOW` characters, nothing past ``limit``
     is copied anyway: the pieces are cut, joined and hashed in one call."""
     if limit <= _JOIN_BELOW or sum(map(len, pieces)) < _JOIN_BELOW:
-        return _xxh3(_head_text(pieces, limit).encode("utf-8", "surrogatepass"), seed)
+        head: list[str] = []  # "".join(pieces)[:limit], copying nothing past limit
+        left = limit
+        for p in pieces:
+            if len(p) >= left:
+                head.append(p[:left])
+                break
+            head.append(p)
+            left -= len(p)
+        return _xxh3("".join(head).encode("utf-8", "surrogatepass"), seed)
     h = xxhash.xxh3_64(seed=seed)
     short: list[str] = []
     left = limit
@@ -357,7 +352,8 @@ def _model_and_tenant(payload: Mapping[str, Any]) -> tuple[str, str]:
     model = payload.get("model", "")
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string")
-    return model, validate_tenant_id(payload.get("prompt_cache_key"))
+    tenant = payload.get("prompt_cache_key")
+    return model, "" if tenant is None else validate_tenant_id(tenant)
 
 
 def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: int) -> int:

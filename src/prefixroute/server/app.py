@@ -112,7 +112,9 @@ def parse_openai_request(body: bytes, chat: bool,
         raise InvalidRequest(f"request body must be a JSON object, got {type(payload).__name__}")
     if not isinstance(payload.get("stream", False), bool):
         raise InvalidRequest("'stream' must be a boolean")
-    _tenant(payload.get("prompt_cache_key"), "'prompt_cache_key'")
+    tenant = payload.get("prompt_cache_key")
+    if tenant is not None:
+        _tenant(tenant, "'prompt_cache_key'")
     key, blocks = openai_route(payload, chat, routing)
     if key is None and not blocks:
         validate_openai_body(payload, chat)  # the whole body, as no key rendered it
@@ -281,8 +283,9 @@ async def read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge | 
     return decode_request_body(body, coding, limit) if coding in ("gzip", "deflate") else body
 
 
-def _log_prompt(state: RouterState, rid: str, body: bytes) -> None:
-    if state.settings.log_prompts and log.isEnabledFor(logging.DEBUG):
+def _log_prompt(rid: str, body: bytes) -> None:
+    """``--log-prompts``: the head of a request body, at DEBUG."""
+    if log.isEnabledFor(logging.DEBUG):
         log.debug("request %s prompt head: %r", rid, body[:_PROMPT_LOG_BYTES])
 
 
@@ -381,7 +384,8 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         scope = f"{endpoint.name}:{component}" if component else endpoint.name
         key, blocks = native_request_key(body, pool.routing, scope, tenant)
         path = "/invocations"
-    _log_prompt(state, rid, body)
+    if state.settings.log_prompts:
+        _log_prompt(rid, body)
     return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
                          decoded)
 

@@ -501,8 +501,12 @@ class _UpstreamPool:
             conn.idle = False
             if not idle:
                 del self.idle[target]  # no empty list kept per instance ever used
-            if now - conn.idle_since < self.keepalive_s and not conn.peer_gone():
-                return conn
+            if now - conn.idle_since < self.keepalive_s:
+                # conn.peer_gone(), its usual case (an open transport, the socket registered) inline
+                poller, transport = conn.poller, conn.transport
+                if not (poller.poll(0) if poller is not None and transport is not None and not transport.is_closing()
+                        else conn.peer_gone()):
+                    return conn
             conn.abort()
         return None
 
@@ -802,8 +806,10 @@ class _Client(asyncio.Protocol):
             if low not in index:
                 index[low] = v
             if low == b"content-length":
-                with contextlib.suppress(ValueError):
+                try:
                     declared = int(v)
+                except ValueError:
+                    pass
             elif low == b"transfer-encoding":
                 cur.chunked = True
             elif low == b"content-encoding":
@@ -1154,10 +1160,12 @@ class FrontServer:
         stream, an error, a timeout, the client gone: :meth:`hand_over`). False: the
         task answers it, from where this left it (:attr:`_Incoming.started`: routed, or
         the error answer to send; maybe its lease, when a new connection is needed)."""
-        if inc.too_large is not None or inc.refusal is not None:
-            return False
-        _, route = self._route(inc)
-        if route is None:
+        if inc.too_large is not None or inc.refusal is not None or inc.method != b"POST" or inc.version != "1.1" \
+                or self.state.settings.record_trace is not None:
+            return False  # (what _route checks, inline: this runs for every request)
+        url = inc.url
+        route = match_route((url.split(b"?", 1)[0] if b"?" in url else url).decode("latin-1"))
+        if route is None or not self._all_plain_http():
             return False
         rr = self._prepare(inc, route)
         started = inc.started = _Started(inc, rr)
@@ -1170,7 +1178,8 @@ class FrontServer:
             return False  # the task answers 503
         if rr.blocks:
             self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
-        target = self._target(lease.decision.instance.instance_id)
+        instance_id = lease.decision.instance.instance_id
+        target = self._targets.get(instance_id) or self._target(instance_id)
         up = started.up = self.upstreams.take(target[:3])
         if up is None:
             return False
@@ -1314,8 +1323,11 @@ class FrontServer:
               decision: Any, router_s: float, keep_alive: bool) -> None:
         """Send ``rr`` on ``up``; a whole answer is then written to the client as it
         arrives (:meth:`_whole`)."""
-        up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
-                + head_tail, rr.body)
+        head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4]) + head_tail
+        transport = up.transport  # up.send(head, rr.body), inline
+        assert transport is not None
+        transport.writelines((head, rr.body) if rr.body else (head,))
+        up.sent = transport.get_write_buffer_size() == 0
         # The instance is at work: what follows until its answer is off the critical path.
         up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr.request_id, decision), router_s,
                                         keep_alive)
@@ -1572,7 +1584,8 @@ class FrontServer:
         # Laid out as _head lays a head out (status line, headers, Date, framing), in one step.
         reply.head = b"HTTP/1.1 %d %s\r\n%s%s%s%s: %.3f\r\nDate: %s\r\n%s%s\r\n" % (
             status, reason, theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours, _OVERHEAD_MS,
-            overhead * 1e3, _DATE.get(), framing, b"" if keep_alive else b"Connection: close\r\n")
+            overhead * 1e3, _DATE.value if int(time.time()) == _DATE.second else _DATE.get(), framing,
+            b"" if keep_alive else b"Connection: close\r\n")
         return reply
 
     def _whole(self, client: _Client, rr: RoutedRequest, ours: bytes, router_s: float, keep_alive: bool,
@@ -1585,16 +1598,21 @@ class FrontServer:
         if client.closed or (rr.api is not Api.OPENAI and not 200 <= up.status < 300):
             return
         reply = self._reply(rr, up, ours, router_s, time.perf_counter(), keep_alive)
-        parts = [reply.head]
-        for chunk in up.chunks:
-            parts += reply.encode(chunk)
+        if reply.sse or reply.chunked or reply.bodyless or reply.framed:
+            parts = [reply.head]
+            for chunk in up.chunks:
+                parts += reply.encode(chunk)
+            if reply.chunked:
+                parts.append(b"0\r\n\r\n")
+        else:  # the body as it came (what encode() would give for each chunk)
+            parts = [reply.head, *up.chunks]
         if not reply.first_s:
             reply.first_s = time.perf_counter()
-        if reply.chunked:
-            parts.append(b"0\r\n\r\n")
         up.chunks = []
         up.reply = reply
-        client.write(b"".join(parts))
+        transport = client.transport  # client.write(), inline (the client is there: checked above)
+        if transport is not None:
+            transport.write(b"".join(parts))
 
     def _end_broken(self, client: _Client, rr: RoutedRequest, up: _Upstream, instance: str, exc: BaseException,
                     sse: bool, tail: bytes, idle_s: float, framed: bool) -> str:
