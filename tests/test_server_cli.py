@@ -164,3 +164,78 @@ def _drive(proc: subprocess.Popen, cfg) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _caught(pid: int, sig: int) -> bool:
+    """Whether process ``pid`` catches ``sig`` (its SigCgt mask in /proc)."""
+    with open(f"/proc/{pid}/status") as f:
+        mask = next(int(line.split()[1], 16) for line in f if line.startswith("SigCgt:"))
+    return bool(mask >> (sig - 1) & 1)
+
+
+def _serve_cmd(cfg, workers: int) -> list[str]:
+    return [sys.executable, "-m", "prefixroute", "serve", "--config", str(cfg), "--port", "0",
+            "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--workers", str(workers)]
+
+
+def _signal_once_held(proc: subprocess.Popen, sig: int) -> None:
+    """Send ``sig`` as soon as the process holds signals: while it is still importing and
+    starting (``prefixroute.signals.hold`` is the first thing ``serve`` does; the
+    server's own handlers come a few hundred milliseconds later). SIGTERM is the mark:
+    Python catches SIGINT from the start (KeyboardInterrupt)."""
+    deadline = time.monotonic() + 10
+    while not _caught(proc.pid, signal.SIGTERM):
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.001)
+    proc.send_signal(sig)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_stop_signal_while_starting_stops_cleanly(tmp_path, workers, sig):
+    """A SIGTERM or SIGINT before the server's handlers are in place is not the default
+    action (killed, status -15; a KeyboardInterrupt traceback): the router stops as
+    it would a moment later, status 0, without ever saying it listens."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with subprocess.Popen(_serve_cmd(cfg, workers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            _signal_once_held(proc, sig)
+            assert proc.wait(timeout=30) == 0
+            out, err = proc.communicate()
+            assert "listening" not in out
+            assert "Traceback" not in err and "KeyboardInterrupt" not in err
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_sighup_while_starting_reloads_once_serving(tmp_path, workers):
+    """A SIGHUP while starting does not kill the router (status -1 before): it serves,
+    with the configuration file as it is after the signal."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with subprocess.Popen(_serve_cmd(cfg, workers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
+            _signal_once_held(proc, signal.SIGHUP)
+            assert proc.stdout is not None
+            m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", proc.stdout.readline())
+            assert m
+            admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
+                                 proc.stdout.readline())
+            assert admin
+            status, doc = _get(admin.group(1) + "/admin/config")
+            assert status == 200
+            assert doc["Endpoints"][0]["ProductionVariants"][0]["RoutingConfig"]["RoutingStrategy"] == \
+                "LEAST_OUTSTANDING_REQUESTS"
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the console script; returns the exit code."""
+    args_in = sys.argv[1:] if argv is None else list(argv)
+    if args_in[:1] == ["serve"]:  # before the imports: a signal while starting is kept
+        from prefixroute import signals
+
+        signals.hold()
     parser = build_parser()
     args = parser.parse_args(argv)
     return int(args._run(args) or 0)

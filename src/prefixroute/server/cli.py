@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
 from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.server.settings import DATA_PLANES
@@ -292,9 +293,15 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, reload_logged, handle.state)
-    print(f"prefixroute-serve listening on {handle.url}", flush=True)
-    if handle.admin_url:
-        print(f"prefixroute-admin listening on {handle.admin_url}", flush=True)
+    held = signals.take()  # what came while starting (prefixroute.signals.hold)
+    if signal.SIGHUP in held:
+        reload_logged(handle.state)
+    if held & {signal.SIGTERM, signal.SIGINT}:
+        stop.set()  # told to stop while starting: it never served
+    else:
+        print(f"prefixroute-serve listening on {handle.url}", flush=True)
+        if handle.admin_url:
+            print(f"prefixroute-admin listening on {handle.admin_url}", flush=True)
     try:
         await stop.wait()
         log.info("shutting down: waiting up to %.1f s for requests in flight", settings.shutdown_timeout_s)
@@ -333,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Standalone entry: ``python -m prefixroute.server.cli --backend ...``."""
+    signals.hold()
     parser = argparse.ArgumentParser(prog="prefixroute serve", description="Run the prefix-aware HTTP router.")
     configure_parser(parser)
     return run(parser.parse_args(argv))

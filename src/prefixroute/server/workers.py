@@ -57,6 +57,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig
 from prefixroute.core.counters import DEFAULT_CAPACITY, LOCK_TIMEOUT_S, MAX_WORKERS, InFlightTable
 from prefixroute.server.settings import ServerSettings
@@ -376,6 +377,11 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal)
         loop.add_signal_handler(signal.SIGHUP, self._forward_sighup)
+        held = signals.take()  # what came while starting (prefixroute.signals.hold)
+        if signal.SIGHUP in held:
+            self._forward_sighup()  # no worker listens yet: each reloads once it does
+        if held & {signal.SIGTERM, signal.SIGINT}:
+            self._on_stop_signal()
         try:
             code = await self._start()
             if code or self._stop.is_set():  # could not start, or told to stop while starting
