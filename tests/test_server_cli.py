@@ -239,3 +239,21 @@ def test_sighup_while_starting_reloads_once_serving(tmp_path, workers):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_second_stop_signal_while_starting_is_not_held(tmp_path):
+    """A start stuck reading --config (a FIFO nobody writes) holds the first SIGTERM;
+    the second gets the default action, so the router can still be stopped."""
+    fifo = tmp_path / "fleet.yaml"
+    os.mkfifo(fifo)
+    with subprocess.Popen(_serve_cmd(fifo, 1), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            _signal_once_held(proc, signal.SIGTERM)
+            time.sleep(0.5)
+            assert proc.poll() is None  # held: still (stuck) starting
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == -signal.SIGTERM
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

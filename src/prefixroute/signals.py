@@ -5,6 +5,8 @@ kill the process with the default action, and a SIGHUP too. :func:`hold` is call
 first thing by the command: from then on they are kept, not acted on, and the server
 acts on them (:func:`take`) once its handlers are in place: a stop stops it (nothing is
 in flight yet), a SIGHUP reloads the configuration file, as they would a moment later.
+A second SIGTERM (or SIGINT) while starting gets the default action: a start that is
+stuck can still be stopped.
 
 Importing this module is cheap (the standard library's :mod:`signal` only), so it can
 run before the server's own imports, which take a few hundred milliseconds.
@@ -12,6 +14,7 @@ run before the server's own imports, which take a few hundred milliseconds.
 
 from __future__ import annotations
 
+import os
 import signal
 from types import FrameType
 
@@ -24,6 +27,12 @@ _held: set[int] = set()
 
 
 def _keep(signum: int, _frame: FrameType | None) -> None:
+    if signum in _held and signum != signal.SIGHUP:
+        # A second stop: starting may be stuck (a --config that is a FIFO nobody
+        # writes...), so this one gets the default action, as before hold().
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        return
     _held.add(signum)
 
 

@@ -308,6 +308,7 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # draining: a SIGHUP no longer kills it
         await handle.close()
     return 0
 
