@@ -501,12 +501,8 @@ class _UpstreamPool:
             conn.idle = False
             if not idle:
                 del self.idle[target]  # no empty list kept per instance ever used
-            if now - conn.idle_since < self.keepalive_s:
-                # conn.peer_gone(), its usual case (an open transport, the socket registered) inline
-                poller, transport = conn.poller, conn.transport
-                if not (poller.poll(0) if poller is not None and transport is not None and not transport.is_closing()
-                        else conn.peer_gone()):
-                    return conn
+            if now - conn.idle_since < self.keepalive_s and not conn.peer_gone():
+                return conn
             conn.abort()
         return None
 
@@ -1323,11 +1319,8 @@ class FrontServer:
               decision: Any, router_s: float, keep_alive: bool) -> None:
         """Send ``rr`` on ``up``; a whole answer is then written to the client as it
         arrives (:meth:`_whole`)."""
-        head = b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4]) + head_tail
-        transport = up.transport  # up.send(head, rr.body), inline
-        assert transport is not None
-        transport.writelines((head, rr.body) if rr.body else (head,))
-        up.sent = transport.get_write_buffer_size() == 0
+        up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
+                + head_tail, rr.body)
         # The instance is at work: what follows until its answer is off the critical path.
         up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr.request_id, decision), router_s,
                                         keep_alive)
