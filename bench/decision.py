@@ -3,8 +3,10 @@
 What one request costs the sans-I/O core, without any HTTP: for an OpenAI chat request
 whose system prompt is 1 KB or 64 KB and a variant of 8, 64 or 256 instances, it times
 
-* ``parse``: ``orjson.loads`` of the request body (the HTTP driver does this once per
-  request; shown apart because it is not routing work);
+* ``parse``: :func:`prefixroute.core.keys.loads_body` of the request body (the HTTP
+  driver does this once per request; shown apart because it is not routing work), and
+  ``orjson``: ``orjson.loads`` of the same bodies, for comparison (timed in a pass of
+  its own after each run, so as not to evict the payload before ``key``);
 * ``key``: :func:`prefixroute.core.keys.openai_route` on the parsed body (routing text,
   key or chained block hashes);
 * ``decide``: ``key`` plus :meth:`VariantPool.acquire` (``learn=False``) and
@@ -47,7 +49,7 @@ from typing import Any
 import orjson
 
 from prefixroute.core.config import RoutingConfig
-from prefixroute.core.keys import openai_route
+from prefixroute.core.keys import loads_body, openai_route
 from prefixroute.core.pool import VariantPool
 
 STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "CACHE_AWARE")
@@ -103,14 +105,14 @@ def measure(strategy: str, size: int, n: int, scenario: str, number: int, repeat
         pool.acquire(key, blocks=blocks).release()
     raw = bodies(size, scenario, total, start=10_000 if scenario == "cold" else 0)
     clock = time.perf_counter_ns
-    runs: dict[str, list[float]] = {"parse": [], "key": [], "decide": [], "learn": []}
+    runs: dict[str, list[float]] = {"parse": [], "orjson": [], "key": [], "decide": [], "learn": []}
     for r in range(repeats):
         acc = dict.fromkeys(runs, 0)
         for i in range(r * number, (r + 1) * number):
             # The router parses a body just before routing it, so the payload is in the
             # CPU's caches when the key is computed; the same here.
             t0 = clock()
-            payload = orjson.loads(raw[i])
+            payload = loads_body(raw[i])
             t1 = clock()
             key, blocks = openai_route(payload, True, rc)
             t2 = clock()
@@ -123,6 +125,10 @@ def measure(strategy: str, size: int, n: int, scenario: str, number: int, repeat
             acc["key"] += t2 - t1
             acc["decide"] += t3 - t1
             acc["learn"] += t4 - t3
+        for i in range(r * number, (r + 1) * number):  # the same bodies, by orjson alone
+            t0 = clock()
+            orjson.loads(raw[i])
+            acc["orjson"] += clock() - t0
         for k, v in acc.items():
             runs[k].append(v / number / 1000)
     row: dict[str, Any] = {"strategy": strategy, "prefix_bytes": size, "instances": n, "scenario": scenario}
@@ -145,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--number and --repeats must be >= 1")
 
     rows = []
-    print(f"{'strategy':28} {'prefix':>7} {'inst':>5} {'scenario':8} {'parse µs':>9} {'key µs':>8} {'decide µs':>10} "
+    print(f"{'strategy':28} {'prefix':>7} {'inst':>5} {'scenario':8} {'parse µs':>9} {'orjson µs':>10} {'key µs':>8} {'decide µs':>10} "
           f"{'learn µs':>9}")
     for strategy in STRATEGIES:
         scenarios = ("warm", "cold", "shared") if strategy == "CACHE_AWARE" else ("warm",)
@@ -157,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                     flag = ""
                     if size == 65536 and n == 64:
                         flag = "  ok" if row["decide_us"] < GOAL_US else f"  over the {GOAL_US:.0f} µs goal"
-                    print(f"{strategy:28} {size // 1024:>5}KB {n:>5} {scenario:8} {row['parse_us']:9.1f} "
+                    print(f"{strategy:28} {size // 1024:>5}KB {n:>5} {scenario:8} {row['parse_us']:9.1f} {row['orjson_us']:10.1f} "
                           f"{row['key_us']:8.1f} {row['decide_us']:10.1f} {row['learn_us']:9.1f}{flag}", flush=True)
     goal = [r for r in rows if r["prefix_bytes"] == 65536 and r["instances"] == 64]
     worst = max(goal, key=lambda r: r["decide_us"])

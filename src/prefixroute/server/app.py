@@ -37,7 +37,8 @@ from aiohttp import HttpVersion11, web
 
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
-from prefixroute.core.keys import InvalidRequest, completion_prompt, native_route, openai_route, validate_tenant_id
+from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, native_route, openai_route,
+                                   validate_tenant_id)
 from prefixroute.core.pool import VariantPool
 from prefixroute.server import headers as H
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
@@ -105,7 +106,7 @@ def parse_openai_request(body: bytes, chat: bool,
             message names the problem (never quoting prompt text).
     """
     try:
-        payload = orjson.loads(body)
+        payload = loads_body(body)
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
     if not isinstance(payload, dict):
