@@ -257,3 +257,99 @@ def test_second_stop_signal_while_starting_is_not_held(tmp_path):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def _children(pid: int) -> dict[int, str]:
+    """The child processes of ``pid``: pid -> command line."""
+    out = {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            if ppid == pid:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    out[int(d)] = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+            continue
+    return out
+
+
+def _group_signal_while_workers_start(proc: subprocess.Popen, sig: int) -> dict[int, str]:
+    """Send ``sig`` to the router's whole process group (a Ctrl-C, a terminal's SIGHUP,
+    a service manager stopping the group) once its first worker process exists, i.e.
+    while that worker is still importing (a worker listens about a second later).
+    Returns the router's children at that moment."""
+    deadline = time.monotonic() + 20
+    while True:
+        kids = _children(proc.pid)
+        if any("spawn_main" in c for c in kids.values()):
+            break
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.002)
+    os.killpg(proc.pid, sig)
+    return kids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_group_stop_signal_while_workers_start_stops_cleanly(tmp_path, sig):
+    """A stop sent to the process group while --workers start reaches the starting
+    workers too: the router stops, status 0, without restarting them (no "exited ...
+    restarting" error) and without a traceback from a worker's start-up."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with subprocess.Popen(_serve_cmd(cfg, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            _group_signal_while_workers_start(proc, sig)
+            assert proc.wait(timeout=30) == 0
+            out, err = proc.communicate()
+            assert "listening" not in out
+            assert "restarting" not in err and "exited with status" not in err
+            assert "Traceback" not in err and "KeyboardInterrupt" not in err
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def test_group_sighup_while_workers_start_reloads_and_kills_nothing(tmp_path):
+    """A SIGHUP to the process group while --workers start kills neither a starting
+    worker (before: "worker 0 exited with status -1 before it was listening", status 1)
+    nor multiprocessing's resource tracker (before: a KeyError and a warning at exit):
+    the router serves with the configuration as it is after the signal, then stops
+    cleanly."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with subprocess.Popen(_serve_cmd(cfg, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
+            kids = _group_signal_while_workers_start(proc, signal.SIGHUP)
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert re.fullmatch(r"prefixroute-serve listening on http://127\.0\.0\.1:\d+\n", line), line
+            admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
+                                 proc.stdout.readline())
+            assert admin
+            deadline = time.monotonic() + 10
+            while True:  # each worker reloads once it listens
+                status, doc = _get(admin.group(1) + "/admin/config")
+                assert status == 200
+                if doc["Endpoints"][0]["ProductionVariants"][0]["RoutingConfig"]["RoutingStrategy"] == \
+                        "LEAST_OUTSTANDING_REQUESTS":
+                    break
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            trackers = [p for p, c in kids.items() if "resource_tracker" in c]
+            assert trackers and all(p in _children(proc.pid) for p in trackers)  # still alive
+            os.killpg(proc.pid, signal.SIGTERM)
+            assert proc.wait(timeout=30) == 0
+            err = proc.communicate()[1]
+            assert "exited with status" not in err and "Traceback" not in err
+            assert "KeyError" not in err and "resource_tracker" not in err
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

@@ -8,17 +8,25 @@ in flight yet), a SIGHUP reloads the configuration file, as they would a moment 
 A second SIGTERM (or SIGINT) while starting gets the default action: a start that is
 stuck can still be stopped.
 
+:func:`blocked` keeps them pending instead, around the start of a child process: the
+child inherits the mask (through ``exec`` too), so a signal sent to the whole process
+group (a Ctrl-C, a terminal's SIGHUP, a service manager's stop) does not reach a
+``--workers`` worker, or multiprocessing's resource tracker, before either can handle
+it; the worker unblocks them once it has (:func:`unblock`).
+
 Importing this module is cheap (the standard library's :mod:`signal` only), so it can
 run before the server's own imports, which take a few hundred milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from types import FrameType
+from typing import Iterable, Iterator
 
-__all__ = ["HELD", "hold", "take"]
+__all__ = ["HELD", "blocked", "hold", "take", "unblock"]
 
 #: The signals :func:`hold` keeps.
 HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -50,3 +58,22 @@ def take() -> set[int]:
     out = set(_held)
     _held.clear()
     return out
+
+
+@contextlib.contextmanager
+def blocked(sigs: Iterable[int] = HELD) -> Iterator[None]:
+    """Block ``sigs`` in the calling thread for the ``with`` block, then restore the
+    previous mask: a signal that came meanwhile is delivered then, not lost. A child
+    process started inside inherits them blocked (``pthread_sigmask``; POSIX keeps the
+    mask across ``fork`` and ``exec``) until it calls :func:`unblock`."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def unblock(sigs: Iterable[int] = HELD) -> None:
+    """Unblock ``sigs`` (in a child started inside :func:`blocked`, once its
+    dispositions are set): one that came meanwhile is acted on now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)

@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from multiprocessing.shared_memory import SharedMemory
@@ -211,9 +212,14 @@ class WorkerSpec:
 
 
 def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry of a worker process (a fresh interpreter: ``spawn``)."""
-    # Until the event loop handles them: SIGHUP must not kill a starting worker.
+    """Entry of a worker process (a fresh interpreter: ``spawn``), started with SIGTERM,
+    SIGINT and SIGHUP blocked (:func:`prefixroute.signals.blocked`, in the supervisor)."""
+    # Until the event loop handles them: SIGHUP must not kill a starting worker, nor a
+    # Ctrl-C (the supervisor gets it too, and stops the workers) interrupt its start-up
+    # with a traceback. A SIGTERM stops it (nothing is in flight yet).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signals.unblock()
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [worker {spec.index}]: %(message)s")
     from prefixroute.server.cli import _loop_factory
@@ -274,6 +280,7 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
                 loop.remove_reader(parent.sentinel)
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.remove_signal_handler(sig)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: the supervisor kills the workers
             await handle.close()  # SIGHUP still reloads (never kills) while requests drain
             loop.remove_signal_handler(signal.SIGHUP)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -399,6 +406,7 @@ class Supervisor:
                 loop.remove_signal_handler(sig)
 
     def _on_stop_signal(self) -> None:
+        self._stopping = True  # a worker that exits from now on is not restarted (a group signal stops it too)
         if self._stop.is_set():  # a second signal: do not wait for the drain
             self._killed = True
             for w in self._workers:
@@ -418,6 +426,11 @@ class Supervisor:
             self.metrics_dir = tempfile.mkdtemp(prefix=f"prefixroute-metrics-{os.getpid()}-")
             # (prometheus-client reads only the *.db files there)
             self._lock = FileLock(os.path.join(self.metrics_dir, "inflight.lock"))
+            # The resource tracker (of the shared memory, and of the workers' semaphore)
+            # is a child that handles SIGINT and SIGTERM but not SIGHUP: started with
+            # them blocked, it never gets a SIGHUP sent to the process group.
+            with signals.blocked():
+                resource_tracker.ensure_running()
             self.counters = SharedCounters.create(s.workers, self._lock)
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_ADMIN_CALL_TIMEOUT_S))
             for w in self._workers:
@@ -471,7 +484,8 @@ class Supervisor:
         ours, theirs = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=_worker_main, args=(spec, theirs), name=f"prefixroute-worker-{w.index}",
                                  daemon=False)
-        proc.start()
+        with signals.blocked():  # until the worker can handle them (_worker_main)
+            proc.start()
         theirs.close()
         w.process, w.conn, w.pid, w.admin_url = proc, ours, proc.pid or 0, None
         w.started = time.monotonic()
