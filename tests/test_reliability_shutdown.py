@@ -102,3 +102,34 @@ async def test_serve_process_drains_on_signal(backend, sig):
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+async def test_workers_drain_on_a_signal_to_the_process_group(backend, sig):
+    """Ctrl-C (or a service manager's SIGTERM to the group) reaches the supervisor and
+    every worker at once: the worker that serves a stream drains it to its end, and the
+    supervisor's own SIGTERM to the workers a moment later does not kill it midway."""
+    backend.default = Fault("ok", events=15, delay=0.1)  # 1.5 s
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
+        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "10",
+        "--workers", "2", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
+        assert m, line
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(m.group(1) + "/v1/chat/completions", data=CHAT)
+            first = await r.content.readuntil(b"\n\n")
+            os.killpg(proc.pid, sig)
+            rest = await asyncio.wait_for(r.read(), 10)
+        assert first + rest == sse_events(15)
+        assert await asyncio.wait_for(proc.wait(), 15) == 0
+        err = (await proc.stderr.read()).decode()
+        assert "Traceback" not in err and "did not exit in time" not in err
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()

@@ -231,6 +231,10 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
     sys.exit(code)
 
 
+def _draining() -> None:
+    """A worker's SIGTERM and SIGINT handler while it drains: nothing more to do."""
+
+
 async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
     from prefixroute.server.runner import WorkerRuntime, reload_logged_waiting, start_router
 
@@ -278,9 +282,14 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
         finally:
             if parent is not None:
                 loop.remove_reader(parent.sentinel)
+            # Draining: a stop signal to the process group reached this worker as well as
+            # the supervisor, which sends its own SIGTERM a moment later, and kills the
+            # workers (SIGKILL) on a second signal or at the deadline. Neither the SIGTERM
+            # nor a second Ctrl-C may cut the requests in flight short here: their
+            # handlers become no-ops (replaced, never removed: no instant of the default
+            # action in between).
             for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: the supervisor kills the workers
+                loop.add_signal_handler(sig, _draining)
             await handle.close()  # SIGHUP still reloads (never kills) while requests drain
             loop.remove_signal_handler(signal.SIGHUP)
             signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -630,7 +639,8 @@ class Supervisor:
             await asyncio.sleep(0.05)
         for w in self._workers:
             if w.alive and w.process is not None:
-                log.error("worker %d (pid %s) did not exit in time: killed", w.index, w.process.pid)
+                if not self._killed:  # (after a second stop signal they were killed on purpose)
+                    log.error("worker %d (pid %s) did not exit in time: killed", w.index, w.process.pid)
                 w.process.kill()
         loop = asyncio.get_running_loop()
         for w in self._workers:
