@@ -67,14 +67,31 @@ def test_the_error_is_orjson_s_and_names_the_position():
         loads_body(b'{"a": 1x}')
 
 
-def test_a_body_over_the_limit_is_read_by_orjson(monkeypatch):
-    body = orjson.dumps({"messages": [{"role": "user", "content": "x" * SIMDJSON_MAX_BYTES}]})
-    calls = []
-    real = keys._PARSER.parse
-    monkeypatch.setattr(keys, "_PARSER", type("P", (), {"parse": lambda self, b: calls.append(len(b)) or real(b)})())
-    assert loads_body(body) == orjson.loads(body) and calls == []
+class _Refusing:
+    """A stand-in parser that records the sizes it is given and refuses everything."""
+
+    def __init__(self):
+        self.sizes = []
+
+    def parse(self, body):
+        self.sizes.append(len(body))
+        raise ValueError("refused")
+
+
+def test_a_body_over_the_limit_is_read_by_orjson_alone(monkeypatch):
+    spy = _Refusing()
+    monkeypatch.setattr(keys, "_PARSER", spy)
+    big = orjson.dumps({"messages": [{"role": "user", "content": "x" * SIMDJSON_MAX_BYTES}]})
+    assert loads_body(big) == orjson.loads(big) and spy.sizes == []
     small = orjson.dumps({"a": "x"})
-    assert loads_body(small) == {"a": "x"} and calls == [len(small)]
+    assert loads_body(small) == {"a": "x"} and spy.sizes == [len(small)]  # refused: orjson's value
+
+
+def test_without_pysimdjson_orjson_reads_every_body(monkeypatch):
+    monkeypatch.setattr(keys, "_PARSER", None)  # (Python 3.14 and later: not installed)
+    assert loads_body(b'{"a": [1, 2.5, "\\u00e9"]}') == {"a": [1, 2.5, "é"]}
+    with pytest.raises(orjson.JSONDecodeError, match="line 1 column 8"):
+        loads_body(b'{"a": 1x}')
 
 
 def test_the_parser_is_reused_after_errors_and_other_values():

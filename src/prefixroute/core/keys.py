@@ -26,8 +26,12 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import orjson
-import simdjson
 import xxhash
+
+try:
+    import simdjson
+except ImportError:  # (not installed where it has no wheel: orjson parses every body)
+    simdjson = None
 
 from prefixroute.core.config import RoutingStrategy
 
@@ -76,26 +80,31 @@ class InvalidRequest(ValueError):
 #: orjson: the parser's buffer, reused and grown to the largest body it has parsed,
 #: stays a few MiB.
 SIMDJSON_MAX_BYTES = 1 << 20
-_PARSER = simdjson.Parser()
+_PARSER = simdjson.Parser() if simdjson is not None else None
 _BOM = b"\xef\xbb\xbf"
 
 
 def loads_body(body: bytes) -> Any:
-    """``orjson.loads(body)``: the same value or the same error, in about half the time
-    for a body that is one JSON object of at most :data:`SIMDJSON_MAX_BYTES` (a 64 KB
-    chat request: see the ``parse`` and ``orjson`` columns of ``bench/decision.py``).
+    """``orjson.loads(body)``: the same value or the same error, sooner for a body that
+    is one JSON object of at most :data:`SIMDJSON_MAX_BYTES` (a 64 KB chat request in
+    about two thirds of the time: the ``parse`` and ``orjson`` columns of
+    ``bench/decision.py``).
 
     simdjson (SIMD validation, then a dict built from its document) reads such a body;
     whatever it refuses, and every other body, goes to orjson, which then decides. The
     two accept the same JSON except for what is thereby left to orjson: a UTF-8 byte
     order mark (simdjson skips it, orjson refuses it) and an integer beyond 64 bits
     (simdjson refuses it, orjson reads it as a float). An error thus always comes from
-    orjson, whose message names the position.
+    orjson, whose message names the position. Without pysimdjson (not installed on
+    Python 3.14 and later, which it has no wheels for yet) orjson parses every body.
+
+    Args:
+        body: the request body, ``bytes``.
 
     Raises:
         orjson.JSONDecodeError: ``body`` is not one valid JSON document.
     """
-    if len(body) <= SIMDJSON_MAX_BYTES and not body.startswith(_BOM):
+    if _PARSER is not None and len(body) <= SIMDJSON_MAX_BYTES and not body.startswith(_BOM):
         try:
             doc = _PARSER.parse(body)
         except (ValueError, RuntimeError):
