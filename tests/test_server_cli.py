@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -178,6 +179,23 @@ def _serve_cmd(cfg, workers: int) -> list[str]:
             "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--workers", str(workers)]
 
 
+@contextlib.contextmanager
+def _serving(cfg, workers: int, group: bool = False):
+    """``serve`` on ``cfg`` as a child (its own process group if ``group``), killed at the
+    end if still running."""
+    with subprocess.Popen(_serve_cmd(cfg, workers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=group, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            yield proc
+        finally:
+            if proc.poll() is None:
+                if group:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                else:
+                    proc.kill()
+                proc.wait()
+
+
 def _signal_once_held(proc: subprocess.Popen, sig: int) -> None:
     """Send ``sig`` as soon as the process holds signals: while it is still importing and
     starting (``prefixroute.signals.hold`` is the first thing ``serve`` does; the
@@ -198,18 +216,12 @@ def test_stop_signal_while_starting_stops_cleanly(tmp_path, workers, sig):
     it would a moment later, status 0, without ever saying it listens."""
     cfg = tmp_path / "fleet.yaml"
     _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
-    with subprocess.Popen(_serve_cmd(cfg, workers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-        try:
-            _signal_once_held(proc, sig)
-            assert proc.wait(timeout=30) == 0
-            out, err = proc.communicate()
-            assert "listening" not in out
-            assert "Traceback" not in err and "KeyboardInterrupt" not in err
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with _serving(cfg, workers) as proc:
+        _signal_once_held(proc, sig)
+        assert proc.wait(timeout=30) == 0
+        out, err = proc.communicate()
+        assert "listening" not in out
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -218,27 +230,21 @@ def test_sighup_while_starting_reloads_once_serving(tmp_path, workers):
     with the configuration file as it is after the signal."""
     cfg = tmp_path / "fleet.yaml"
     _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
-    with subprocess.Popen(_serve_cmd(cfg, workers), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-        try:
-            _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
-            _signal_once_held(proc, signal.SIGHUP)
-            assert proc.stdout is not None
-            m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", proc.stdout.readline())
-            assert m
-            admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
-                                 proc.stdout.readline())
-            assert admin
-            status, doc = _get(admin.group(1) + "/admin/config")
-            assert status == 200
-            assert doc["Endpoints"][0]["ProductionVariants"][0]["RoutingConfig"]["RoutingStrategy"] == \
-                "LEAST_OUTSTANDING_REQUESTS"
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    with _serving(cfg, workers) as proc:
+        _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
+        _signal_once_held(proc, signal.SIGHUP)
+        assert proc.stdout is not None
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", proc.stdout.readline())
+        assert m
+        admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
+                             proc.stdout.readline())
+        assert admin
+        status, doc = _get(admin.group(1) + "/admin/config")
+        assert status == 200
+        assert doc["Endpoints"][0]["ProductionVariants"][0]["RoutingConfig"]["RoutingStrategy"] == \
+            "LEAST_OUTSTANDING_REQUESTS"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
 
 
 def test_second_stop_signal_while_starting_is_not_held(tmp_path):
@@ -299,19 +305,13 @@ def test_group_stop_signal_while_workers_start_stops_cleanly(tmp_path, sig):
     restarting" error) and without a traceback from a worker's start-up."""
     cfg = tmp_path / "fleet.yaml"
     _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
-    with subprocess.Popen(_serve_cmd(cfg, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-        try:
-            _group_signal_while_workers_start(proc, sig)
-            assert proc.wait(timeout=30) == 0
-            out, err = proc.communicate()
-            assert "listening" not in out
-            assert "restarting" not in err and "exited with status" not in err
-            assert "Traceback" not in err and "KeyboardInterrupt" not in err
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with _serving(cfg, 2, group=True) as proc:
+        _group_signal_while_workers_start(proc, sig)
+        assert proc.wait(timeout=30) == 0
+        out, err = proc.communicate()
+        assert "listening" not in out
+        assert "restarting" not in err and "exited with status" not in err
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err
 
 
 def test_group_sighup_while_workers_start_reloads_and_kills_nothing(tmp_path):
@@ -322,34 +322,28 @@ def test_group_sighup_while_workers_start_reloads_and_kills_nothing(tmp_path):
     cleanly."""
     cfg = tmp_path / "fleet.yaml"
     _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
-    with subprocess.Popen(_serve_cmd(cfg, 2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
-        try:
-            _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
-            kids = _group_signal_while_workers_start(proc, signal.SIGHUP)
-            assert proc.stdout is not None
-            line = proc.stdout.readline()
-            assert re.fullmatch(r"prefixroute-serve listening on http://127\.0\.0\.1:\d+\n", line), line
-            admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
-                                 proc.stdout.readline())
-            assert admin
-            deadline = time.monotonic() + 10
-            while True:  # each worker reloads once it listens
-                status, doc = _get(admin.group(1) + "/admin/config")
-                assert status == 200
-                if doc["Endpoints"][0]["ProductionVariants"][0]["RoutingConfig"]["RoutingStrategy"] == \
-                        "LEAST_OUTSTANDING_REQUESTS":
-                    break
-                assert time.monotonic() < deadline
-                time.sleep(0.05)
-            trackers = [p for p, c in kids.items() if "resource_tracker" in c]
-            assert trackers and all(p in _children(proc.pid) for p in trackers)  # still alive
-            os.killpg(proc.pid, signal.SIGTERM)
-            assert proc.wait(timeout=30) == 0
-            err = proc.communicate()[1]
-            assert "exited with status" not in err and "Traceback" not in err
-            assert "KeyError" not in err and "resource_tracker" not in err
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+    with _serving(cfg, 2, group=True) as proc:
+        _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"})
+        kids = _group_signal_while_workers_start(proc, signal.SIGHUP)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert re.fullmatch(r"prefixroute-serve listening on http://127\.0\.0\.1:\d+\n", line), line
+        admin = re.fullmatch(r"prefixroute-admin listening on (http://127\.0\.0\.1:\d+)\n",
+                             proc.stdout.readline())
+        assert admin
+        deadline = time.monotonic() + 10
+        while True:  # each worker reloads once it listens
+            status, doc = _get(admin.group(1) + "/admin/config")
+            assert status == 200
+            if doc["Endpoints"][0]["ProductionVariants"][0]["RoutingConfig"]["RoutingStrategy"] == \
+                    "LEAST_OUTSTANDING_REQUESTS":
+                break
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        trackers = [p for p, c in kids.items() if "resource_tracker" in c]
+        assert trackers and all(p in _children(proc.pid) for p in trackers)  # still alive
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        err = proc.communicate()[1]
+        assert "exited with status" not in err and "Traceback" not in err
+        assert "KeyError" not in err and "resource_tracker" not in err
