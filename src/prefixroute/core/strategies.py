@@ -262,13 +262,7 @@ class PrefixAwareStrategy(Strategy):
         if key is None:
             return least_outstanding(candidates, self.rng), DecisionKind.FALLBACK
         threshold = self.threshold
-        # self.order(key, candidates) for a remembered key, inline (the usual case)
-        known = self._orders.get(key) if candidates is self._orders_src else None
-        if known is None:
-            known = self.order(key, candidates)
-        else:
-            self._orders.move_to_end(key)
-        best = candidates[known[0]]
+        best = candidates[self.order(key, candidates)[0]]
         if best.in_flight < threshold:
             return best, DecisionKind.AFFINITY
         for i in islice(self.order(key, candidates, full=True), 1, None):

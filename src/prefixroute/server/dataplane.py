@@ -1156,12 +1156,10 @@ class FrontServer:
         stream, an error, a timeout, the client gone: :meth:`hand_over`). False: the
         task answers it, from where this left it (:attr:`_Incoming.started`: routed, or
         the error answer to send; maybe its lease, when a new connection is needed)."""
-        if inc.too_large is not None or inc.refusal is not None or inc.method != b"POST" or inc.version != "1.1" \
-                or self.state.settings.record_trace is not None:
-            return False  # (what _route checks, inline: this runs for every request)
-        url = inc.url
-        route = match_route((url.split(b"?", 1)[0] if b"?" in url else url).decode("latin-1"))
-        if route is None or not self._all_plain_http():
+        if inc.too_large is not None or inc.refusal is not None:
+            return False
+        _, route = self._route(inc)
+        if route is None:
             return False
         rr = self._prepare(inc, route)
         started = inc.started = _Started(inc, rr)
@@ -1174,8 +1172,7 @@ class FrontServer:
             return False  # the task answers 503
         if rr.blocks:
             self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
-        instance_id = lease.decision.instance.instance_id
-        target = self._targets.get(instance_id) or self._target(instance_id)
+        target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
         if up is None:
             return False
@@ -1577,7 +1574,7 @@ class FrontServer:
         # Laid out as _head lays a head out (status line, headers, Date, framing), in one step.
         reply.head = b"HTTP/1.1 %d %s\r\n%s%s%s%s: %.3f\r\nDate: %s\r\n%s%s\r\n" % (
             status, reason, theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours, _OVERHEAD_MS,
-            overhead * 1e3, _DATE.value if int(time.time()) == _DATE.second else _DATE.get(), framing,
+            overhead * 1e3, _DATE.get(), framing,
             b"" if keep_alive else b"Connection: close\r\n")
         return reply
 

@@ -70,7 +70,6 @@ _HOP_BY_HOP = frozenset({
 # Our own response headers: an upstream (e.g. another prefixroute) must not override them.
 _OURS = frozenset({INVOKED_VARIANT.lower().encode(), INSTANCE.lower().encode(), DECISION.lower().encode(),
                    OVERHEAD_MS.lower().encode(), REQUEST_ID.lower().encode(), b"date", b"server"})
-_NOT_RELAYED = _HOP_BY_HOP | _OURS  # of an OpenAI answer's headers
 _DROP_UPSTREAM = frozenset({b"x-request-id", b"content-encoding"})
 # Integrity fields computed over the body as the client encoded it (RFC 9530's
 # Content-Digest and Repr-Digest, RFC 3230's Digest, RFC 1864's Content-MD5): wrong next
@@ -128,10 +127,7 @@ class RawHeaderView(Mapping[str, str]):
         return index.get(low)
 
     def get(self, name: str, default: str | None = None) -> str | None:  # type: ignore[override]
-        # _lookup's usual case inline (the index made, the name known): a few of these
-        # run for every request.
-        index, low = self._index, _LOWER.get(name)
-        value = self._lookup(name) if index is None or low is None else index.get(low)
+        value = self._lookup(name)
         return default if value is None else value.decode("utf-8", "surrogateescape")
 
     def __getitem__(self, name: str) -> str:
@@ -141,9 +137,6 @@ class RawHeaderView(Mapping[str, str]):
         return value.decode("utf-8", "surrogateescape")
 
     def __contains__(self, name: object) -> bool:
-        index, low = self._index, _LOWER.get(name) if isinstance(name, str) else None
-        if index is not None and low is not None:
-            return low in index
         return isinstance(name, str) and self._lookup(name) is not None
 
     def getall(self, name: str, default: list[str] | None = None) -> list[str]:
@@ -280,15 +273,8 @@ def openai_response_headers(upstream: RawHeaders) -> list[tuple[bytes, bytes]]:
 
 def openai_response_lines(upstream: RawHeaders) -> bytes:
     """``header_lines(openai_response_headers(upstream))``, in one pass when it can be."""
-    lines = []  # _end_to_end_lines(upstream, _OURS), inline: this runs for every answer
-    for k, v in upstream:
-        low = k.lower()
-        if low in _NOT_RELAYED or low.startswith(b"proxy-"):
-            if low == b"connection" and any(t.strip().lower() not in _HOP_BY_HOP for t in v.split(b",")):
-                return header_lines(openai_response_headers(upstream))  # it names others to drop
-            continue
-        lines.append(b"%s: %s\r\n" % (k, v))
-    return b"".join(lines)
+    found = _end_to_end_lines(upstream, _OURS)
+    return header_lines(openai_response_headers(upstream)) if found is None else b"".join(found[0])
 
 
 def native_response_headers(upstream: RawHeaders, stream: bool = False) -> list[tuple[bytes, bytes]]:
