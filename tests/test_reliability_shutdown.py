@@ -133,3 +133,48 @@ async def test_workers_drain_on_a_signal_to_the_process_group(backend, sig):
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
             await proc.wait()
+
+
+@pytest.mark.parametrize("workers,plane", [(1, "fast"), (1, "aiohttp"), (2, "fast")])
+async def test_a_second_stop_signal_cuts_the_drain_short(backend, tmp_path, workers, plane):
+    """Ctrl-C twice: the first starts the drain, the second stops waiting for it. The
+    stream in flight is cut (the engine sees its connection closed), the router exits
+    0 at once with a warning and no traceback, and leaves nothing in TMPDIR."""
+    backend.default = Fault("ok", events=100, delay=0.1)  # 10 s, far beyond the test's waits
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
+        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "60",
+        "--workers", str(workers), "--data-plane", plane, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE, start_new_session=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
+        assert m, line
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(m.group(1) + "/v1/chat/completions", data=CHAT)
+            await r.content.readuntil(b"\n\n")
+            os.killpg(proc.pid, signal.SIGINT)
+            await asyncio.sleep(0.5)
+            assert proc.returncode is None  # draining: the stream goes on
+            more = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 5)
+            assert more.startswith(b"data: ")
+            t0 = time.monotonic()
+            os.killpg(proc.pid, signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+            assert time.monotonic() - t0 < 5.0
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await asyncio.wait_for(r.read(), 5)
+        [rec] = backend.received
+        assert await eventually(lambda: rec.t_closed is not None, 2.0)  # the engine was told
+        err = (await proc.stderr.read()).decode()
+        assert "Traceback" not in err, err
+        assert "SIGINT again" in err, err
+        assert not list(tmp.iterdir())
+    finally:
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()

@@ -7,7 +7,8 @@ port from it), then ``prefixroute-admin listening on http://HOST:PORT`` if the
 admin API is on. Logs go to stderr.
 
 Exit status: 0 after SIGTERM/SIGINT (requests in flight finish first, up to
-``--shutdown-timeout``), 2 for a configuration error, 1 if the router cannot start.
+``--shutdown-timeout``; a second SIGTERM/SIGINT cuts them at once), 2 for a
+configuration error, 1 if the router cannot start.
 
 ``--workers N`` (N > 1) runs N router processes on the port under a supervisor
 (:mod:`prefixroute.server.workers`); the lines printed and the exit statuses are the same.
@@ -28,7 +29,7 @@ from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
 from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.server.settings import DATA_PLANES
-from prefixroute.server.runner import reload_logged, start_router
+from prefixroute.server.runner import RouterHandle, reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 __all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers"]
@@ -173,7 +174,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "balancer's idle timeout (e.g. 60 s for AWS ALB, 600 s for Google Cloud's) so that the "
                         "balancer never reuses a connection the router is closing (default: 75)")
     o.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
-                   help="on SIGTERM/SIGINT, seconds requests in flight may take to finish (default: 30)")
+                   help="on SIGTERM/SIGINT, seconds requests in flight may take to finish; a second signal "
+                        "cuts them at once (default: 30)")
     o.add_argument("--seed", type=int, default=None,
                    help="seed of the random choices (RANDOM routing, weighted variants, ties); default: random")
     o.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error"],
@@ -306,11 +308,28 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         await stop.wait()
         log.info("shutting down: waiting up to %.1f s for requests in flight", settings.shutdown_timeout_s)
     finally:
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-            loop.remove_signal_handler(sig)
+        loop.remove_signal_handler(signal.SIGHUP)
         signal.signal(signal.SIGHUP, signal.SIG_IGN)  # draining: a SIGHUP no longer kills it
-        await handle.close()
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second stop: do not wait for the drain
+            loop.add_signal_handler(sig, _hurry, loop, handle, sig)
+        try:
+            await handle.close()
+        finally:
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                loop.remove_signal_handler(sig)
     return 0
+
+
+def _hurry(loop: asyncio.AbstractEventLoop, handle: RouterHandle, signum: int) -> None:
+    """A second SIGTERM/SIGINT while draining: the requests still in flight are cut
+    (their connections closed) and the router exits as at ``--shutdown-timeout``
+    (status 0, internal socket removed). A third one gets the default action."""
+    busy = sum(pool.total_in_flight() for _, pool in handle.fleet.all_pools())
+    log.warning("%s again: not waiting for the %d request(s) at the instances", signal.Signals(signum).name, busy)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.remove_signal_handler(sig)
+        signal.signal(sig, signal.SIG_DFL)
+    handle.hurry()
 
 
 def _loop_factory() -> Any:

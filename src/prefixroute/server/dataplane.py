@@ -1038,6 +1038,7 @@ class FrontServer:
         self.clients: set[_Client] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.closing = False
+        self.hurried = False  # close(): stop waiting for the requests in flight (hurry())
         self.client_keepalive_s = s.client_keepalive_timeout_s
         self.server: asyncio.AbstractServer | None = None
         self._targets: dict[str, tuple[Any, ...] | None] = {}
@@ -1060,7 +1061,7 @@ class FrontServer:
             for c in list(self.clients):
                 if not c.busy and c.cur is None and not c.queue:
                     c.close()  # idle (a busy one closes after its answer)
-            if not any(c.busy for c in self.clients) or self.loop.time() >= deadline:
+            if self.hurried or not any(c.busy for c in self.clients) or self.loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
         for t in list(self.tasks):
@@ -1074,6 +1075,11 @@ class FrontServer:
         if self.server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
+
+    def hurry(self) -> None:
+        """Make :meth:`close` stop waiting for the requests in flight (a second stop
+        signal): they end as at its deadline (cancelled, their connections closed)."""
+        self.hurried = True
 
     # -- per request --------------------------------------------------------------
 

@@ -69,6 +69,7 @@ class RouterHandle:
     _runners: list[web.AppRunner] = field(default_factory=list, repr=False)
     _front: FrontServer | None = field(default=None, repr=False)
     _socket_path: str | None = field(default=None, repr=False)
+    _hurried: bool = field(default=False, repr=False)
 
     @property
     def fleet(self) -> Fleet:
@@ -93,18 +94,44 @@ class RouterHandle:
 
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (up to
-        ``settings.shutdown_timeout_s``), then close the upstream client."""
-        front, self._front = self._front, None
+        ``settings.shutdown_timeout_s``, or until :meth:`hurry`), then close the
+        upstream client and remove the internal socket."""
+        front = self._front
         if front is not None:
+            if self._hurried:
+                front.hurry()
             await front.close(self.state.settings.shutdown_timeout_s)
-        runners, self._runners = self._runners, []
-        for runner in reversed(runners):
+            self._front = None
+        while self._runners:
+            runner = self._runners[-1]
+            if self._hurried:
+                _cut(runner)
             await runner.cleanup()
+            self._runners.pop()
         if self._socket_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._socket_path)
                 os.rmdir(os.path.dirname(self._socket_path))
             self._socket_path = None
+
+    def hurry(self) -> None:
+        """Make a :meth:`close` under way (or the next one) stop waiting for the
+        requests in flight: they are cut, their connections closed, as at the
+        shutdown timeout. What a second SIGTERM/SIGINT does."""
+        self._hurried = True
+        if self._front is not None:
+            self._front.hurry()
+        for runner in self._runners:
+            _cut(runner)
+
+
+def _cut(runner: web.AppRunner) -> None:
+    """Close every connection of ``runner``'s server (its handlers are cancelled:
+    ``handler_cancellation``), so that its cleanup does not wait for them."""
+    server = runner.server
+    if server is not None:
+        for conn in server.connections:
+            conn.force_close()
 
 
 def reload_logged(state: RouterState) -> bool:

@@ -391,7 +391,7 @@ class Supervisor:
         stop everything. Returns the exit status (0, or 1 if it could not start)."""
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self._on_stop_signal)
+            loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._forward_sighup)
         held = signals.take()  # what came while starting (prefixroute.signals.hold)
         if signal.SIGHUP in held:
@@ -414,9 +414,11 @@ class Supervisor:
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
                 loop.remove_signal_handler(sig)
 
-    def _on_stop_signal(self) -> None:
+    def _on_stop_signal(self, signum: int = signal.SIGTERM) -> None:
         self._stopping = True  # a worker that exits from now on is not restarted (a group signal stops it too)
-        if self._stop.is_set():  # a second signal: do not wait for the drain
+        if self._stop.is_set() and not self._killed:  # a second signal: do not wait for the drain
+            log.warning("%s again: killing the workers, not waiting for their requests in flight",
+                        signal.Signals(signum).name)
             self._killed = True
             for w in self._workers:
                 if w.alive and w.process is not None:
