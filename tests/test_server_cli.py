@@ -347,3 +347,23 @@ def test_group_sighup_while_workers_start_reloads_and_kills_nothing(tmp_path):
         err = proc.communicate()[1]
         assert "exited with status" not in err and "Traceback" not in err
         assert "KeyError" not in err and "resource_tracker" not in err
+
+
+def test_group_sighup_reloads_each_worker_once(tmp_path):
+    """A SIGHUP to the whole process group (a terminal's) reaches the supervisor and the
+    workers: each worker reloads once (before: twice, on its own SIGHUP and on the one
+    the supervisor forwarded), so an invalid file is reported once per worker."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with _serving(cfg, 2, group=True) as proc:
+        assert proc.stdout is not None
+        for _ in range(2):
+            assert "listening on" in proc.stdout.readline()
+        cfg.write_text("Endpoints: [")  # not YAML: each reload fails, and says so
+        os.killpg(proc.pid, signal.SIGHUP)
+        time.sleep(2.0)
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+    failed = [line for line in err.splitlines() if "configuration reload failed" in line]
+    assert sorted(re.search(r"\[worker (\d)\]", line).group(1) for line in failed) == ["0", "1"], err

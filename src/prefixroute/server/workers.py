@@ -22,8 +22,9 @@ to every worker and is answered with worker 0's answer, or 502 if they disagree.
   again with the configuration in force (read from a live worker), after a back-off if
   it keeps dying young.
 * SIGTERM/SIGINT: every worker drains its requests in flight (``--shutdown-timeout``)
-  and exits; a second signal kills them. SIGHUP is forwarded to every worker (each
-  re-reads ``--config``).
+  and exits; a second signal kills them. SIGHUP makes every worker re-read
+  ``--config``, once: the supervisor tells each (:data:`RELOAD_SIGNAL`); a worker
+  ignores SIGHUP itself (one sent to the process group reaches it too).
 * On exit the shared block is unlinked and the metrics directory removed. Workers exit
   by themselves if the supervisor disappears.
 
@@ -67,6 +68,11 @@ __all__ = ["FileLock", "SharedCounters", "WorkerSpec", "Supervisor", "serve_work
            "worker_socket_prefix", "worker_socket_fallback_prefix", "MAX_WORKERS", "READY_TIMEOUT_S"]
 
 log = logging.getLogger("prefixroute.server")
+
+#: What the supervisor sends a worker to make it re-read ``--config`` (its SIGHUP). A
+#: worker ignores SIGHUP itself: one sent to the whole process group (a terminal's, a
+#: ``kill -HUP -PGID``) would otherwise make it reload twice, on its own and when told.
+RELOAD_SIGNAL = signal.SIGUSR1
 
 #: Longest wait for a worker process to start listening, seconds.
 READY_TIMEOUT_S = 60.0
@@ -214,11 +220,14 @@ class WorkerSpec:
 def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry of a worker process (a fresh interpreter: ``spawn``), started with SIGTERM,
     SIGINT and SIGHUP blocked (:func:`prefixroute.signals.blocked`, in the supervisor)."""
-    # Until the event loop handles them: SIGHUP must not kill a starting worker, nor a
+    # A worker ignores SIGHUP for good: one sent to the process group reaches the
+    # supervisor too, which tells each worker to reload (RELOAD_SIGNAL), once.
+    # Until the event loop handles them: RELOAD_SIGNAL must not kill a starting worker, nor a
     # Ctrl-C (the supervisor gets it too, and stops the workers) interrupt its start-up
     # with a traceback. A SIGTERM stops it (nothing is in flight yet).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(RELOAD_SIGNAL, signal.SIG_IGN)
     signals.unblock()
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [worker {spec.index}]: %(message)s")
@@ -251,7 +260,7 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        # One reload at a time; SIGHUPs that come meanwhile make one more after it.
+        # One reload at a time; signals that come meanwhile make one more after it.
         reloading: asyncio.Task[bool] | None = None
         again = False
 
@@ -270,7 +279,7 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
                 again = False
                 on_sighup()
 
-        loop.add_signal_handler(signal.SIGHUP, on_sighup)
+        loop.add_signal_handler(RELOAD_SIGNAL, on_sighup)
         parent = multiprocessing.parent_process()
         if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
             loop.add_reader(parent.sentinel, stop.set)
@@ -290,9 +299,9 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
             # action in between).
             for sig in (signal.SIGTERM, signal.SIGINT):
                 loop.add_signal_handler(sig, _draining)
-            await handle.close()  # SIGHUP still reloads (never kills) while requests drain
-            loop.remove_signal_handler(signal.SIGHUP)
-            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            await handle.close()  # RELOAD_SIGNAL still reloads (never kills) while requests drain
+            loop.remove_signal_handler(RELOAD_SIGNAL)
+            signal.signal(RELOAD_SIGNAL, signal.SIG_IGN)
         return 0
     finally:
         counters.close()
@@ -612,7 +621,7 @@ class Supervisor:
         for w in self._workers:
             if w.serving:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(w.pid, signal.SIGHUP)
+                    os.kill(w.pid, RELOAD_SIGNAL)
             else:  # starting: it reloads once it listens (_sighup_if_missed), as the others do now
                 w.missed_sighup = True
 
@@ -622,7 +631,7 @@ class Supervisor:
         if w.missed_sighup and w.serving and not self._stopping:
             w.missed_sighup = False
             with contextlib.suppress(ProcessLookupError):
-                os.kill(w.pid, signal.SIGHUP)
+                os.kill(w.pid, RELOAD_SIGNAL)
 
     async def _shutdown(self) -> None:
         self._stopping = True
