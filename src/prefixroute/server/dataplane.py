@@ -84,6 +84,10 @@ log = logging.getLogger("prefixroute.server.dataplane")
 #: same order: 8,190 bytes per line); 431 beyond.
 MAX_HEAD_BYTES = 64 * 1024
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
+#: Longest wait for the metrics of an answer written whole, seconds: they are recorded
+#: once the connection's next request has been sent (off its critical path), or after
+#: this if none comes (:meth:`FrontServer.account`); ``/metrics`` records them first.
+ACCOUNTING_DELAY_S = 0.001
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
 # Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).
 _FRAMING = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te",
@@ -1043,6 +1047,10 @@ class FrontServer:
         self.server: asyncio.AbstractServer | None = None
         self._targets: dict[str, tuple[Any, ...] | None] = {}
         self._plain: tuple[int, bool] = (0, False)
+        # Answers written whole whose metrics are not recorded yet (account()).
+        self._unaccounted: list[tuple[RoutedRequest, Any, int, _Reply, float]] = []
+        self._accounting: asyncio.TimerHandle | None = None
+        state.metrics.pending.append(self.account)
 
     async def start(self, host: str, port: int, reuse_port: bool) -> int:
         """Listen; returns the port bound."""
@@ -1072,6 +1080,12 @@ class FrontServer:
             c.abort()
         self.upstreams.close()
         self.internal_pool.close()
+        if self._accounting is not None:
+            self._accounting.cancel()
+            self._accounting = None
+        self.account()
+        with contextlib.suppress(ValueError):
+            self.state.metrics.pending.remove(self.account)
         if self.server is not None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.server.wait_closed(), 1.0)
@@ -1191,7 +1205,25 @@ class FrontServer:
         up.done.add_done_callback(on_event)
         started.timer = self.loop.call_later(self.state.settings.response_headers_timeout_s, self._headers_late,
                                              client, started)
+        if self._unaccounted:
+            self.account()
         return True
+
+    def account(self) -> None:
+        """Record the metrics of the answers :meth:`_settle` left unaccounted (it
+        leaves them for the moment after the next request's send, which is off the
+        critical path; :meth:`RouterMetrics.render` and :meth:`close` call this too, and
+        a timer :data:`ACCOUNTING_DELAY_S` after an answer, if nothing came)."""
+        done, self._unaccounted = self._unaccounted, []
+        for rr, decision, status, reply, t_end in done:
+            self._answered_metrics(rr, status, decision)
+            self._account_whole(rr, reply, decision.instance.instance_id)
+            self._released(rr, decision)
+            self._count(rr, reply.status, t_end)
+
+    def _account_timer(self) -> None:
+        self._accounting = None
+        self.account()
 
     def _detached_event(self, client: _Client, started: _Started, _fut: Any) -> None:
         """The answer's head came, or the exchange ended, while callbacks answer the
@@ -1241,12 +1273,15 @@ class FrontServer:
         assert isinstance(rr, RoutedRequest) and up is not None and up.reply is not None
         started.lease = started.up = None
         decision = lease.decision
-        self._answered(rr, up, decision)
-        status = self._account_whole(rr, up.reply, decision.instance.instance_id)
+        self.state.health.passive_success(decision.instance.instance_id)
         lease.release()
-        self._released(rr, decision)
+        # Its metrics wait until the connection's next request is sent (or a moment):
+        # at concurrency 1 that request is on its way already.
+        if not self._unaccounted:
+            if self._accounting is None:
+                self._accounting = self.loop.call_later(ACCOUNTING_DELAY_S, self._account_timer)
+        self._unaccounted.append((rr, decision, up.status, up.reply, time.perf_counter()))
         up.finish()
-        self._count(rr, status)
         inc = started.inc
         inc.started = None
         if client.closed or not client.answered(inc):
@@ -1436,10 +1471,13 @@ class FrontServer:
 
     def _answered(self, rr: RoutedRequest, up: _Upstream, decision: Any) -> None:
         """The instance answered (its head came): counted, and a passive health success."""
+        self.state.health.passive_success(decision.instance.instance_id)
+        self._answered_metrics(rr, up.status, decision)
+
+    def _answered_metrics(self, rr: RoutedRequest, status: int, decision: Any) -> None:
         instance = decision.instance.instance_id
         self.state.metrics.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
-        self.state.health.passive_success(instance)
-        if up.status >= 500:
+        if status >= 500:
             self.state.metrics.upstream_errors.labels(instance, "http_5xx").inc()
 
     def _account_whole(self, rr: RoutedRequest, reply: _Reply, instance: str) -> int:
@@ -1455,12 +1493,13 @@ class FrontServer:
     def _released(self, rr: RoutedRequest, decision: Any) -> None:
         self.state.metrics.decision_seconds.labels(rr.endpoint, rr.pool.name).observe(decision.decision_s)
 
-    def _count(self, rr: RoutedRequest, code: int | str) -> None:
-        """The request is over: its response code (a status, ``499``, ``stream_aborted``)
-        and its duration."""
+    def _count(self, rr: RoutedRequest, code: int | str, t_end: float | None = None) -> None:
+        """The request is over (at ``t_end``, ``time.perf_counter()``; default now): its
+        response code (a status, ``499``, ``stream_aborted``) and its duration."""
         m = self.state.metrics
         m.responses.labels(rr.endpoint, rr.pool.name, str(code)).inc()
-        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(time.perf_counter() - rr.t0)
+        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(
+            (time.perf_counter() if t_end is None else t_end) - rr.t0)
 
     def _error(self, client: _Client, rr: RoutedRequest, status: int, message: str, code: str,
                headers: dict[str, str], keep_alive: bool) -> None:

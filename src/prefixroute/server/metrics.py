@@ -370,6 +370,9 @@ class RouterMetrics:
             "prefixroute_router_overhead_seconds",
             "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
             ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r))
+        #: Called before each :meth:`render`: the data plane's metrics not recorded yet
+        #: (:meth:`prefixroute.server.dataplane.FrontServer.account`).
+        self.pending: list[Callable[[], None]] = []
         pool_collector, backend_collector = _PoolCollector(fleet), _BackendCollector(backend_stats)
         r.register(pool_collector)
         r.register(backend_collector)
@@ -385,4 +388,6 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
+        for account in self.pending:
+            account()
         return generate_latest(self._exposed)
