@@ -84,9 +84,9 @@ log = logging.getLogger("prefixroute.server.dataplane")
 #: same order: 8,190 bytes per line); 431 beyond.
 MAX_HEAD_BYTES = 64 * 1024
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
-#: Longest wait for the metrics of an answer written whole, seconds: they are recorded
-#: once the connection's next request has been sent (off its critical path), or after
-#: this if none comes (:meth:`FrontServer.account`); ``/metrics`` records them first.
+#: How long the metrics of an answer written whole wait, seconds: they are recorded
+#: together, off the requests' path (:meth:`FrontServer.account`); ``/metrics`` records
+#: them first.
 ACCOUNTING_DELAY_S = 0.001
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
 # Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).
@@ -1205,15 +1205,12 @@ class FrontServer:
         up.done.add_done_callback(on_event)
         started.timer = self.loop.call_later(self.state.settings.response_headers_timeout_s, self._headers_late,
                                              client, started)
-        if self._unaccounted:
-            self.account()
         return True
 
     def account(self) -> None:
-        """Record the metrics of the answers :meth:`_settle` left unaccounted (it
-        leaves them for the moment after the next request's send, which is off the
-        critical path; :meth:`RouterMetrics.render` and :meth:`close` call this too, and
-        a timer :data:`ACCOUNTING_DELAY_S` after an answer, if nothing came)."""
+        """Record the metrics of the answers :meth:`_settle` left unaccounted: run by a
+        timer :data:`ACCOUNTING_DELAY_S` after the first of them, by
+        :meth:`RouterMetrics.render` and by :meth:`close`."""
         done, self._unaccounted = self._unaccounted, []
         for rr, decision, status, reply, t_end in done:
             self._answered_metrics(rr, status, decision)
@@ -1275,11 +1272,12 @@ class FrontServer:
         decision = lease.decision
         self.state.health.passive_success(decision.instance.instance_id)
         lease.release()
-        # Its metrics wait until the connection's next request is sent (or a moment):
-        # at concurrency 1 that request is on its way already.
-        if not self._unaccounted:
-            if self._accounting is None:
-                self._accounting = self.loop.call_later(ACCOUNTING_DELAY_S, self._account_timer)
+        # Its metrics wait a moment (account()): recorded now, they would delay the
+        # connection's next request, which is usually on its way already, and recorded
+        # right after that request's send they would still hold up its instance's reply
+        # (the instance shares the cores).
+        if self._accounting is None:
+            self._accounting = self.loop.call_later(ACCOUNTING_DELAY_S, self._account_timer)
         self._unaccounted.append((rr, decision, up.status, up.reply, time.perf_counter()))
         up.finish()
         inc = started.inc
