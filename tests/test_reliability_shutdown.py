@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -177,4 +178,58 @@ async def test_a_second_stop_signal_cuts_the_drain_short(backend, tmp_path, work
     finally:
         if proc.returncode is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            await proc.wait()
+
+
+async def _serve_one(backend, tmp):
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
+        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "60",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
+    assert proc.stdout is not None
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+    m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
+    assert m, line
+    return proc, m.group(1)
+
+
+async def test_a_second_stop_signal_right_after_the_first_is_not_lost(backend, tmp_path):
+    """SIGTERM then SIGINT at once (a service manager, then an impatient operator): the
+    second one cuts the drain short even though the event loop handles both in a row."""
+    backend.default = Fault("ok", events=100, delay=0.1)
+    proc, url = await _serve_one(backend, tmp_path)
+    try:
+        async with aiohttp.ClientSession() as http:
+            r = await http.post(url + "/v1/chat/completions", data=CHAT)
+            await r.content.readuntil(b"\n\n")
+            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGINT)
+            assert await asyncio.wait_for(proc.wait(), 10) == 0
+        err = (await proc.stderr.read()).decode()
+        assert "SIGINT again" in err and "Traceback" not in err, err
+        assert not list(tmp_path.iterdir())
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+@pytest.mark.parametrize("gap_s", [0.005, 0.03, 0.08])
+async def test_a_stop_signal_while_the_router_exits_is_ignored(backend, tmp_path, gap_s):
+    """An idle router stops at once on the first Ctrl-C; a second one that comes while
+    the process exits does not turn its status 0 into -2 (or print a traceback)."""
+    proc, _ = await _serve_one(backend, tmp_path)
+    try:
+        proc.send_signal(signal.SIGINT)
+        await asyncio.sleep(gap_s)
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        assert await asyncio.wait_for(proc.wait(), 10) == 0
+        err = (await proc.stderr.read()).decode()
+        assert "Traceback" not in err and "KeyboardInterrupt" not in err, err
+        assert not list(tmp_path.iterdir())
+    finally:
+        if proc.returncode is None:
+            proc.kill()
             await proc.wait()

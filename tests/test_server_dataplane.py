@@ -1214,3 +1214,32 @@ async def test_metrics_of_answers_written_whole_are_recorded_a_moment_later(back
         await handle.close()
     assert recorded() == (8.0,) * 5  # close() recorded the last one
     assert handle.state.metrics.pending == []
+
+
+async def test_with_several_workers_metrics_of_whole_answers_are_recorded_at_once(backend, monkeypatch):
+    """With ``--workers N`` a scrape is answered by one worker, which cannot record the
+    others' pending metrics: each answer's are recorded as it is settled."""
+    from prefixroute.server import dataplane
+
+    monkeypatch.setattr(dataplane, "ACCOUNTING_DELAY_S", 30.0)  # (a timer would not record them)
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1))
+    handle.state.metrics.multiprocess = True  # (what RouterMetrics(multiprocess_dir=...) says)
+    registry = handle.state.metrics.registry
+    labels = {"endpoint": "default", "variant": "AllTraffic", "code": "200"}
+    try:
+        async with aiohttp.ClientSession() as http:
+            for n in range(1, 5):
+                async with http.post(handle.url + "/v1/chat/completions", data=CHAT) as r:
+                    assert r.status == 200
+                    await r.read()
+                for _ in range(500):
+                    if registry.get_sample_value("prefixroute_responses_total", labels) == n:
+                        break
+                    await asyncio.sleep(0.001)
+                assert registry.get_sample_value("prefixroute_responses_total", labels) == n
+                assert handle._front._unaccounted == [] and handle._front._accounting is None
+    finally:
+        await handle.close()

@@ -24,9 +24,9 @@ import contextlib
 import os
 import signal
 from types import FrameType
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
-__all__ = ["HELD", "blocked", "hold", "take", "unblock"]
+__all__ = ["HELD", "blocked", "hold", "replace", "take", "unblock"]
 
 #: The signals :func:`hold` keeps.
 HELD = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -77,3 +77,14 @@ def unblock(sigs: Iterable[int] = HELD) -> None:
     """Unblock ``sigs`` (in a child started inside :func:`blocked`, once its
     dispositions are set): one that came meanwhile is acted on now."""
     signal.pthread_sigmask(signal.SIG_UNBLOCK, sigs)
+
+
+def replace(loop: Any, sigs: Iterable[int], action: Any) -> None:
+    """Remove the event loop's handlers of ``sigs`` and give them ``action``
+    (``signal.SIG_IGN``, ``signal.SIG_DFL``) with them blocked meanwhile, so that none
+    gets the default action (or, for SIGINT, a ``KeyboardInterrupt``) in between."""
+    sigs = tuple(sigs)
+    with blocked(sigs):
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+            signal.signal(sig, action)

@@ -292,14 +292,23 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port} or its admin port: {exc}", file=sys.stderr)
         return 1
     stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+
+    def on_stop(signum: int = signal.SIGTERM) -> None:
+        if stop.is_set():  # a second one (dispatched with the first, from one read of the loop)
+            _hurry(loop, handle, signum)
+            return
+        stop.set()
+        for sig in _STOPS:  # from now on a second one does not wait for the drain
+            loop.add_signal_handler(sig, _hurry, loop, handle, sig)
+
+    for sig in _STOPS:
+        loop.add_signal_handler(sig, on_stop, sig)
     loop.add_signal_handler(signal.SIGHUP, reload_logged, handle.state)
     held = signals.take()  # what came while starting (prefixroute.signals.hold)
     if signal.SIGHUP in held:
         reload_logged(handle.state)
-    if held & {signal.SIGTERM, signal.SIGINT}:
-        stop.set()  # told to stop while starting: it never served
+    if held & set(_STOPS):
+        on_stop()  # told to stop while starting: it never served
     else:
         print(f"prefixroute-serve listening on {handle.url}", flush=True)
         if handle.admin_url:
@@ -308,16 +317,19 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         await stop.wait()
         log.info("shutting down: waiting up to %.1f s for requests in flight", settings.shutdown_timeout_s)
     finally:
-        loop.remove_signal_handler(signal.SIGHUP)
-        signal.signal(signal.SIGHUP, signal.SIG_IGN)  # draining: a SIGHUP no longer kills it
-        for sig in (signal.SIGTERM, signal.SIGINT):  # a second stop: do not wait for the drain
-            loop.add_signal_handler(sig, _hurry, loop, handle, sig)
+        signals.replace(loop, (signal.SIGHUP,), signal.SIG_IGN)  # draining: a SIGHUP no longer kills it
+        if not stop.is_set():
+            on_stop()
         try:
             await handle.close()
         finally:
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.remove_signal_handler(sig)
+            # Closed: what is left is the interpreter's exit, which a signal must not
+            # turn into a -15, or a KeyboardInterrupt traceback.
+            signals.replace(loop, _STOPS, signal.SIG_IGN)
     return 0
+
+
+_STOPS = (signal.SIGTERM, signal.SIGINT)
 
 
 def _hurry(loop: asyncio.AbstractEventLoop, handle: RouterHandle, signum: int) -> None:
@@ -326,9 +338,7 @@ def _hurry(loop: asyncio.AbstractEventLoop, handle: RouterHandle, signum: int) -
     (status 0, internal socket removed). A third one gets the default action."""
     busy = sum(pool.total_in_flight() for _, pool in handle.fleet.all_pools())
     log.warning("%s again: not waiting for the %d request(s) at the instances", signal.Signals(signum).name, busy)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.remove_signal_handler(sig)
-        signal.signal(sig, signal.SIG_DFL)
+    signals.replace(loop, _STOPS, signal.SIG_DFL)
     handle.hurry()
 
 

@@ -1212,11 +1212,14 @@ class FrontServer:
         timer :data:`ACCOUNTING_DELAY_S` after the first of them, by
         :meth:`RouterMetrics.render` and by :meth:`close`."""
         done, self._unaccounted = self._unaccounted, []
-        for rr, decision, status, reply, t_end in done:
-            self._answered_metrics(rr, status, decision)
-            self._account_whole(rr, reply, decision.instance.instance_id)
-            self._released(rr, decision)
-            self._count(rr, reply.status, t_end)
+        for record in done:
+            self._account_one(*record)
+
+    def _account_one(self, rr: RoutedRequest, decision: Any, status: int, reply: _Reply, t_end: float) -> None:
+        self._answered_metrics(rr, status, decision)
+        self._account_whole(rr, reply, decision.instance.instance_id)
+        self._released(rr, decision)
+        self._count(rr, reply.status, t_end)
 
     def _account_timer(self) -> None:
         self._accounting = None
@@ -1276,9 +1279,14 @@ class FrontServer:
         # connection's next request, which is usually on its way already, and recorded
         # right after that request's send they would still hold up its instance's reply
         # (the instance shares the cores).
-        if self._accounting is None:
-            self._accounting = self.loop.call_later(ACCOUNTING_DELAY_S, self._account_timer)
-        self._unaccounted.append((rr, decision, up.status, up.reply, time.perf_counter()))
+        # (With --workers, at once: a scrape is answered by one worker, which cannot
+        # record the others' pending metrics.)
+        if self.state.metrics.multiprocess:
+            self._account_one(rr, decision, up.status, up.reply, time.perf_counter())  # type: ignore[arg-type]
+        else:
+            if self._accounting is None:
+                self._accounting = self.loop.call_later(ACCOUNTING_DELAY_S, self._account_timer)
+            self._unaccounted.append((rr, decision, up.status, up.reply, time.perf_counter()))
         up.finish()
         inc = started.inc
         inc.started = None

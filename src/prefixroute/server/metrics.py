@@ -373,6 +373,9 @@ class RouterMetrics:
         #: Called before each :meth:`render`: the data plane's metrics not recorded yet
         #: (:meth:`prefixroute.server.dataplane.FrontServer.account`).
         self.pending: list[Callable[[], None]] = []
+        #: Several processes write these metrics (``serve --workers N``): a scrape
+        #: answered by one of them cannot record what the others have pending.
+        self.multiprocess = multiprocess_dir is not None
         pool_collector, backend_collector = _PoolCollector(fleet), _BackendCollector(backend_stats)
         r.register(pool_collector)
         r.register(backend_collector)

@@ -420,8 +420,8 @@ class Supervisor:
             return 0
         finally:
             await self._shutdown()
-            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-                loop.remove_signal_handler(sig)
+            # Stopped: a signal during the interpreter's exit is ignored (not a -15).
+            signals.replace(loop, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), signal.SIG_IGN)
 
     def _on_stop_signal(self, signum: int = signal.SIGTERM) -> None:
         self._stopping = True  # a worker that exits from now on is not restarted (a group signal stops it too)
