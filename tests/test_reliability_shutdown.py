@@ -75,6 +75,26 @@ async def test_deadline_cuts_longer_streams_and_releases(backend, floor):
     await assert_invariants(handle, [backend], floor)
 
 
+async def _serve(backend, *extra: str, tmp=None, shutdown_timeout: str = "60", group: bool = False):
+    """``prefixroute serve`` on ``backend`` as a child (its own process group if
+    ``group``); returns it and its URL once it listens (killed if it does not)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **({"TMPDIR": str(tmp)} if tmp is not None else {})}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
+        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", shutdown_timeout,
+        *extra, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=group, env=env)
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
+        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
+        assert m, line
+    except BaseException:
+        proc.kill()
+        await proc.wait()
+        raise
+    return proc, m.group(1)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 async def test_serve_process_drains_on_signal(backend, sig):
     backend.default = Fault("ok", events=15, delay=0.1)  # 1.5 s
@@ -111,18 +131,11 @@ async def test_workers_drain_on_a_signal_to_the_process_group(backend, sig):
     every worker at once: the worker that serves a stream drains it to its end, and the
     supervisor's own SIGTERM to the workers a moment later does not kill it midway."""
     backend.default = Fault("ok", events=15, delay=0.1)  # 1.5 s
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
-        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "10",
-        "--workers", "2", stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc, url = await _serve(backend, "--workers", "2", shutdown_timeout="10", group=True)
     try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
-        assert m, line
+        assert proc.stderr is not None
         async with aiohttp.ClientSession() as http:
-            r = await http.post(m.group(1) + "/v1/chat/completions", data=CHAT)
+            r = await http.post(url + "/v1/chat/completions", data=CHAT)
             first = await r.content.readuntil(b"\n\n")
             os.killpg(proc.pid, sig)
             rest = await asyncio.wait_for(r.read(), 10)
@@ -144,19 +157,11 @@ async def test_a_second_stop_signal_cuts_the_drain_short(backend, tmp_path, work
     backend.default = Fault("ok", events=100, delay=0.1)  # 10 s, far beyond the test's waits
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
-        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "60",
-        "--workers", str(workers), "--data-plane", plane, stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
+    proc, url = await _serve(backend, "--workers", str(workers), "--data-plane", plane, tmp=tmp, group=True)
     try:
-        assert proc.stdout is not None and proc.stderr is not None
-        line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-        m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
-        assert m, line
+        assert proc.stderr is not None
         async with aiohttp.ClientSession() as http:
-            r = await http.post(m.group(1) + "/v1/chat/completions", data=CHAT)
+            r = await http.post(url + "/v1/chat/completions", data=CHAT)
             await r.content.readuntil(b"\n\n")
             os.killpg(proc.pid, signal.SIGINT)
             await asyncio.sleep(0.5)
@@ -181,24 +186,11 @@ async def test_a_second_stop_signal_cuts_the_drain_short(backend, tmp_path, work
             await proc.wait()
 
 
-async def _serve_one(backend, tmp):
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "prefixroute", "serve", "--backend", backend.url, "--port", "0", "--admin-port", "0",
-        "--health-check-interval", "0", "--metrics-scrape-interval", "0", "--shutdown-timeout", "60",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": str(tmp)})
-    assert proc.stdout is not None
-    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode()
-    m = re.fullmatch(r"prefixroute-serve listening on (http://127\.0\.0\.1:\d+)\n", line)
-    assert m, line
-    return proc, m.group(1)
-
-
 async def test_a_second_stop_signal_right_after_the_first_is_not_lost(backend, tmp_path):
     """SIGTERM then SIGINT at once (a service manager, then an impatient operator): the
     second one cuts the drain short even though the event loop handles both in a row."""
     backend.default = Fault("ok", events=100, delay=0.1)
-    proc, url = await _serve_one(backend, tmp_path)
+    proc, url = await _serve(backend, tmp=tmp_path)
     try:
         async with aiohttp.ClientSession() as http:
             r = await http.post(url + "/v1/chat/completions", data=CHAT)
@@ -220,7 +212,7 @@ async def test_a_second_stop_signal_right_after_the_first_is_not_lost(backend, t
 async def test_a_stop_signal_while_the_router_exits_is_ignored(backend, tmp_path, gap_s):
     """An idle router stops at once on the first Ctrl-C; a second one that comes while
     the process exits does not turn its status 0 into -2 (or print a traceback)."""
-    proc, _ = await _serve_one(backend, tmp_path)
+    proc, _ = await _serve(backend, tmp=tmp_path)
     try:
         proc.send_signal(signal.SIGINT)
         await asyncio.sleep(gap_s)
