@@ -281,6 +281,10 @@ class _Upstream(asyncio.Protocol):
         # relay has not started): FrontServer._whole writes it to the client at once.
         self.on_whole: Callable[[_Upstream], None] | None = None
         self.reply: _Reply | None = None  # what on_whole wrote
+        # Called once, on the loop's next turn, at the first event of the exchange (the
+        # head came, the answer is complete, the connection failed), if set by then: how
+        # FrontServer.begin's callbacks learn of it without a task or future callbacks.
+        self.watcher: Callable[[], None] | None = None
         # The head came: headers_fut is resolved once the read that brought it is parsed
         # (after on_whole wrote a whole answer to the client, so that scheduling the
         # future's callbacks is not on the way).
@@ -418,11 +422,19 @@ class _Upstream(asyncio.Protocol):
             self._headers_now()
         if not self.done.done():
             self.done.set_result(None)
+        self._notify()
 
     def _headers_now(self) -> None:
         self.headers_due = False
         if not self.headers_fut.done():
             self.headers_fut.set_result(None)
+        self._notify()
+
+    def _notify(self) -> None:
+        watcher = self.watcher
+        if watcher is not None:
+            self.watcher = None
+            self.pool.loop.call_soon(watcher)
 
     # -- the exchange -------------------------------------------------------------
 
@@ -440,6 +452,7 @@ class _Upstream(asyncio.Protocol):
             self.headers_fut.exception()  # retrieved: no "never retrieved" warning if unawaited
         if not self.done.done():
             self.done.set_result(None)  # the relay reads self.error
+        self._notify()
 
     def pause(self) -> None:
         if self.transport is not None and not self.lost:
@@ -462,6 +475,7 @@ class _Upstream(asyncio.Protocol):
         self.sink = None
         self.flush = None
         self.on_whole = None
+        self.watcher = None
         if self.read_paused and self.transport is not None and not self.lost and not self.transport.is_closing():
             # Paused for a slow client by the read that ended the answer: a pooled
             # connection must read again (its next answer, or the engine closing it).
@@ -1190,21 +1204,26 @@ class FrontServer:
             lease = started.lease = pool.acquire(rr.key, (), rr.blocks, learn=False)
         except NoHealthyInstance:
             return False  # the task answers 503
-        if rr.blocks:
-            self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
         target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
         if up is None:
+            if rr.blocks:
+                self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
             return False
         started.router_s = time.perf_counter() - rr.t0
         self._send(client, up, rr, target, self._head_tail(rr), lease.decision, started.router_s, inc.keep_alive)
         client.busy = True
         client.detached = started
-        on_event = functools.partial(self._detached_event, client, started)
-        up.headers_fut.add_done_callback(on_event)
-        up.done.add_done_callback(on_event)
+        up.watcher = functools.partial(self._detached_event, client, started)
+        if up.done.done() or up.headers_fut.done():  # (failed during the send)
+            up._notify()
         started.timer = self.loop.call_later(self.state.settings.response_headers_timeout_s, self._headers_late,
                                              client, started)
+        if rr.blocks:  # the request is on its way: CACHE_AWARE learns where it went
+            try:
+                pool.learn(lease.decision.instance, rr.blocks)
+            except Exception:  # our bug: the request goes on; its blocks are not learnt
+                log.exception("learning where a request went failed")
         return True
 
     def account(self) -> None:
@@ -1225,7 +1244,7 @@ class FrontServer:
         self._accounting = None
         self.account()
 
-    def _detached_event(self, client: _Client, started: _Started, _fut: Any) -> None:
+    def _detached_event(self, client: _Client, started: _Started) -> None:
         """The answer's head came, or the exchange ended, while callbacks answer the
         request: settle it if written whole, else hand it to the task."""
         if client.detached is not started:
@@ -1245,6 +1264,8 @@ class FrontServer:
         if client.detached is started and up is not None and not up.headers_fut.done():
             up.on_whole = None
             _expire(up.headers_fut)  # what the task's wait then raises
+            up.watcher = None
+            self.hand_over(client, started)
 
     def hand_over(self, client: _Client, started: _Started) -> None:
         """The connection's task takes over a request answered by callbacks until now
@@ -1252,6 +1273,8 @@ class FrontServer:
         head, relays the rest, retries, times out, and accounts for it as ever)."""
         client.detached = None
         client.busy = False
+        if started.up is not None:
+            started.up.watcher = None
         if started.timer is not None:
             started.timer.cancel()
             started.timer = None
