@@ -546,6 +546,35 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
     assert seen >= {DecisionKind.AFFINITY, DecisionKind.OVERFLOW}
 
 
+@pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (8, 16.0)])
+def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight):
+    # Requests repeated exactly, and follow-ups, with no shared header: one instance
+    # often holds a request's first block alone, and all of its chain (the short cut
+    # before the rules), sometimes at the threshold or matching less than LoadWeight.
+    urls = [f"http://10.4.0.{i}:8000" for i in range(6)]
+    pool = VariantPool("v", urls, ca(threshold=threshold, load_weight=load_weight, block_size=16,
+                                     instance_cache_tokens=6_000), seed=5)
+    strategy = pool.strategy
+    rng = random.Random(threshold * 7)
+    texts = [f"tenant {d}: " + "".join(rng.choice("xy") for _ in range(rng.randrange(1, 600))) for d in range(12)]
+    live, whole = [], 0
+    for i in range(1500):
+        text = rng.choice(texts) + ("" if rng.random() < 0.7 else f" question {rng.randrange(3)}")
+        blocks = text_block_hashes(text, 16, 131_072, "m")
+        first, last = strategy._index.get(blocks[0], 0), strategy._index.get(blocks[len(blocks) - 1], 0)
+        whole += bool(first and not first & (first - 1) and last & first)
+        candidates = tuple(pool.instances)
+        ref_rng = random.Random()
+        ref_rng.setstate(strategy.rng.getstate())
+        want = _reference_choose(strategy, candidates, blocks, ref_rng)
+        got = strategy.choose(None, candidates, blocks)
+        assert (got[0].instance_id, got[1]) == (want[0].instance_id, want[1]), i
+        live.append(pool.acquire(None, blocks=blocks))
+        if len(live) > 2 * threshold or rng.random() < 0.4:
+            live.pop(rng.randrange(len(live))).release()
+    assert whole >= 50
+
+
 def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():
     # Every instance holds a long shared header, one holds the document: the decision
     # needs the document holder's match and one comparison with the header, not the

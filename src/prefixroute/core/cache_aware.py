@@ -508,6 +508,20 @@ class CacheAwareStrategy(Strategy):
         held = self._index.get(get(0), 0) & cmask
         if not held:  # no candidate holds even the first block: a new prefix
             return self._place(get(0), candidates, bits, 0)
+        w = self.load_weight
+        if not held & (held - 1) and cmask != held and self._index.get(get(n - 1), 0) & held:
+            # One candidate holds the first block, no other does, and it holds the whole
+            # chain (the usual follow-up request: a new question about a document, the
+            # next turn of a conversation): the answer of the rules below when it is
+            # below the threshold and its score is not a loss, found without them (the
+            # same test as the one after the first level below; tested equal in
+            # tests/test_core_cache_aware.py).
+            inst = by_bit[held]
+            top = (blocks.ends[n - 1] >> blocks.unit_shift) / self.block_size if isinstance(blocks, BlockChain) \
+                else float(n)
+            if top > w and inst.in_flight < self.threshold and \
+                    top - w * max(inst.in_flight, inst.engine_load) >= 0.0 - w * self.tie_requests:
+                return inst, DecisionKind.AFFINITY
         # Levels of candidates holding part of the chain, longest match first, with the
         # match ``unit(depth)`` in BlockSize units (a chain's later blocks are longer), so
         # LoadWeight keeps its meaning whatever the block schedule. Found lazily: each
@@ -519,7 +533,6 @@ class CacheAwareStrategy(Strategy):
         levels = _Levels(get, self._index, held, n)
         levels.pull()
         top_mask, top = levels.masks[0], unit(levels.depths[0])
-        w = self.load_weight
         if not held & (held - 1) and cmask != held and top > w:
             # One candidate holds the chain, more than LoadWeight of it (the usual
             # follow-up request: a new question about a document, the next turn of a
