@@ -961,9 +961,9 @@ async def test_an_answer_landing_as_the_headers_timeout_fires_is_not_written_aft
         backend.default = Fault("stall")
         client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: late\r\n"))
         started = client.detached
-        assert started is not None and started.timer is not None
-        started.timer.cancel()
-        front._headers_late(client, started)  # the timeout fires...
+        assert started is not None and client._headers_timer is not None
+        client._headers_timer.cancel()
+        front.headers_late(client, started)  # the timeout fires...
         # ...and, before the task runs, the instance's whole answer arrives.
         started.up.data_received(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
         status, headers, body = await _read_response(reader)
@@ -974,6 +974,45 @@ async def test_an_answer_landing_as_the_headers_timeout_fires_is_not_written_aft
         writer.close()
         assert _in_flight(handle) == [0]
     finally:
+        await handle.close()
+
+
+async def test_the_headers_timeout_of_callback_answers_counts_from_each_request(backend):
+    """The response-headers timeout of requests answered by callbacks is one timer per
+    connection, armed for the first request's deadline: a request sent later is timed
+    out at its own deadline, never at the earlier one."""
+    from fault_backend import Fault
+
+    timeout = 0.4
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, seed=1, response_headers_timeout_s=timeout, max_retries=0))
+    try:
+        reader, writer = await _connect(handle)
+        writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: warm\r\n"))
+        assert (await _read_response(reader))[0] == 200  # a pooled connection from now on
+        (client,) = handle._front.clients
+        loop = asyncio.get_running_loop()
+        armed = loop.time()
+        writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: fast\r\n"))
+        assert (await _read_response(reader))[0] == 200
+        assert client._headers_timer is not None and client._headers_at >= armed + timeout - 0.01
+        await asyncio.sleep(timeout / 2)
+        backend.default = Fault("stall")
+        sent = loop.time()
+        writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: slow\r\n"))
+        status, headers, body = await _read_response(reader)
+        waited = loop.time() - sent
+        assert (status, headers["x-request-id"]) == (504, "slow")
+        assert timeout - 0.01 <= waited < timeout + 0.3, waited  # its own deadline, not the fast one's
+        assert orjson.loads(body)["error"]["code"] == "upstream_timeout"
+        writer.close()
+        await asyncio.sleep(0.05)
+        assert client.closed and client._headers_timer is None  # (cancelled with the connection)
+        assert _in_flight(handle) == [0]
+    finally:
+        backend.default = Fault()
         await handle.close()
 
 

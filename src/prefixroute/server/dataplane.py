@@ -636,10 +636,10 @@ class _Started:
     routed form (or the error answer to send), and, once routed, its lease and the
     connection it was sent on (``None``: the request's task connects). A request sent
     there is answered by callbacks alone (:meth:`FrontServer._settle`) unless its answer
-    needs the task (:meth:`FrontServer._hand_over`); ``timer`` is its response-headers
-    timeout meanwhile."""
+    needs the task (:meth:`FrontServer._hand_over`); ``deadline`` (loop time) ends its
+    wait for the answer's head meanwhile (:meth:`_Client.watch_headers`)."""
 
-    __slots__ = ("inc", "prepared", "lease", "up", "router_s", "timer")
+    __slots__ = ("inc", "prepared", "lease", "up", "router_s", "deadline")
 
     def __init__(self, inc: _Incoming, prepared: RoutedRequest | web.Response) -> None:
         self.inc = inc
@@ -647,13 +647,10 @@ class _Started:
         self.lease: Any = None
         self.up: _Upstream | None = None
         self.router_s = 0.0  # the router's time on it until it was sent, seconds
-        self.timer: asyncio.TimerHandle | None = None
+        self.deadline = 0.0
 
     def drop(self) -> None:
         """Never handled (its client connection ended first): free what it holds."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -689,6 +686,10 @@ class _Client(asyncio.Protocol):
         self.raw_needed = 0
         self.idle_since = 0.0
         self._idle: asyncio.TimerHandle | None = None
+        # The response-headers timeout of the request answered by callbacks (detached):
+        # one timer per connection, due at _headers_at, re-armed only when it fires.
+        self._headers_timer: asyncio.TimerHandle | None = None
+        self._headers_at = 0.0
 
     # -- asyncio.Protocol ---------------------------------------------------------
 
@@ -751,6 +752,9 @@ class _Client(asyncio.Protocol):
         self.front.clients.discard(self)
         if self._idle is not None:
             self._idle.cancel()
+        if self._headers_timer is not None:
+            self._headers_timer.cancel()
+            self._headers_timer = None
         if self.waiting is not None and not self.waiting.done():
             self.waiting.set_exception(_ClientGone())
         if self.wake is not None and not self.wake.done():
@@ -973,6 +977,28 @@ class _Client(asyncio.Protocol):
         self.idle_since = loop.time()
         if self._idle is None and not self.closed:
             self._idle = loop.call_at(self.idle_since + self.front.client_keepalive_s, self._idle_timeout)
+
+    def watch_headers(self, deadline: float) -> None:
+        """The detached request's answer head is due by ``deadline`` (loop time): the
+        connection's timer is armed for it unless already due sooner (one timer per
+        connection instead of one per request; a request answered before its timer
+        fires costs none)."""
+        timer = self._headers_timer
+        if timer is None or self._headers_at > deadline:
+            if timer is not None:
+                timer.cancel()
+            self._headers_at = deadline
+            self._headers_timer = self.front.loop.call_at(deadline, self._headers_check)
+
+    def _headers_check(self) -> None:
+        self._headers_timer = None
+        started = self.detached
+        if started is None or self.closed:
+            return
+        if started.deadline <= self.front.loop.time() + 0.001:  # (uvloop's timers have 1 ms steps)
+            self.front.headers_late(self, started)
+        else:  # an earlier request's deadline: this one is due later
+            self.watch_headers(started.deadline)
 
     def _idle_timeout(self) -> None:
         self._idle = None
@@ -1217,8 +1243,8 @@ class FrontServer:
         up.watcher = functools.partial(self._detached_event, client, started)
         if up.done.done() or up.headers_fut.done():  # (failed during the send)
             up._notify()
-        started.timer = self.loop.call_later(self.state.settings.response_headers_timeout_s, self._headers_late,
-                                             client, started)
+        started.deadline = deadline = self.loop.time() + self.state.settings.response_headers_timeout_s
+        client.watch_headers(deadline)
         if rr.blocks:  # the request is on its way: CACHE_AWARE learns where it went
             try:
                 pool.learn(lease.decision.instance, rr.blocks)
@@ -1256,10 +1282,9 @@ class FrontServer:
         else:  # a stream, a failure, a 504 due, a ModelError, the client gone
             self.hand_over(client, started)
 
-    def _headers_late(self, client: _Client, started: _Started) -> None:
+    def headers_late(self, client: _Client, started: _Started) -> None:
         """No answer head within the response-headers timeout: the task answers 504 (an
         answer arriving before it runs is not written: the client gets one answer)."""
-        started.timer = None
         up = started.up
         if client.detached is started and up is not None and not up.headers_fut.done():
             up.on_whole = None
@@ -1275,9 +1300,6 @@ class FrontServer:
         client.busy = False
         if started.up is not None:
             started.up.watcher = None
-        if started.timer is not None:
-            started.timer.cancel()
-            started.timer = None
         if client.closed and self.closing:
             started.drop()  # shutting down: no new task
             return
@@ -1289,9 +1311,6 @@ class FrontServer:
         :meth:`_forward` and :meth:`_relay` do for it), then the connection's next request."""
         client.detached = None
         client.busy = False
-        if started.timer is not None:
-            started.timer.cancel()
-            started.timer = None
         rr, lease, up = started.prepared, started.lease, started.up
         assert isinstance(rr, RoutedRequest) and up is not None and up.reply is not None
         started.lease = started.up = None
