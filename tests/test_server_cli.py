@@ -10,8 +10,10 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 import yaml
@@ -347,6 +349,29 @@ def test_group_sighup_while_workers_start_reloads_and_kills_nothing(tmp_path):
         err = proc.communicate()[1]
         assert "exited with status" not in err and "Traceback" not in err
         assert "KeyError" not in err and "resource_tracker" not in err
+
+
+def test_sigusr1_to_the_supervisor_does_not_stop_the_router(tmp_path):
+    """SIGUSR1 is how the supervisor tells a worker to reload: sent to the supervisor it
+    is logged and does nothing (before: the default action killed it, leaving its
+    workers and metrics directory); the router serves on and stops cleanly."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with _serving(cfg, 2, group=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert all("listening on" in line for line in lines), lines
+        admin = lines[1].split("listening on ", 1)[1].strip()
+        os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        assert proc.poll() is None
+        assert _get(admin + "/admin/config")[0] == 200  # the supervisor answers
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+    assert "SIGUSR1 to the supervisor does nothing" in err, err
+    assert "leaked" not in err, err
+    assert not list(Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{proc.pid}-*"))
 
 
 def test_group_sighup_reloads_each_worker_once(tmp_path):

@@ -24,7 +24,8 @@ to every worker and is answered with worker 0's answer, or 502 if they disagree.
 * SIGTERM/SIGINT: every worker drains its requests in flight (``--shutdown-timeout``)
   and exits; a second signal kills them. SIGHUP makes every worker re-read
   ``--config``, once: the supervisor tells each (:data:`RELOAD_SIGNAL`); a worker
-  ignores SIGHUP itself (one sent to the process group reaches it too).
+  ignores SIGHUP itself (one sent to the process group reaches it too). The
+  supervisor logs a :data:`RELOAD_SIGNAL` sent to it and does nothing else.
 * On exit the shared block is unlinked and the metrics directory removed. Workers exit
   by themselves if the supervisor disappears.
 
@@ -402,6 +403,9 @@ class Supervisor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._on_stop_signal, sig)
         loop.add_signal_handler(signal.SIGHUP, self._forward_sighup)
+        # RELOAD_SIGNAL is how the supervisor talks to its workers; sent to the supervisor
+        # (by hand, or to the process group) it would kill it, workers orphaned.
+        loop.add_signal_handler(RELOAD_SIGNAL, self._on_reload_signal)
         held = signals.take()  # what came while starting (prefixroute.signals.hold)
         if signal.SIGHUP in held:
             self._forward_sighup()  # no worker listens yet: each reloads once it does
@@ -421,7 +425,11 @@ class Supervisor:
         finally:
             await self._shutdown()
             # Stopped: a signal during the interpreter's exit is ignored (not a -15).
-            signals.replace(loop, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP), signal.SIG_IGN)
+            signals.replace(loop, (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, RELOAD_SIGNAL), signal.SIG_IGN)
+
+    def _on_reload_signal(self) -> None:
+        log.warning("%s to the supervisor does nothing (it is how the supervisor tells a worker to reload); "
+                    "SIGHUP reloads every worker", RELOAD_SIGNAL.name)
 
     def _on_stop_signal(self, signum: int = signal.SIGTERM) -> None:
         self._stopping = True  # a worker that exits from now on is not restarted (a group signal stops it too)
