@@ -366,12 +366,38 @@ def test_sigusr1_to_the_supervisor_does_not_stop_the_router(tmp_path):
         time.sleep(1.0)
         assert proc.poll() is None
         assert _get(admin + "/admin/config")[0] == 200  # the supervisor answers
+        # To the group: the workers reload, the resource tracker (started with it
+        # blocked) is not killed, so nothing is relaunched or reported leaking at exit.
+        os.killpg(proc.pid, signal.SIGUSR1)
+        time.sleep(1.0)
+        assert _get(admin + "/admin/config")[0] == 200
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
         err = proc.stderr.read()
     assert "SIGUSR1 to the supervisor does nothing" in err, err
-    assert "leaked" not in err, err
+    assert "leak" not in err and "Traceback" not in err and "relaunching" not in err, err
     assert not list(Path(tempfile.gettempdir()).glob(f"prefixroute-metrics-{proc.pid}-*"))
+
+
+def test_a_group_sigusr1_while_the_workers_start_kills_none(tmp_path):
+    """The supervisor starts its workers with SIGUSR1 blocked until they handle it: one
+    sent to the process group while they start (before: the default action killed a
+    starting worker, and the router exited 1) delays nothing."""
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    with _serving(cfg, 2, group=True) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        deadline = time.monotonic() + 30
+        while len(_children(proc.pid)) < 3:  # the resource tracker and the two workers
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGUSR1)
+        lines = [proc.stdout.readline() for _ in range(2)]
+        assert all("listening on" in line for line in lines), (lines, proc.stderr.read() if proc.poll() else "")
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        err = proc.stderr.read()
+    assert "exited with status" not in err and "Traceback" not in err and "leak" not in err, err
 
 
 def test_group_sighup_reloads_each_worker_once(tmp_path):

@@ -74,6 +74,10 @@ log = logging.getLogger("prefixroute.server")
 #: worker ignores SIGHUP itself: one sent to the whole process group (a terminal's, a
 #: ``kill -HUP -PGID``) would otherwise make it reload twice, on its own and when told.
 RELOAD_SIGNAL = signal.SIGUSR1
+#: Blocked while the supervisor starts a child (a worker, the resource tracker): the
+#: signals a process group gets, and RELOAD_SIGNAL, whose default action would kill a
+#: child that does not handle it yet (a starting worker) or at all (the tracker).
+_CHILD_BLOCKED = (*signals.HELD, RELOAD_SIGNAL)
 
 #: Longest wait for a worker process to start listening, seconds.
 READY_TIMEOUT_S = 60.0
@@ -220,7 +224,8 @@ class WorkerSpec:
 
 def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
     """Entry of a worker process (a fresh interpreter: ``spawn``), started with SIGTERM,
-    SIGINT and SIGHUP blocked (:func:`prefixroute.signals.blocked`, in the supervisor)."""
+    SIGINT, SIGHUP and :data:`RELOAD_SIGNAL` blocked (:func:`prefixroute.signals.blocked`,
+    in the supervisor)."""
     # A worker ignores SIGHUP for good: one sent to the process group reaches the
     # supervisor too, which tells each worker to reload (RELOAD_SIGNAL), once.
     # Until the event loop handles them: RELOAD_SIGNAL must not kill a starting worker, nor a
@@ -229,7 +234,7 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(RELOAD_SIGNAL, signal.SIG_IGN)
-    signals.unblock()
+    signals.unblock(_CHILD_BLOCKED)
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [worker {spec.index}]: %(message)s")
     from prefixroute.server.cli import _loop_factory
@@ -455,9 +460,9 @@ class Supervisor:
             # (prometheus-client reads only the *.db files there)
             self._lock = FileLock(os.path.join(self.metrics_dir, "inflight.lock"))
             # The resource tracker (of the shared memory, and of the workers' semaphore)
-            # is a child that handles SIGINT and SIGTERM but not SIGHUP: started with
-            # them blocked, it never gets a SIGHUP sent to the process group.
-            with signals.blocked():
+            # is a child that handles SIGINT and SIGTERM but not SIGHUP or RELOAD_SIGNAL:
+            # started with them blocked, it never gets one sent to the process group.
+            with signals.blocked(_CHILD_BLOCKED):
                 resource_tracker.ensure_running()
             self.counters = SharedCounters.create(s.workers, self._lock)
             self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=_ADMIN_CALL_TIMEOUT_S))
@@ -512,7 +517,7 @@ class Supervisor:
         ours, theirs = self._ctx.Pipe(duplex=False)
         proc = self._ctx.Process(target=_worker_main, args=(spec, theirs), name=f"prefixroute-worker-{w.index}",
                                  daemon=False)
-        with signals.blocked():  # until the worker can handle them (_worker_main)
+        with signals.blocked(_CHILD_BLOCKED):  # until the worker can handle them (_worker_main)
             proc.start()
         theirs.close()
         w.process, w.conn, w.pid, w.admin_url = proc, ours, proc.pid or 0, None
