@@ -511,12 +511,24 @@ def _reference_choose(strategy, candidates, blocks, rng):
     return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
 
 
+def _decide_as_the_reference(pool: VariantPool, blocks, i: int) -> tuple:
+    """The strategy's choice for ``blocks`` among all of ``pool``'s instances, asserted
+    equal to :func:`_reference_choose`'s (from the same random state) at request ``i``."""
+    strategy = pool.strategy
+    candidates = tuple(pool.instances)
+    ref_rng = random.Random()
+    ref_rng.setstate(strategy.rng.getstate())
+    want = _reference_choose(strategy, candidates, blocks, ref_rng)
+    got = strategy.choose(None, candidates, blocks)
+    assert (got[0].instance_id, got[1]) == (want[0].instance_id, want[1]), i
+    return got
+
+
 @pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (4, 3.0), (8, 16.0)])
 def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
     urls = [f"http://10.2.0.{i}:8000" for i in range(12)]
     pool = VariantPool("v", urls, ca(threshold=threshold, load_weight=load_weight, block_size=16,
                                      instance_cache_tokens=6_000), seed=4)
-    strategy = pool.strategy
     rng = random.Random(threshold)
     headers = ["", "H" * 700, "G" * 2500]
     # documents of every length, down to none: then every match is close to the header's
@@ -531,12 +543,7 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
         for inst in pool.instances:
             if rng.random() < 0.05:
                 inst.engine_load = rng.randrange(0, 8)
-        candidates = tuple(pool.instances)
-        ref_rng = random.Random()
-        ref_rng.setstate(strategy.rng.getstate())
-        want = _reference_choose(strategy, candidates, blocks, ref_rng)
-        got = strategy.choose(None, candidates, blocks)
-        assert (got[0].instance_id, got[1]) == (want[0].instance_id, want[1]), i
+        got = _decide_as_the_reference(pool, blocks, i)
         seen.add(got[1])
         lease = pool.acquire(None, blocks=blocks)
         assert lease.instance is got[0] or got[1] is DecisionKind.ALL_BUSY
@@ -563,12 +570,7 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
         blocks = text_block_hashes(text, 16, 131_072, "m")
         first, last = strategy._index.get(blocks[0], 0), strategy._index.get(blocks[len(blocks) - 1], 0)
         whole += bool(first and not first & (first - 1) and last & first)
-        candidates = tuple(pool.instances)
-        ref_rng = random.Random()
-        ref_rng.setstate(strategy.rng.getstate())
-        want = _reference_choose(strategy, candidates, blocks, ref_rng)
-        got = strategy.choose(None, candidates, blocks)
-        assert (got[0].instance_id, got[1]) == (want[0].instance_id, want[1]), i
+        _decide_as_the_reference(pool, blocks, i)
         live.append(pool.acquire(None, blocks=blocks))
         if len(live) > 2 * threshold or rng.random() < 0.4:
             live.pop(rng.randrange(len(live))).release()

@@ -997,7 +997,7 @@ async def test_the_headers_timeout_of_callback_answers_counts_from_each_request(
         armed = loop.time()
         writer.write(_post("/v1/chat/completions", CHAT, "X-Request-Id: fast\r\n"))
         assert (await _read_response(reader))[0] == 200
-        assert client._headers_timer is not None and client._headers_at >= armed + timeout - 0.01
+        assert client._headers_timer is not None and client._headers_timer.when() >= armed + timeout - 0.01
         await asyncio.sleep(timeout / 2)
         backend.default = Fault("stall")
         sent = loop.time()

@@ -687,9 +687,8 @@ class _Client(asyncio.Protocol):
         self.idle_since = 0.0
         self._idle: asyncio.TimerHandle | None = None
         # The response-headers timeout of the request answered by callbacks (detached):
-        # one timer per connection, due at _headers_at, re-armed only when it fires.
+        # one timer per connection, re-armed only when it fires.
         self._headers_timer: asyncio.TimerHandle | None = None
-        self._headers_at = 0.0
 
     # -- asyncio.Protocol ---------------------------------------------------------
 
@@ -980,14 +979,13 @@ class _Client(asyncio.Protocol):
 
     def watch_headers(self, deadline: float) -> None:
         """The detached request's answer head is due by ``deadline`` (loop time): the
-        connection's timer is armed for it unless already due sooner (one timer per
-        connection instead of one per request; a request answered before its timer
-        fires costs none)."""
-        timer = self._headers_timer
-        if timer is None or self._headers_at > deadline:
-            if timer is not None:
-                timer.cancel()
-            self._headers_at = deadline
+        connection's timer is armed for it unless armed already, for an earlier request
+        (one timer per connection instead of one per request; a request answered before
+        the timer fires costs none). Deadlines on a connection never decrease (the
+        timeout is a process setting), so an armed timer is never due too late: when it
+        fires it times out the request then detached if its own deadline has passed,
+        else re-arms for it."""
+        if self._headers_timer is None:
             self._headers_timer = self.front.loop.call_at(deadline, self._headers_check)
 
     def _headers_check(self) -> None:
