@@ -873,6 +873,85 @@ async def test_a_request_is_sent_from_the_parser_callback_and_freed_if_its_clien
     assert _in_flight(router) == [0]
 
 
+@pytest.mark.parametrize("same_client", [True, False], ids=["same-client", "other-client"])
+async def test_a_request_read_before_the_last_answer_is_settled_is_still_sent_by_callbacks(router, backend,
+                                                                                          monkeypatch, same_client):
+    """Under load a loop turn reads several sockets before its call_soon callbacks run:
+    the answer of request A is written whole (its bookkeeping queued for later), then
+    request B is read, from A's client or another one. B still starts in the parser's
+    callback, over A's connection (the only one), once A is settled: no task, no new
+    connection to the instance."""
+    from prefixroute.server import dataplane
+
+    async with aiohttp.ClientSession() as http:  # one pooled connection to the instance
+        async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
+            assert r.status == 200
+    front = router._front
+    conns = [await _connect(router) for _ in range(1 if same_client else 2)]
+    for _ in range(100):
+        if len(front.clients) == len(conns):
+            break
+        await asyncio.sleep(0.01)
+    clients = sorted(front.clients, key=lambda c: c.transport.get_extra_info("peername")[1])
+    by_port = {w.get_extra_info("sockname")[1]: (r, w) for r, w in conns}
+    streams = [by_port[c.transport.get_extra_info("peername")[1]] for c in clients]
+    first, second = clients[0], clients[-1]
+    seen: dict[str, object] = {}
+    received = dataplane._Upstream.data_received
+
+    def then_b_is_read(self, data):  # the instance's answer to A is read, then B's bytes in the same turn
+        received(self, data)
+        if "b" not in seen and front.upstreams.due:
+            seen["due"] = len(front.upstreams.due)
+            seen["b"] = second.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: b\r\n"))
+            seen["detached"] = second.detached is not None and second.detached.prepared.request_id == "b"
+            seen["task"] = second.task
+            seen["open"] = front.upstreams.open
+            seen["in_flight"] = _in_flight(router)
+
+    monkeypatch.setattr(dataplane._Upstream, "data_received", then_b_is_read)
+    first.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: a\r\n"))
+    assert first.detached is not None and first.task is None  # A: sent by callbacks
+    answers = [await _read_response(reader) for reader, _ in streams for _ in range(2 if same_client else 1)]
+    assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, "a"), (200, "b")]
+    # B was sent by the callback that read it, over A's pooled connection: A settled first.
+    assert seen == {"due": 1, "b": None, "detached": True, "task": None, "open": 1, "in_flight": [1]}
+    assert second.task is None and front.upstreams.open == 1
+    assert _in_flight(router) == [0]
+    for _, writer in conns:
+        writer.close()
+
+
+def test_the_events_of_exchanges_run_in_order_once_and_one_failing_spares_the_others(caplog):
+    """_UpstreamPool.notify queues an exchange's watcher; run_due runs what is queued, in
+    order, each once (the loop's own callback then finds nothing left), and one that
+    raises is logged without keeping the others from running."""
+    from prefixroute.server.dataplane import _UpstreamPool
+
+    loop = asyncio.new_event_loop()
+    try:
+        pool = _UpstreamPool(loop, 8, 10.0)
+        ran: list[str] = []
+
+        def broken() -> None:
+            ran.append("broken")
+            raise RuntimeError("watcher bug")
+
+        pool.notify(lambda: ran.append("first"))
+        pool.notify(broken)
+        pool.notify(lambda: ran.append("third"))
+        with caplog.at_level(logging.ERROR, logger="prefixroute.server.dataplane"):
+            pool.run_due()
+        assert ran == ["first", "broken", "third"] and pool.due == []
+        assert "handling an upstream exchange's event failed" in caplog.text
+        pool.notify(lambda: ran.append("later"))
+        loop.call_soon(loop.stop)
+        loop.run_forever()  # the call_soon of each batch runs: the first finds nothing, the second runs "later"
+        assert ran == ["first", "broken", "third", "later"] and pool.due == []
+    finally:
+        loop.close()
+
+
 async def test_answers_that_need_the_task_are_handed_over_from_callbacks(backend, monkeypatch):
     """On a pooled connection a request is sent, and a whole answer written and settled,
     by callbacks alone; every other outcome is handed to the connection's task, which

@@ -434,7 +434,7 @@ class _Upstream(asyncio.Protocol):
         watcher = self.watcher
         if watcher is not None:
             self.watcher = None
-            self.pool.loop.call_soon(watcher)
+            self.pool.notify(watcher)
 
     # -- the exchange -------------------------------------------------------------
 
@@ -506,6 +506,27 @@ class _UpstreamPool:
         self._conns: set[_Upstream] = set()
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._sweeper: asyncio.TimerHandle | None = None
+        self.due: list[Callable[[], None]] = []  # the watchers of exchanges that had an event (notify())
+
+    def notify(self, watcher: Callable[[], None]) -> None:
+        """Run ``watcher`` (an exchange's event: its answer's head, its end, its failure)
+        on the next loop turn, or sooner: when :meth:`run_due` is called first."""
+        if not self.due:
+            self.loop.call_soon(self.run_due)
+        self.due.append(watcher)
+
+    def run_due(self) -> None:
+        """Run the watchers :meth:`notify` queued, in order. Under load, a loop turn reads
+        many sockets before its ``call_soon`` callbacks run: a request read in that turn
+        runs them first (:meth:`FrontServer.begin`), so that the answers already written
+        have released their instance and pooled their connection, and it can be sent at
+        once over one of them instead of waiting for the next turn in the task."""
+        due, self.due = self.due, []
+        for watcher in due:
+            try:
+                watcher()
+            except Exception:  # our bug: the other exchanges go on
+                log.exception("handling an upstream exchange's event failed")
 
     def take(self, target: tuple[Any, ...]) -> _Upstream | None:
         """An idle connection to ``target`` still open (most recent first), or ``None``.
@@ -868,6 +889,11 @@ class _Client(asyncio.Protocol):
         if self.raw_inc is None and self.parser.should_upgrade():
             self.upgrading = cur  # its body (if any) comes after the upgrade point
             return
+        if self.busy and self.front.upstreams.due:
+            # The previous answer may be written, its bookkeeping waiting for the next
+            # loop turn, which under load comes after this read: done now, so that this
+            # request starts here too instead of waking the task.
+            self.front.upstreams.run_due()
         if not self.busy and not self.queue and not self.closed and not self.write_paused:
             # Nothing else to answer on this connection: the request's critical path
             # (routing, the send) runs here, now; if it was sent, callbacks answer it
@@ -1230,6 +1256,9 @@ class FrontServer:
             return False  # the task answers 503
         target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
+        if up is None and self.upstreams.due:  # the connection of an answer written this loop turn, maybe
+            self.upstreams.run_due()
+            up = started.up = self.upstreams.take(target[:3])
         if up is None:
             if rr.blocks:
                 self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
