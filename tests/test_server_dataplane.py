@@ -922,6 +922,52 @@ async def test_a_request_read_before_the_last_answer_is_settled_is_still_sent_by
         writer.close()
 
 
+async def test_a_request_read_as_the_last_answer_before_shutdown_is_settled_is_not_sent(backend, monkeypatch):
+    """The router starts shutting down while A is in flight; A's answer is written and, in
+    the same loop turn, the client's next request B is read. Settling A closes the
+    connection (the router is closing), so B is not sent to the engine: the client gets
+    A's answer only, and nothing is left in flight or open."""
+    from prefixroute.server import dataplane
+
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=2.0, seed=1))
+    async with aiohttp.ClientSession() as http:  # one pooled connection to the instance
+        async with http.post(handle.url + "/v1/chat/completions", data=CHAT,
+                             headers={"X-Request-Id": "warm"}) as r:
+            assert r.status == 200
+    front = handle._front
+    reader, writer = await _connect(handle)
+    for _ in range(100):
+        if front.clients:
+            break
+        await asyncio.sleep(0.01)
+    (client,) = front.clients
+    seen: dict[str, object] = {}
+    received = dataplane._Upstream.data_received
+
+    def then_b_is_read(self, data):
+        received(self, data)
+        if "b" not in seen and front.upstreams.due:
+            seen["b"] = client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: b\r\n"))
+            seen["b_started"] = client.detached is not None or bool(client.queue)
+
+    monkeypatch.setattr(dataplane._Upstream, "data_received", then_b_is_read)
+    client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: a\r\n"))
+    assert client.detached is not None  # A: sent by callbacks
+    closing = asyncio.create_task(handle.close())
+    await asyncio.sleep(0)
+    assert front.closing
+    data = await asyncio.wait_for(reader.read(), 5)
+    await closing
+    assert seen == {"b": None, "b_started": False}
+    assert data.count(b"HTTP/1.1 ") == 1 and b"x-request-id: a\r\n" in data.lower()
+    assert backend.ids() == ["warm", "a"]
+    assert _in_flight(handle) == [0] and front.upstreams.open == 0
+    writer.close()
+
+
 def test_the_events_of_exchanges_run_in_order_once_and_one_failing_spares_the_others(caplog):
     """_UpstreamPool.notify queues an exchange's watcher; run_due runs what is queued, in
     order, each once (the loop's own callback then finds nothing left), and one that

@@ -894,6 +894,8 @@ class _Client(asyncio.Protocol):
             # loop turn, which under load comes after this read: done now, so that this
             # request starts here too instead of waking the task.
             self.front.upstreams.run_due()
+            if self.transport is None or self.transport.is_closing():
+                return  # that answer was the last (the router is shutting down): this one is not sent
         if not self.busy and not self.queue and not self.closed and not self.write_paused:
             # Nothing else to answer on this connection: the request's critical path
             # (routing, the send) runs here, now; if it was sent, callbacks answer it
