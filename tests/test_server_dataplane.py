@@ -841,20 +841,29 @@ def _in_flight(router) -> list[int]:
     return [i.in_flight for _, pool in router.state.fleet.all_pools() for i in pool.instances]
 
 
+async def _pooled_then_clients(router, n: int = 1, warm_id: str = "warm") -> list[tuple]:
+    """One request through aiohttp (the router keeps its connection to the instance:
+    one pooled connection), then ``n`` raw client connections: ``(client, reader,
+    writer)`` each, ``client`` being the router's ``_Client`` of that connection."""
+    async with aiohttp.ClientSession() as http:
+        async with http.post(router.url + "/v1/chat/completions", data=CHAT, headers={"X-Request-Id": warm_id}) as r:
+            assert r.status == 200
+    front = router._front
+    conns = [await _connect(router) for _ in range(n)]
+    for _ in range(100):
+        if len(front.clients) == n:
+            break
+        await asyncio.sleep(0.01)
+    by_port = {c.transport.get_extra_info("peername")[1]: c for c in front.clients}
+    return [(by_port[w.get_extra_info("sockname")[1]], r, w) for r, w in conns]
+
+
 async def test_a_request_is_sent_from_the_parser_callback_and_freed_if_its_client_leaves_first(router, backend):
     """With an idle pooled connection, a request is routed and sent by the callback that
     parsed it (no task wake-up on its way); a client gone before the connection's task
     takes the request over leaves no lease and no connection to the instance behind."""
-    async with aiohttp.ClientSession() as http:  # one pooled connection to the instance
-        async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
-            assert r.status == 200
+    ((client, reader, writer),) = await _pooled_then_clients(router)
     front = router._front
-    reader, writer = await _connect(router)
-    for _ in range(100):
-        if front.clients:
-            break
-        await asyncio.sleep(0.01)
-    (client,) = front.clients
     client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: begun\r\n"))
     # Claimed, and sent on the pooled connection, before anything was awaited.
     assert _in_flight(router) == [1] and front.upstreams.idle == {} and front.upstreams.open == 1
@@ -883,19 +892,9 @@ async def test_a_request_read_before_the_last_answer_is_settled_is_still_sent_by
     connection to the instance."""
     from prefixroute.server import dataplane
 
-    async with aiohttp.ClientSession() as http:  # one pooled connection to the instance
-        async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
-            assert r.status == 200
+    conns = await _pooled_then_clients(router, 1 if same_client else 2)
     front = router._front
-    conns = [await _connect(router) for _ in range(1 if same_client else 2)]
-    for _ in range(100):
-        if len(front.clients) == len(conns):
-            break
-        await asyncio.sleep(0.01)
-    clients = sorted(front.clients, key=lambda c: c.transport.get_extra_info("peername")[1])
-    by_port = {w.get_extra_info("sockname")[1]: (r, w) for r, w in conns}
-    streams = [by_port[c.transport.get_extra_info("peername")[1]] for c in clients]
-    first, second = clients[0], clients[-1]
+    first, second = conns[0][0], conns[-1][0]
     seen: dict[str, object] = {}
     received = dataplane._Upstream.data_received
 
@@ -912,13 +911,13 @@ async def test_a_request_read_before_the_last_answer_is_settled_is_still_sent_by
     monkeypatch.setattr(dataplane._Upstream, "data_received", then_b_is_read)
     first.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: a\r\n"))
     assert first.detached is not None and first.task is None  # A: sent by callbacks
-    answers = [await _read_response(reader) for reader, _ in streams for _ in range(2 if same_client else 1)]
+    answers = [await _read_response(reader) for _, reader, _ in conns for _ in range(2 if same_client else 1)]
     assert [(s, h["x-request-id"]) for s, h, _ in answers] == [(200, "a"), (200, "b")]
     # B was sent by the callback that read it, over A's pooled connection: A settled first.
     assert seen == {"due": 1, "b": None, "detached": True, "task": None, "open": 1, "in_flight": [1]}
     assert second.task is None and front.upstreams.open == 1
     assert _in_flight(router) == [0]
-    for _, writer in conns:
+    for _, _, writer in conns:
         writer.close()
 
 
@@ -933,17 +932,8 @@ async def test_a_request_read_as_the_last_answer_before_shutdown_is_settled_is_n
         FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
         ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
                        shutdown_timeout_s=2.0, seed=1))
-    async with aiohttp.ClientSession() as http:  # one pooled connection to the instance
-        async with http.post(handle.url + "/v1/chat/completions", data=CHAT,
-                             headers={"X-Request-Id": "warm"}) as r:
-            assert r.status == 200
+    ((client, reader, writer),) = await _pooled_then_clients(handle)
     front = handle._front
-    reader, writer = await _connect(handle)
-    for _ in range(100):
-        if front.clients:
-            break
-        await asyncio.sleep(0.01)
-    (client,) = front.clients
     seen: dict[str, object] = {}
     received = dataplane._Upstream.data_received
 
