@@ -511,6 +511,25 @@ def _reference_choose(strategy, candidates, blocks, rng):
     return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
 
 
+def _one_home_among_holders(strategy, candidates, blocks) -> bool:
+    """Whether the short cut for one home among several holders applies (from each
+    view's own match): one candidate holds the longest match, more than LoadWeight of
+    it, and is below the threshold; other candidates hold some of the chain, none within
+    LoadWeight of the longest, none matching more than its score plus the tie band."""
+    w, tie = strategy.load_weight, strategy.load_weight * strategy.tie_requests
+
+    def unit(d):
+        return (blocks.ends[d - 1] >> blocks.unit_shift) / strategy.block_size if d else 0.0
+
+    depth = sorted(((strategy.caches[c.instance_id].match(blocks), c) for c in candidates),
+                   key=lambda dc: -dc[0])
+    (d1, inst), (d2, _) = depth[0], depth[1]
+    top = unit(d1)
+    best = top - w * max(inst.in_flight, inst.engine_load)
+    return (d2 > 0 and d2 < d1 and top > w and inst.in_flight < strategy.threshold
+            and unit(d2) < top - w and unit(d2) - tie <= best)
+
+
 def _decide_as_the_reference(pool: VariantPool, blocks, i: int) -> tuple:
     """The strategy's choice for ``blocks`` among all of ``pool``'s instances, asserted
     equal to :func:`_reference_choose`'s (from the same random state) at request ``i``."""
@@ -536,13 +555,14 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
             for d in range(25)]
     for inst in pool.instances:  # every instance holds the long header (a shared system prompt)
         pool.learn(inst, text_block_hashes(headers[2] + "intro", 16, 131_072, "m"))
-    live, seen = [], set()
+    live, seen, one_home = [], set(), 0
     for i in range(1500):
         text = rng.choice(headers) + rng.choice(docs) + f"question {rng.randrange(30)}" * rng.randrange(1, 20)
         blocks = text_block_hashes(text, 16, 131_072, "m")
         for inst in pool.instances:
             if rng.random() < 0.05:
                 inst.engine_load = rng.randrange(0, 8)
+        one_home += _one_home_among_holders(pool.strategy, pool.instances, blocks)
         got = _decide_as_the_reference(pool, blocks, i)
         seen.add(got[1])
         lease = pool.acquire(None, blocks=blocks)
@@ -551,6 +571,7 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
         if len(live) > 3 * threshold or rng.random() < 0.4:
             live.pop(rng.randrange(len(live))).release()
     assert seen >= {DecisionKind.AFFINITY, DecisionKind.OVERFLOW}
+    assert one_home >= 150  # the short cut for one home among holders is compared too
 
 
 @pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (8, 16.0)])

@@ -543,6 +543,21 @@ class CacheAwareStrategy(Strategy):
             if inst.in_flight < self.threshold and \
                     top - w * max(inst.in_flight, inst.engine_load) >= 0.0 - w * self.tie_requests:
                 return inst, DecisionKind.AFFINITY
+        elif levels.remaining and not top_mask & (top_mask - 1) and top > w:
+            # One candidate holds the longest match, more than LoadWeight of it, and the
+            # other holders less (a follow-up about a document after a system prompt
+            # every instance holds). If no other holder comes within LoadWeight of it
+            # (it is the only home: no placement, no band of ties) and none matches
+            # more than its score plus TIE_REQUESTS requests' worth (no "rest" wins),
+            # the rules below give it the request: the same two probes as they make,
+            # without the rest of them (tested equal in tests/test_core_cache_aware.py).
+            inst = by_bit[top_mask]
+            if inst.in_flight < self.threshold:
+                best = top - w * max(inst.in_flight, inst.engine_load)
+                tie = w * self.tie_requests
+                if not levels.any_holds(_first(levels.bound, top - w, lambda k: unit(k + 1))) and \
+                        not levels.any_holds(_first_over(levels.bound, best, lambda k: unit(k + 1) - tie)):
+                    return inst, DecisionKind.AFFINITY
         anchor = get(min(levels.depths[0], n - 1))  # the first block past the longest match
         # Rule 4 applies when the shortest candidate match ("common": 0 if a candidate
         # holds nothing) is within LoadWeight of the longest: ``top - common <= w``.
