@@ -44,6 +44,7 @@ import platform
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -51,6 +52,9 @@ import orjson
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.keys import loads_body, openai_route
 from prefixroute.core.pool import VariantPool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peers import source_commit  # noqa: E402  (bench/ is a folder of scripts)
 
 STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "CACHE_AWARE")
 SIZES = (1024, 65536)
@@ -172,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{'met' if worst['decide_us'] < GOAL_US else 'NOT met'}")
     if args.json:
         doc = {"benchmark": "decision", "command": " ".join([sys.executable.rsplit('/', 1)[-1], *sys.argv]),
-               "python": platform.python_version(), "machine": platform.machine(), "number": number,
+               "prefixroute_commit": source_commit(), "python": platform.python_version(),
+               "machine": platform.machine(), "number": number,
                "repeats": repeats, "goal_us": GOAL_US, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

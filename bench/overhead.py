@@ -112,6 +112,7 @@ from peers import (  # noqa: E402
     ensure_python_peers,
     free_port,
     prefixroute_fleet_config,
+    source_commit,
 )
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -1099,15 +1100,9 @@ def versions(statuses: dict[str, PeerStatus]) -> dict[str, str]:
         out["prefixroute"] = version("prefixroute")
     except PackageNotFoundError:
         out["prefixroute"] = "unknown"
-    try:
-        commit = subprocess.run(["git", "-C", str(BENCH_DIR), "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(BENCH_DIR), "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-        if commit:
-            out["prefixroute_commit"] = commit + ("+uncommitted changes" if dirty else "")
-    except (OSError, subprocess.TimeoutExpired):
-        pass
+    commit = source_commit(BENCH_DIR)
+    if commit:
+        out["prefixroute_commit"] = commit
     for name, st in statuses.items():
         out[name] = st.detail if st.available else f"unavailable: {st.detail}"
     return out

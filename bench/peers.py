@@ -74,6 +74,7 @@ __all__ = [
     "ensure_python_peers",
     "ensure_haproxy",
     "free_port",
+    "source_commit",
     "prefixroute_fleet_config",
     "haproxy_config",
 ]
@@ -250,6 +251,22 @@ def ensure_haproxy(install: bool = True, log: Callable[[str], None] = print) -> 
         return PeerStatus("haproxy", False, f"haproxy {m.group(1)}.{m.group(2)} is too old: `balance hash` "
                                             "on the body needs 2.6 or newer")
     return PeerStatus("haproxy", True, f"haproxy {m.group(1)}.{m.group(2)}{m.group(3)}", exe)
+
+
+def source_commit(directory: Path | None = None) -> str | None:
+    """The short git commit of the checkout holding ``directory`` (default: bench/),
+    with ``+uncommitted changes`` when its working tree differs from that commit;
+    ``None`` outside a git checkout or without git. What a benchmark's JSON names as
+    the code it measured."""
+    where = str(directory or Path(__file__).resolve().parent)
+    try:
+        commit = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain"], capture_output=True, text=True,
+                               timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return commit + ("+uncommitted changes" if dirty else "") if commit else None
 
 
 # -- processes --------------------------------------------------------------------------------

@@ -205,3 +205,19 @@ def test_a_router_that_cannot_bind_is_started_again_on_another_port(tmp_path):
                 _BindSpec([busy, busy]).start_retrying(tracker, [], attempts=2)
     finally:
         taken.close()
+
+
+def test_source_commit_names_the_commit_and_uncommitted_changes(tmp_path):
+    import subprocess
+
+    assert peers.source_commit(tmp_path) is None  # not a git checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("one\n")
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-q", "-m", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert peers.source_commit(tmp_path) == head
+    (tmp_path / "f.txt").write_text("two\n")
+    assert peers.source_commit(tmp_path) == head + "+uncommitted changes"
