@@ -31,7 +31,10 @@ Scenarios of the router's learned state (they matter for ``CACHE_AWARE`` only):
   instance, then one of 64 documents held by one instance (the scoring path).
 
 The goal (docs/PERFORMANCE.md) is ``decide`` under 20 µs for a 64 KB prefix with 64
-instances. Usage::
+instances. This machine's speed moves from one day to the next (the same code has
+measured 2.5x apart), so the run also times ``sum(range(1000))`` before and after its
+rows (``interpreter reference``, in the output and the JSON): figures from different
+runs compare through it. Usage::
 
     python bench/decision.py [--quick] [--json PATH]
 """
@@ -141,6 +144,17 @@ def measure(strategy: str, size: int, n: int, scenario: str, number: int, repeat
     return row
 
 
+def interpreter_reference_us(repeats: int = 7, number: int = 2000) -> float:
+    """How fast this machine runs Python right now: the best of ``repeats`` timings of
+    ``sum(range(1000))``, µs per call. Independent of prefixroute's code, so runs of
+    this benchmark on different days (this machine's speed moves by up to 3x) can be
+    compared through it: a decision that took twice as long when the reference took
+    twice as long was not slower code."""
+    import timeit
+
+    return min(timeit.repeat("sum(range(1000))", number=number, repeat=repeats)) / number * 1e6
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="fewer requests per run (200 x 3 instead of 1,000 x 5)")
@@ -154,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     if number < 1 or repeats < 1:
         p.error("--number and --repeats must be >= 1")
 
+    reference = interpreter_reference_us()
+    print(f"interpreter reference: sum(range(1000)) takes {reference:.1f} µs here now")
     rows = []
     print(f"{'strategy':28} {'prefix':>7} {'inst':>5} {'scenario':8} {'parse µs':>9} {'orjson µs':>10} {'key µs':>8} {'decide µs':>10} "
           f"{'learn µs':>9}")
@@ -169,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
                         flag = "  ok" if row["decide_us"] < GOAL_US else f"  over the {GOAL_US:.0f} µs goal"
                     print(f"{strategy:28} {size // 1024:>5}KB {n:>5} {scenario:8} {row['parse_us']:9.1f} {row['orjson_us']:10.1f} "
                           f"{row['key_us']:8.1f} {row['decide_us']:10.1f} {row['learn_us']:9.1f}{flag}", flush=True)
+    reference_after = interpreter_reference_us()
+    print(f"interpreter reference after the rows: {reference_after:.1f} µs")
     goal = [r for r in rows if r["prefix_bytes"] == 65536 and r["instances"] == 64]
     worst = max(goal, key=lambda r: r["decide_us"])
     print(f"\n64 KB prefix, 64 instances: slowest decision {worst['decide_us']:.1f} µs "
@@ -177,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {"benchmark": "decision", "command": " ".join([sys.executable.rsplit('/', 1)[-1], *sys.argv]),
                "prefixroute_commit": source_commit(), "python": platform.python_version(),
-               "machine": platform.machine(), "number": number,
+               "machine": platform.machine(), "interpreter_reference_us": {"before": reference, "after": reference_after}, "number": number,
                "repeats": repeats, "goal_us": GOAL_US, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)
