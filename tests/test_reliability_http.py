@@ -295,6 +295,76 @@ async def test_prompts_reach_logs_only_when_enabled(backends, http, caplog, log_
         assert hits == []
 
 
+async def _raw_exchange(url: str, data: bytes) -> bytes:
+    """Send ``data`` on a new connection to ``url`` and read until the router closes it."""
+    import asyncio
+    from urllib.parse import urlsplit
+
+    u = urlsplit(url)
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(data)
+    await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+async def test_malformed_http_never_puts_what_the_client_sent_in_the_logs(router, http, caplog):
+    # aiohttp logs a request it cannot parse with a traceback quoting the bytes it read;
+    # the router logs one line instead, whichever data plane the request came in by (the
+    # fast one hands GET routes to the aiohttp app too).
+    secret, token = "SECRET-PROMPT-TEXT", "sk-SECRET-TOKEN"
+    caplog.set_level(logging.DEBUG)
+    body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": secret * 40}]})
+
+    def head(path: str, length: int | None, extra: str = "", close: bool = True) -> bytes:
+        lines = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        if length is not None:
+            lines += f"Content-Length: {length}\r\n"
+        return (lines + extra + ("Connection: close\r\n" if close else "") + "\r\n").encode()
+
+    chat = "/v1/chat/completions"
+    sent = [
+        head(chat, len(body) - 300) + body,  # the rest of the body read as the next request
+        head(chat, 60, close=False) + body,
+        head(chat, len(body), f"Authorization: Bearer {token}\x01\r\n") + body,
+        head(chat, len(body), f"Authorization: Bearer {token}{'a' * 9000}\r\n") + body,
+        f"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}{'a' * 9000}\r\n\r\n".encode(),
+    ]
+    answers = [await _raw_exchange(router.url, data) for data in sent]
+    assert all(a.startswith(b"HTTP/1.1 200 ") or b" 4" in a.split(b"\r\n", 1)[0] for a in answers), answers
+    assert any(b" 4" in a.split(b"\r\n", 1)[0] for a in answers)
+    async with http.post(router.url + chat, data=body) as r:  # and it goes on serving
+        assert r.status == 200
+    texts = []
+    for rec in caplog.records:
+        texts.append(rec.getMessage())
+        if rec.exc_info:
+            texts.append(logging.Formatter().formatException(rec.exc_info))
+    assert not [t for t in texts if secret in t or token in t]
+    assert not [rec for rec in caplog.records if rec.name.startswith("aiohttp") and rec.levelno >= logging.ERROR]
+
+
+def test_the_server_log_keeps_other_records_whole(caplog):
+    from aiohttp.http_exceptions import LineTooLong
+
+    from prefixroute.server.runner import SERVER_LOG
+
+    caplog.set_level(logging.DEBUG, logger="aiohttp.server")
+    SERVER_LOG.exception("Error handling request from %s", "127.0.0.1",
+                         exc_info=LineTooLong("b'Bearer sk-SECRET'", "8190"))
+    try:
+        raise RuntimeError("our own bug")
+    except RuntimeError:
+        SERVER_LOG.exception("Unhandled exception")
+    refused, bug = caplog.records[-2:]
+    assert refused.levelno == logging.INFO and refused.exc_info is None
+    assert refused.getMessage() == ("Error handling request from 127.0.0.1: malformed HTTP request refused "
+                                    "(400 LineTooLong; its text is not logged)")
+    assert bug.levelno == logging.ERROR and bug.exc_info[0] is RuntimeError
+
+
 # -- the keep-alive race: a pooled connection the instance closed is found dead ----------
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable
@@ -27,6 +30,34 @@ from prefixroute.server.state import RouterState
 __all__ = ["RouterHandle", "WorkerRuntime", "start_router", "reload_logged"]
 
 log = logging.getLogger("prefixroute.server")
+
+
+class _ServerLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """aiohttp's server logger (``aiohttp.server``), minus what a client sent.
+
+    aiohttp logs a request it cannot parse (``HttpProcessingError``: ``BadHttpMessage``,
+    ``LineTooLong``, ``InvalidHeader``...) as an ERROR with a traceback whose message
+    quotes the raw bytes read: a body's prompt text, an ``Authorization`` header. Such a
+    request is the client's error, not the router's: it is logged here in one INFO line,
+    the peer, the status and the error's class, and never its text (with or without
+    ``--log-prompts``). Every other record passes unchanged (a traceback of our own bug
+    stays an ERROR)."""
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info")
+        if exc is True:
+            exc = sys.exc_info()[1]
+        elif isinstance(exc, tuple):
+            exc = exc[1]
+        if isinstance(exc, HttpProcessingError):
+            del kwargs["exc_info"]
+            level = min(level, logging.INFO)
+            msg = f"{msg}: malformed HTTP request refused ({exc.code} {type(exc).__name__}; its text is not logged)"
+        super().log(level, msg, *args, **kwargs)
+
+
+#: The logger every aiohttp server of the router is given (:func:`_start`).
+SERVER_LOG = _ServerLog(logging.getLogger("aiohttp.server"), {})
 
 
 def _url(host: str, port: int) -> str:
@@ -164,7 +195,7 @@ async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s:
                  reuse_port: bool = False, unix_path: str | None = None,
                  keepalive_timeout_s: float = 75.0, auto_decompress: bool = True) -> tuple[web.AppRunner, int]:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
-                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress)
+                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress, logger=SERVER_LOG)
     await runner.setup()
     try:
         site: web.BaseSite
