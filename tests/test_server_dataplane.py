@@ -19,7 +19,7 @@ import pytest
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.server import ServerSettings, start_router
 from prefixroute.server.app import DECODED_CODINGS
-from prefixroute.server.dataplane import MAX_HEAD_BYTES, FrontServer, match_route
+from prefixroute.server.dataplane import MAX_HEAD_BYTES, MAX_HEADERS, FrontServer, match_route
 from prefixroute.server.proxy import Api
 
 from fault_backend import FaultBackend
@@ -580,6 +580,39 @@ async def test_header_line_over_limit_is_431(router, backend):
     status, _, _ = await _read_response(reader)
     writer.close()
     assert status == 431
+    assert backend.received == []
+
+
+@pytest.mark.parametrize("count, status", [(MAX_HEADERS - 3, 200), (MAX_HEADERS + 1, 431)])
+async def test_too_many_header_fields_is_431_naming_the_limit(router, backend, count, status):
+    # Host and Content-Length make up the rest: the limit counts every field.
+    reader, writer = await _connect(router)
+    extra = b"".join(b"X-H%d: v\r\n" % i for i in range(count))
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n" + extra
+                 + b"Content-Length: %d\r\n\r\n" % len(CHAT) + CHAT)
+    got, headers, body = await _read_response(reader)
+    writer.close()
+    assert got == status
+    if status == 431:
+        assert orjson.loads(body) == {"message": f"more than {MAX_HEADERS} header fields"}
+        assert headers["connection"] == "close"
+        assert backend.received == []
+    else:
+        assert len(backend.received) == 1
+
+
+@pytest.mark.parametrize("head, reason", [
+    (b"Content-Length: -5\r\n", "Invalid character in Content-Length"),
+    (b"Content-Length: 5\r\nContent-Length: 6\r\n", "Duplicate Content-Length"),
+    (b"X-Secret: sk-SECRET\x01\r\nContent-Length: 2\r\n", "Invalid header value char"),
+])
+async def test_malformed_request_is_400_naming_what_is_wrong(router, backend, head, reason):
+    reader, writer = await _connect(router)
+    writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n" + head + b"\r\n{}")
+    status, _, body = await _read_response(reader)
+    writer.close()
+    assert status == 400
+    assert orjson.loads(body) == {"message": f"bad request: {reason}"}
     assert backend.received == []
 
 

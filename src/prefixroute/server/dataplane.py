@@ -34,7 +34,7 @@ pauses reading from the instance.
 
 Client connections: HTTP/1.1 keep-alive and pipelining (answered in order, one at a
 time), ``Expect: 100-continue``, request line + headers at most
-:data:`MAX_HEAD_BYTES` (431 beyond), bodies at most ``--max-body-size`` (413 in the
+:data:`MAX_HEAD_BYTES` in at most :data:`MAX_HEADERS` fields (431 beyond), bodies at most ``--max-body-size`` (413 in the
 API's shape, then the connection is closed), idle keep-alive connections closed after
 ``--client-keepalive-timeout`` (``ServerSettings.client_keepalive_timeout_s``).
 """
@@ -76,7 +76,7 @@ from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_even
     connect_failed, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
 
-__all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES"]
+__all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
 
 log = logging.getLogger("prefixroute.server.dataplane")
 
@@ -149,6 +149,10 @@ _DATE = _Date()
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Longest request header line accepted (aiohttp's limit): 431 beyond.
 MAX_FIELD_BYTES = 8190
+#: Most header fields a request may have (aiohttp's limit, which answers 400 beyond):
+#: 431 beyond. Without it, a request with thousands of small headers within
+#: MAX_HEAD_BYTES would be relayed to the engine whole.
+MAX_HEADERS = 128
 #: Seconds a connection refused mid-request (413, 431, 400) keeps reading and dropping
 #: what the client still sends before it closes: closing with unread bytes would reset
 #: the connection, and the client could lose the answer.
@@ -819,6 +823,8 @@ class _Client(asyncio.Protocol):
         cur.head_bytes += len(name) + len(value) + 4
         if len(name) + len(value) + 2 > MAX_FIELD_BYTES:
             self._refuse(431, b"Request Header Fields Too Large", f"a header line is over {MAX_FIELD_BYTES:,} bytes")
+        elif len(cur.headers) > MAX_HEADERS:
+            self._refuse(431, b"Request Header Fields Too Large", f"more than {MAX_HEADERS} header fields")
         elif cur.head_bytes > MAX_HEAD_BYTES:
             self._refuse(431, b"Request Header Fields Too Large",
                          f"request line and headers over {MAX_HEAD_BYTES:,} bytes")
@@ -1040,7 +1046,13 @@ class _Client(asyncio.Protocol):
         self._idle = loop.call_at(due, self._idle_timeout)
 
     def _bad_request(self, exc: Exception) -> None:
-        self._refuse(400, b"Bad Request", f"bad request: {type(exc).__name__}")
+        """400 naming what llhttp found wrong ("Invalid character in Content-Length",
+        "Duplicate Content-Length"...: its fixed reasons, which never quote the request),
+        else the error's class."""
+        reason = exc.args[0] if exc.args else None
+        if not (isinstance(reason, str) and 0 < len(reason) <= 120 and reason.isascii() and reason.isprintable()):
+            reason = type(exc).__name__
+        self._refuse(400, b"Bad Request", f"bad request: {reason}")
 
     def _refuse(self, status: int, reason: bytes, message: str) -> None:
         """Answer ``status`` after the answers already due, then read no more and close
