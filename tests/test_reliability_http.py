@@ -156,9 +156,11 @@ async def test_body_over_the_limit_is_413(router, backends, http, floor, path, s
 @pytest.mark.parametrize("raw,needle", [
     (b"{not json", "not valid JSON"),
     (b"\xff\xfe{}", "not valid JSON"),
-    (b"[1, 2]", "must be a JSON object, got list"),
-    (b'"text"', "must be a JSON object, got str"),
-    (b"null", "must be a JSON object, got NoneType"),
+    (b"[1, 2]", "must be a JSON object, got an array"),
+    (b'"text"', "must be a JSON object, got a string"),
+    (b"null", "must be a JSON object, got null"),
+    (b"12.5", "must be a JSON object, got a number"),
+    (b"true", "must be a JSON object, got a boolean"),
     (b'{"model": 5, "messages": []}', "'model' must be a string"),
     (b'{"model": "m", "messages": "hi"}', "'messages'"),
     (b'{"model": "m", "messages": [5]}', "message"),
@@ -207,6 +209,7 @@ async def test_invalid_utf8_native_body_forwarded_and_hashed_as_bytes(router, ba
     ("POST", "/endpoints/default/nope", 404, "sagemaker"),
     ("GET", "/invocations", 405, "sagemaker"),
     ("GET", "/nope", 404, "json"),
+    ("POST", "/v1/chat%2Fcompletions", 404, "openai"),
 ])
 async def test_unknown_paths_use_the_api_error_shape(router, http, method, path, status, shape):
     """... and are counted, in responses_total and in the duration histogram (a 405 was

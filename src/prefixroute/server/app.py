@@ -87,6 +87,15 @@ def validate_openai_body(payload: dict[str, Any], chat: bool) -> None:
         completion_prompt(payload)
 
 
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    """What ``value`` (parsed JSON) is, in JSON's terms: ``an array``, ``null``..."""
+    return _JSON_TYPES.get(type(value), "an object" if isinstance(value, dict) else type(value).__name__)
+
+
 def parse_openai_request(body: bytes, chat: bool,
                          routing: RoutingConfig) -> tuple[dict[str, Any], int | None, list[int]]:
     """Parse and validate an OpenAI request body; compute what its variant routes on.
@@ -110,7 +119,7 @@ def parse_openai_request(body: bytes, chat: bool,
     except orjson.JSONDecodeError as exc:
         raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
     if not isinstance(payload, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {type(payload).__name__}")
+        raise InvalidRequest(f"request body must be a JSON object, got {_json_type(payload)}")
     if not isinstance(payload.get("stream", False), bool):
         raise InvalidRequest("'stream' must be a boolean")
     tenant = payload.get("prompt_cache_key")
@@ -532,8 +541,9 @@ async def _error_shapes(request: web.Request,
     try:
         return await handler(request)
     except web.HTTPNotFound:
-        resp = error_for_path(request.path, 404, f"no route for {request.method} {request.path[:200]}",
-                              "not_found")
+        # The path as sent: the decoded one would show /v1/chat%2Fcompletions as a real route.
+        resp = error_for_path(request.path, 404, f"no route for {request.method} "
+                              f"{request.raw_path.split('?', 1)[0][:200]}", "not_found")
     except web.HTTPMethodNotAllowed as exc:
         resp = error_for_path(request.path, 405, f"method {request.method} is not allowed on this path "
                               f"(allowed: {', '.join(sorted(exc.allowed_methods))})", "method_not_allowed")
