@@ -992,7 +992,7 @@ def render_cell_table(cell: Cell, results: Sequence[CellResult], s: OverheadSett
             r.target.label, _f(r.p50_ms, ".2f"), _f(r.p99_ms, ".2f"), _f(r.added_p50_ms, "+.2f"),
             _f(r.added_p99_ms, "+.2f"), _f(r.added_vs_haproxy, ".1f"), f"{r.rps:,.0f}", _f(r.rps_vs_sglang, ".2f"),
             _f(r.cpu_us_per_request, ",.0f"),
-            "-" if r.peak_rss_bytes is None else f"{r.peak_rss_bytes / 2**20:.0f} MB", f"{r.requests:,}",
+            "-" if r.peak_rss_bytes is None else f"{r.peak_rss_bytes / 2**20:.0f} MiB", f"{r.requests:,}",
             str(r.errors) + (f" + {r.rounds_without_reply} rounds without reply" if r.rounds_without_reply else ""),
             style="bold" if r.target.label == "prefixroute CACHE_AWARE" else None)
     return table
@@ -1008,8 +1008,8 @@ def render_streams_table(r: StreamsResult) -> Any:
         table.add_column(col, justify="right", no_wrap=True)
     table.add_row(f"{r.streams:,}", f"{r.completed:,}",
                   str(r.error_count) + (f" {r.errors}" if r.errors else ""), f"{r.peak_open:,}",
-                  f"{r.backend_peak_open:,}", f"{r.router_rss_before_bytes / 2**20:.0f} MB",
-                  f"{r.router_peak_rss_bytes / 2**20:.0f} MB", f"{r.router_cpu_s:.1f} s",
+                  f"{r.backend_peak_open:,}", f"{r.router_rss_before_bytes / 2**20:.0f} MiB",
+                  f"{r.router_peak_rss_bytes / 2**20:.0f} MiB", f"{r.router_cpu_s:.1f} s",
                   _f(r.p50_stream_s, ".2f") + " s", _f(r.max_stream_s, ".2f") + " s", f"{r.wall_s:.1f} s")
     return table
 
