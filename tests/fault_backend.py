@@ -4,7 +4,8 @@ asyncio streams so that it can misbehave in ways a framework would not let it.
 What it can do (:class:`Fault`, chosen per request):
 
 * ``ok``: answer like an engine: JSON with Content-Length, or (``"stream": true`` in the
-  body) a chunked SSE stream of ``events`` events and ``data: [DONE]``;
+  body) a chunked SSE stream of ``events`` events and ``data: [DONE]`` (the body ended
+  ``end_delay`` seconds after it);
 * ``stall``: read the request, then send nothing until the client goes away;
 * ``reset_before_headers`` / ``close_before_headers``: read the request, then RST / FIN;
 * ``reset_on_headers``: read the request head only, then RST (the body is never read);
@@ -57,6 +58,7 @@ class Fault:
     body: bytes = b'{"error": {"message": "fault", "type": "invalid_request_error"}}'
     headers: dict[str, str] = field(default_factory=dict)
     delay: float = 0.0  # seconds between events
+    end_delay: float = 0.0  # seconds between an ``ok`` stream's ``[DONE]`` and the end of its body
     chunk: int = 3  # bytes per write with ``split``
 
 
@@ -393,6 +395,10 @@ class FaultBackend:
             events = [data[i:i + f.chunk] for i in range(0, len(data), f.chunk)]
         if not await self._chunks(conn, events, f.delay):
             return False
+        if f.end_delay:
+            await asyncio.sleep(f.end_delay)
+            if conn.closed:
+                return False
         conn.write(b"0\r\n\r\n")
         await conn.drain()
         return True

@@ -418,3 +418,44 @@ async def test_health_probe_statuses(http):
     assert got == {"/ok": ProbeResult.OK, "/busy": ProbeResult.BUSY, "/shed": ProbeResult.BUSY,
                    "/down": ProbeResult.FAILED, "/missing": ProbeResult.FAILED}
     assert await probe_instance(http, url, "/ok", 0.5) is ProbeResult.FAILED  # nothing listens now
+
+
+@pytest.mark.parametrize("close_after", ["[DONE]", "first event"])
+async def test_a_client_that_leaves_after_done_got_the_whole_answer(backends, http, floor, data_plane, close_after):
+    # The openai client closes its connection once it reads `data: [DONE]`, before the
+    # engine ends its chunked body: that request was answered in full (its status), not
+    # abandoned (499). One that leaves before [DONE] is a 499.
+    import urllib.parse
+
+    handle = await _router([b.url for b in backends], data_plane=data_plane)
+    try:
+        _all(backends, Fault("ok", events=3, delay=0.05, end_delay=1.0))
+        u = urllib.parse.urlsplit(handle.url)
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        body = b'{"model": "m", "stream": true, "messages": [{"role": "user", "content": "hi"}]}'
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        want = b"data: [DONE]" if close_after == "[DONE]" else b"data: {"
+        async with asyncio.timeout(5):
+            while want not in seen:
+                seen += await reader.read(65536)
+        writer.close()
+        code = "200" if close_after == "[DONE]" else "499"
+        other = "499" if close_after == "[DONE]" else "200"
+
+        async def counted() -> bool:
+            text = await metrics_text(http, handle)
+            return metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                                code=code) == 1
+
+        async with asyncio.timeout(5):
+            while not await counted():
+                await asyncio.sleep(0.05)
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                            code=other) is None
+        assert await eventually(lambda: in_flight(handle) == 0, 2.0)
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor)

@@ -1549,9 +1549,9 @@ class FrontServer:
             self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
                         f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
         except _ClientGone:
-            code = 499
+            code = rr.completed_status or 499
         except asyncio.CancelledError:
-            code = 499
+            code = rr.completed_status or 499
             raise
         finally:
             self._count(rr, code or 500)
@@ -1624,11 +1624,15 @@ class FrontServer:
             if first:
                 ttft.observe(reply.first_s - rr.t0)
 
+        done_marks = reply.sse and rr.api is Api.OPENAI  # [DONE] written: the client has it all
+
         def flush() -> None:
             # Events that came in one read go out in one write: nothing waits for them.
             if framed_out:
                 if not client.closed and transport is not None:
                     transport.writelines(framed_out)
+                    if done_marks and not rr.completed_status and b"[DONE]" in reply.tail:
+                        rr.completed_status = reply.status
                 framed_out.clear()
 
         # The head and whatever already came, in one write.
@@ -1643,6 +1647,8 @@ class FrontServer:
         if not up.done.done():
             client.write(b"".join(parts))
             parts = []
+            if done_marks and not client.closed and b"[DONE]" in reply.tail:
+                rr.completed_status = reply.status
             client.upstream = up
             up.sink, up.flush = sink, flush
             if client.write_paused:
@@ -1654,7 +1660,7 @@ class FrontServer:
                 return self._end_broken(client, rr, up, instance, TimeoutError(), sse, reply.tail, idle_s, framed)
             except _ClientGone:
                 up.abort()
-                return 499
+                return rr.completed_status or 499
             finally:
                 watch.cancel()
                 client.upstream = None
@@ -1668,7 +1674,7 @@ class FrontServer:
         if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
             m.upstream_errors.labels(instance, "no_done").inc()
         if client.closed:
-            return 499
+            return rr.completed_status or 499
         if reply.chunked:
             parts.append(b"0\r\n\r\n")
         client.write(b"".join(parts))

@@ -108,6 +108,10 @@ class RoutedRequest:
         blocks: chained block hashes (CACHE_AWARE), or empty.
         decoded: the body came gzip or deflate encoded and is sent on decoded (the
             client's digests of it are then not sent on).
+        completed_status: the status of an OpenAI event stream whose ``data: [DONE]``
+            has been written to the client (0 until then). A client that closes after
+            it (the ``openai`` client does, before the instance ends its body) got the
+            whole answer: its ``responses_total`` code is this status, not 499.
     """
 
     request: web.Request | None
@@ -123,6 +127,7 @@ class RoutedRequest:
     t0: float
     blocks: Sequence[int] = ()
     decoded: bool = False
+    completed_status: int = 0
 
 
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
@@ -354,7 +359,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
         return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
                       f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers)
     except asyncio.CancelledError:
-        code = 499  # the client went away (handler cancelled)
+        code = rr.completed_status or 499  # the client went away (handler cancelled)
         raise
     finally:
         m.responses.labels(rr.endpoint, variant, str(code or 500)).inc()
@@ -444,7 +449,9 @@ async def _relay(
         try:
             await resp.write(eventstream.payload_part(chunk) if framed else chunk)
         except ConnectionError:
-            return resp, 499
+            return resp, rr.completed_status or 499
+        if sse and rr.api is Api.OPENAI and not rr.completed_status and b"[DONE]" in tail:
+            rr.completed_status = status
     if first:
         ttft.observe(time.perf_counter() - rr.t0)
     upstream.release()
@@ -453,7 +460,7 @@ async def _relay(
     try:
         await resp.write_eof()
     except ConnectionError:
-        return resp, 499
+        return resp, rr.completed_status or 499
     return resp, status
 
 
