@@ -139,3 +139,31 @@ def test_document_shape_errors(doc, needle):
     with pytest.raises(ConfigError) as exc:
         FleetConfig.from_yaml(doc)
     assert needle in str(exc.value)
+
+
+def test_a_list_of_many_wrong_items_names_the_first_ten_and_counts_the_rest():
+    doc = YAML.replace('Instances: ["http://127.0.0.1:8001/", "http://127.0.0.1:8002"]',
+                       "Instances: [" + ", ".join(["[1]"] * 1000) + "]")
+    assert doc != YAML
+    with pytest.raises(ConfigError) as exc:
+        FleetConfig.from_yaml(doc)
+    msg = str(exc.value)
+    clauses = msg.split("; ")
+    assert len(clauses) == 11 and clauses[-1] == "... and 990 more problems", msg[:300]
+    assert clauses[0] == "Endpoints.0.ProductionVariants.0.Instances.0: Input should be a valid string"
+    assert len(msg) < 2000
+    with pytest.raises(ConfigError) as exc:  # one problem whose value is long: quoted in part
+        FleetConfig.from_yaml(YAML.replace("InitialVariantWeight: 3", "InitialVariantWeight: 3\n        Bogus: "
+                                           + "v" * 5000))
+    assert "Bogus: is not a known setting (value 'vvvv" in str(exc.value) and len(str(exc.value)) < 200
+
+
+def test_the_applied_configuration_line_names_twenty_variants_and_counts_the_rest():
+    from prefixroute.server.state import _summary
+
+    doc = "Endpoints:\n" + "".join(
+        f"  - EndpointName: e{i}\n    ProductionVariants:\n      - VariantName: v\n"
+        f"        Instances: [\"http://127.0.0.1:{9000 + i}\"]\n" for i in range(25))
+    parts = _summary(FleetConfig.from_yaml(doc)).split("; ")
+    assert len(parts) == 21 and parts[0] == "e0/v: RANDOM, 1 instance(s)"
+    assert parts[-1] == "... and 5 more production variants"

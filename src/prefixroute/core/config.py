@@ -263,8 +263,15 @@ class RoutingConfig(BaseModel):
         return out
 
 
+#: Problems a configuration error names (:func:`format_validation_error`); the rest are
+#: counted. A list of 10,000 wrong items would otherwise make a message of 10,000
+#: clauses, logged whole on a reload.
+MAX_ERROR_CLAUSES = 10
+
+
 def format_validation_error(exc: ValidationError, root: str = "") -> str:
-    """One clause per problem, ``path.to.Field: message``, joined by ``; ``."""
+    """One clause per problem, ``path.to.Field: message``, joined by ``; ``; at most
+    :data:`MAX_ERROR_CLAUSES`, then ``... and N more problems``."""
     errors = exc.errors()
     locs = [tuple(str(p) for p in e.get("loc", ())) for e in errors]
     lines = []
@@ -292,12 +299,15 @@ def format_validation_error(exc: ValidationError, root: str = "") -> str:
             expected = "a list" if kind in ("tuple_type", "list_type") else "a mapping"
             msg = f"must be {expected} (got {type(err.get('input')).__name__} {err.get('input')!r:.60})"
         elif kind == "extra_forbidden":
-            msg = f"is not a known setting (value {err.get('input')!r})"
+            msg = f"is not a known setting (value {err.get('input')!r:.60})"
         path = ".".join(p for p in (root, *parts) if p)
         if kind == "value_error":
             lines.append(f"{path}.{msg}" if path and ":" in msg else (f"{path}: {msg}" if path else msg))
         else:
             lines.append(f"{path}: {msg}" if path else msg)
+    if len(lines) > MAX_ERROR_CLAUSES:
+        more = len(lines) - MAX_ERROR_CLAUSES
+        lines = [*lines[:MAX_ERROR_CLAUSES], f"... and {more:,} more problem{'s' if more > 1 else ''}"]
     return "; ".join(lines)
 
 

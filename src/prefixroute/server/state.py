@@ -202,9 +202,16 @@ class RouterState:
         return healthy, total
 
 
+#: Production variants the "configuration applied" line names; the rest are counted.
+_SUMMARY_VARIANTS = 20
+
+
 def _summary(config: FleetConfig) -> str:
     parts = []
     for e in config.endpoints:
         for v in e.variants:
             parts.append(f"{e.name}/{v.name}: {v.routing.strategy.value}, {len(v.instances)} instance(s)")
+    if len(parts) > _SUMMARY_VARIANTS:
+        more = len(parts) - _SUMMARY_VARIANTS
+        parts = [*parts[:_SUMMARY_VARIANTS], f"... and {more:,} more production variant{'s' if more > 1 else ''}"]
     return "; ".join(parts)
