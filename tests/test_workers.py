@@ -914,3 +914,16 @@ async def test_port_in_use_is_an_error(backends):
         assert b"error: cannot listen on 127.0.0.1:" + port.encode() in err
     finally:
         assert await serve.stop() == 0
+
+
+def test_a_failed_admin_call_to_a_worker_says_what_happened():
+    from prefixroute.server.workers import _ADMIN_CALL_TIMEOUT_S, _call_failure
+
+    assert _call_failure(1, asyncio.TimeoutError()) == (
+        f"worker 1: no answer within {_ADMIN_CALL_TIMEOUT_S:g} s (stuck or overloaded; it may still apply the "
+        "change when it answers)")
+    assert _call_failure(0, aiohttp.ClientConnectionError("Connection refused")) == (
+        "worker 0: ClientConnectionError: Connection refused")
+    assert _call_failure(2, aiohttp.ServerDisconnectedError()) == (
+        "worker 2: ServerDisconnectedError: Server disconnected")
+    assert _call_failure(3, OSError()) == "worker 3: OSError"

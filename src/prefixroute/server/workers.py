@@ -775,7 +775,7 @@ class Supervisor:
             for w, r in results:
                 if isinstance(r, BaseException):
                     if w.alive:  # a worker that died gets the configuration in force when it restarts
-                        failed.append(f"worker {w.index}: {type(r).__name__}: {r}")
+                        failed.append(_call_failure(w.index, r))
                 else:
                     ok.append((w, r))
             statuses = {r[0] for _, r in ok}
@@ -807,6 +807,14 @@ class Supervisor:
             log.error("could not re-synchronise the workers' configurations: %s", exc)
             return None
         return src.index
+
+
+def _call_failure(index: int, exc: BaseException) -> str:
+    """What went wrong with an admin call to worker ``index``, for a 502's message."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return (f"worker {index}: no answer within {_ADMIN_CALL_TIMEOUT_S:g} s (stuck or overloaded; it may "
+                "still apply the change when it answers)")
+    return f"worker {index}: {type(exc).__name__}: {exc}" if str(exc) else f"worker {index}: {type(exc).__name__}"
 
 
 def _instance_states(doc: dict[str, Any]) -> list[tuple[tuple[str, str, str], dict[str, Any]]]:
