@@ -4,6 +4,7 @@ real worker processes on loopback in front of real (held) HTTP backends."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import asyncio
 import functools
 import logging
@@ -927,3 +928,43 @@ def test_a_failed_admin_call_to_a_worker_says_what_happened():
     assert _call_failure(2, aiohttp.ServerDisconnectedError()) == (
         "worker 2: ServerDisconnectedError: Server disconnected")
     assert _call_failure(3, OSError()) == "worker 3: OSError"
+
+
+async def test_a_stopped_worker_is_killed_and_restarted_by_the_watchdog(backends):
+    # A worker whose event loop no longer runs (here: SIGSTOP) would keep its share of
+    # the port's new connections, and they would hang: the supervisor's probes find it.
+    for b in backends:
+        b.release.set()  # answer at once
+    serve = await Serve.start(*[a for b in backends for a in ("--backend", b.url)], "--worker-timeout", "2")
+    try:
+        victim = (await serve.workers())[1]
+        os.kill(victim["Pid"], signal.SIGSTOP)
+        t0 = time.monotonic()
+
+        async def replaced() -> bool:
+            w = {w["Worker"]: w for w in await serve.workers()}[victim["Worker"]]
+            return w["Listening"] and w["Pid"] != victim["Pid"] and w["Restarts"] == 1
+
+        assert await _eventually(replaced, 30)
+        assert 2.0 <= time.monotonic() - t0
+        with pytest.raises(ProcessLookupError):
+            os.kill(victim["Pid"], 0)
+        tasks = await _send(serve.url, 20)  # each on its own connection: both workers get some
+        assert await asyncio.gather(*tasks) == [200] * 20
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim["Pid"], signal.SIGCONT)
+        assert await serve.stop() == 0
+
+
+def test_worker_timeout_flag():
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    args = parser.parse_args(["--workers", "2", "--worker-timeout", "5", "--backend", "http://a:1"])
+    from prefixroute.server.cli import build_settings
+
+    assert build_settings(args).worker_timeout_s == 5.0
+    assert build_settings(parser.parse_args(["--backend", "http://a:1"])).worker_timeout_s == 60.0
+    with pytest.raises(ConfigError, match="worker timeout"):
+        ServerSettings(worker_timeout_s=-1)
+    assert "--worker-timeout SECONDS" in parser.format_help()

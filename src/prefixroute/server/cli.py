@@ -129,6 +129,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "exact (a threshold can be exceeded by at most N - 1). Use up to one per CPU core. The "
                         "admin API, SIGHUP and /metrics cover every worker; a worker that dies is restarted. "
                         "See docs/WORKERS.md")
+    n.add_argument("--worker-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="with --workers N > 1: a worker that answers none of the supervisor's probes (one every "
+                        "quarter of this) for this long, its event loop blocked or the process stopped, is killed "
+                        "and restarted, so that its share of new connections does not hang; 0 disables "
+                        "(default: 60)")
     n.add_argument("--data-plane", choices=DATA_PLANES, default="fast",
                    help="how the public port is served: 'fast' (default) relays inference requests on raw "
                         "asyncio protocols with httptools and passes everything else to the aiohttp app; "
@@ -280,7 +285,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
         config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
-        data_plane=getattr(args, "data_plane", "fast"),
+        worker_timeout_s=getattr(args, "worker_timeout", 60.0), data_plane=getattr(args, "data_plane", "fast"),
     )
 
 

@@ -117,6 +117,11 @@ class ServerSettings:
             (:mod:`prefixroute.server.workers`, docs/WORKERS.md); only
             :func:`prefixroute.server.cli.run` acts on it, ``start_router`` always
             runs one.
+        worker_timeout_s: with ``workers`` > 1, seconds a serving worker may go
+            without answering the supervisor's probe (its admin API, asked every
+            quarter of this) before it is killed (SIGKILL) and restarted: a worker whose
+            event loop a bug blocks, or that is stopped (SIGSTOP), would otherwise keep
+            its share of the port's new connections, which would hang. 0: never.
         data_plane: ``"fast"`` (default): the public port runs on raw asyncio
             protocols with httptools, inference requests relayed there and everything
             else passed to the aiohttp app (:mod:`prefixroute.server.dataplane`);
@@ -151,6 +156,7 @@ class ServerSettings:
     config_path: str | None = None
     record_trace: str | None = None
     workers: int = 1
+    worker_timeout_s: float = 60.0
     data_plane: str = "fast"
 
     def __post_init__(self) -> None:
@@ -178,6 +184,7 @@ class ServerSettings:
         _duration("metrics scrape interval", self.metrics_scrape_interval_s)
         _duration("metrics scrape timeout", self.metrics_scrape_timeout_s, positive=True)
         _count("workers", self.workers, 1, MAX_WORKERS)
+        _duration("worker timeout", self.worker_timeout_s)
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.admin_token is not None and not self.admin_token:

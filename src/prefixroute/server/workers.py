@@ -358,6 +358,8 @@ class _Worker:
     young_deaths: int = 0
     restarting: asyncio.Task[None] | None = None
     missed_sighup: bool = False  # a SIGHUP came while it was not listening
+    answered: float = 0.0  # time.monotonic() of its last answer to the watchdog's probe (or of its start)
+    probe: asyncio.Future[None] | None = None  # the watchdog's probe in progress
 
     @property
     def alive(self) -> bool:
@@ -393,6 +395,7 @@ class Supervisor:
         self._token = secrets.token_urlsafe(32)
         self._workers = [_Worker(i) for i in range(settings.workers)]
         self._stopping = False
+        self._watch: asyncio.Future[None] | None = None
         self._stop = asyncio.Event()
         self._killed = False
         self._config_lock = asyncio.Lock()  # fan-outs and restarts, one at a time
@@ -423,6 +426,8 @@ class Supervisor:
             print(f"prefixroute-serve listening on {self.url}", flush=True)
             if self.admin_url:
                 print(f"prefixroute-admin listening on {self.admin_url}", flush=True)
+            if self.settings.worker_timeout_s > 0:
+                self._watch = asyncio.ensure_future(self._watchdog(self.settings.worker_timeout_s))
             await self._stop.wait()
             log.info("shutting down %d workers: waiting up to %.1f s for requests in flight",
                      len(self._workers), self.settings.shutdown_timeout_s)
@@ -543,6 +548,7 @@ class Supervisor:
             return
         if msg[0] == "ready":
             _, w.pid, w.admin_url = msg
+            w.answered = time.monotonic()
             w.ready.set_result(None)
             log.info("worker %d (pid %d) is listening", w.index, w.pid)
         else:
@@ -646,9 +652,45 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(w.pid, RELOAD_SIGNAL)
 
+    async def _watchdog(self, timeout: float) -> None:
+        """Kill (SIGKILL) a serving worker that has answered none of the probes for
+        ``timeout`` seconds: its event loop blocked (a bug) or its process stopped, it
+        would keep getting its share of the port's new connections (the kernel's
+        SO_REUSEPORT spreading does not know), and they would hang. Its exit restarts
+        it (:meth:`_on_exit`). A probe is one admin call (``GET /admin/config``), every
+        ``timeout / 4`` seconds; any answer counts."""
+        every = max(0.1, timeout / 4)
+        while not self._stopping:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for w in self._workers:
+                if self._stopping or not w.serving or w.process is None:
+                    continue
+                if now - w.answered > timeout:
+                    log.error("worker %d (pid %d) answered nothing for %.1f s (--worker-timeout %g): killing it; "
+                              "its requests in flight are lost, and it is restarted", w.index, w.pid,
+                              now - w.answered, timeout)
+                    w.answered = now  # (killed once)
+                    w.process.kill()
+                elif w.probe is None or w.probe.done():
+                    w.probe = asyncio.ensure_future(self._probe(w, every))
+
+    async def _probe(self, w: _Worker, timeout: float) -> None:
+        try:
+            async with asyncio.timeout(timeout):
+                await self._call(w, "GET", "/admin/config")
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            return  # no answer: counted by _watchdog from w.answered
+        w.answered = time.monotonic()
+
     async def _shutdown(self) -> None:
         self._stopping = True
         self._stop.set()
+        if self._watch is not None:
+            self._watch.cancel()
+        for w in self._workers:
+            if w.probe is not None:
+                w.probe.cancel()
         if self._admin_runner is not None:
             await self._admin_runner.cleanup()
             self._admin_runner = None
