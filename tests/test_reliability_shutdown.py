@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import contextlib
 import os
 import re
@@ -58,9 +59,10 @@ async def test_stream_in_flight_finishes_and_new_connections_are_refused(backend
     await assert_invariants(handle, [backend], floor)
 
 
-async def test_deadline_cuts_longer_streams_and_releases(backend, floor):
+async def test_deadline_cuts_longer_streams_and_releases(backend, floor, caplog):
     backend.default = Fault("ok", events=100, delay=0.05)  # 5 s: longer than the deadline
     handle = await _router(backend.url, shutdown_timeout_s=0.3)
+    caplog.set_level(logging.WARNING, logger="prefixroute")
     async with aiohttp.ClientSession() as http:
         r = await http.post(handle.url + "/v1/chat/completions", data=CHAT)
         await r.content.readuntil(b"\n\n")
@@ -72,6 +74,9 @@ async def test_deadline_cuts_longer_streams_and_releases(backend, floor):
     [rec] = backend.received
     assert await eventually(lambda: rec.t_closed is not None, 1.0)  # the engine was told
     assert in_flight(handle) == 0
+    assert [r.getMessage() for r in caplog.records if "--shutdown-timeout" in r.getMessage()] == [
+        "shutting down: 1 request still being answered after 0.3 s (--shutdown-timeout): cut, their connections "
+        "closed"]
     await assert_invariants(handle, [backend], floor)
 
 

@@ -1150,6 +1150,10 @@ class FrontServer:
             if self.hurried or not any(c.busy for c in self.clients) or self.loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
+        cut = sum(1 for c in self.clients if c.busy)
+        if cut and not self.hurried:  # (a second stop signal says so itself)
+            log.warning("shutting down: %d request%s still being answered after %g s (--shutdown-timeout): "
+                        "cut, their connections closed", cut, "" if cut == 1 else "s", timeout_s)
         for t in list(self.tasks):
             t.cancel()
         if self.tasks:
