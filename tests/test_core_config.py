@@ -125,8 +125,12 @@ def test_yaml_unknown_setting_and_syntax():
 
 
 def test_duplicate_instances_rejected():
-    with pytest.raises(ConfigError, match="duplicate instance URL"):
+    with pytest.raises(ConfigError, match="duplicate instance URL 'http://a:1'"):
         FleetConfig.single(["http://a:1", "http://a:1/"], RoutingConfig())
+    many = [f"http://10.0.{i // 250}.{i % 250}:8000" for i in range(10_000)]
+    with pytest.raises(ConfigError) as exc:  # one repeat among 10,000: named, not the whole list
+        FleetConfig.single([*many, many[7]], RoutingConfig())
+    assert str(exc.value).endswith("duplicate instance URL 'http://10.0.0.7:8000'") and len(str(exc.value)) < 300
 
 
 @pytest.mark.parametrize("doc, needle", [

@@ -459,3 +459,18 @@ async def test_a_client_that_leaves_after_done_got_the_whole_answer(backends, ht
     finally:
         await handle.close()
     await assert_invariants(handle, backends, floor)
+
+
+@pytest.mark.parametrize("tail, done", [
+    (b'"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n', True),
+    (b'}]}\r\n\r\ndata: [DONE]\r\n\r\n', True),
+    (b'"stop"}]}\n\ndata:[DONE]\n\n', True),
+    (b'{"delta":{"content":"say [DONE]"}}\n\n', False),  # a token's text is not the event
+    (b'"content":"data: [DONE]"}}]}\n\n', False),
+    (b'data: [DONE]\n\ndata: {"x":1}\n\n', False),  # not the last event
+    (b'data: [DONE]\n\n', False),  # no line before it in the window: not known to start a line
+])
+def test_the_end_of_a_stream_is_its_done_event_only(tail, done):
+    from prefixroute.server.proxy import ends_with_done
+
+    assert ends_with_done(tail) is done

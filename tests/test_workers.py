@@ -967,4 +967,25 @@ def test_worker_timeout_flag():
     assert build_settings(parser.parse_args(["--backend", "http://a:1"])).worker_timeout_s == 60.0
     with pytest.raises(ConfigError, match="worker timeout"):
         ServerSettings(worker_timeout_s=-1)
+    with pytest.raises(ConfigError, match="worker timeout: 0.05 s is too short"):
+        ServerSettings(worker_timeout_s=0.05)
+    assert ServerSettings(worker_timeout_s=0).worker_timeout_s == 0
     assert "--worker-timeout SECONDS" in parser.format_help()
+
+
+async def test_a_pause_of_the_supervisor_itself_kills_no_worker(backends):
+    # Stopped (a process group's Ctrl-Z, a paused container), the supervisor sent no
+    # probe: the workers' silence meanwhile is not theirs.
+    serve = await Serve.start(*[a for b in backends for a in ("--backend", b.url)], "--worker-timeout", "2")
+    try:
+        before = await serve.workers()
+        os.kill(serve.proc.pid, signal.SIGSTOP)
+        await asyncio.sleep(3.5)
+        os.kill(serve.proc.pid, signal.SIGCONT)
+        await asyncio.sleep(2.0)  # the watchdog's next rounds
+        after = await serve.workers()
+        assert [(w["Pid"], w["Restarts"]) for w in after] == [(w["Pid"], 0) for w in before]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(serve.proc.pid, signal.SIGCONT)
+        assert await serve.stop() == 0

@@ -13,7 +13,7 @@ the value and the allowed range, e.g.
 from __future__ import annotations
 
 import enum
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -269,6 +269,19 @@ class RoutingConfig(BaseModel):
 MAX_ERROR_CLAUSES = 10
 
 
+def _dupes(items: Sequence[Any]) -> str:
+    """The repeated ones of ``items``, at most ten, for an error message (a list of
+    10,000 instances with one repeat must not be quoted whole)."""
+    seen: set[Any] = set()
+    repeated: list[Any] = []
+    for x in items:
+        if x in seen and x not in repeated:
+            repeated.append(x)
+        seen.add(x)
+    shown = ", ".join(repr(x)[:80] for x in repeated[:10])
+    return shown + (f" (and {len(repeated) - 10:,} more)" if len(repeated) > 10 else "")
+
+
 def format_validation_error(exc: ValidationError, root: str = "") -> str:
     """One clause per problem, ``path.to.Field: message``, joined by ``; ``; at most
     :data:`MAX_ERROR_CLAUSES`, then ``... and N more problems``."""
@@ -341,7 +354,7 @@ class VariantConfig(BaseModel):
     def _v_instances(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         out = [_instance_url(url) for url in v]
         if len(set(out)) != len(out):
-            raise ValueError(f"Instances: duplicate instance URL in {list(v)}")
+            raise ValueError(f"Instances: duplicate instance URL {_dupes(out)}")
         return tuple(out)
 
 
@@ -376,7 +389,7 @@ class EndpointConfig(BaseModel):
     def _v_unique(self) -> "EndpointConfig":
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names):
-            raise ValueError(f"endpoint {self.name!r}: duplicate variant names {names}")
+            raise ValueError(f"endpoint {self.name!r}: duplicate variant names {_dupes(names)}")
         return self
 
 
@@ -391,7 +404,7 @@ class FleetConfig(BaseModel):
     def _v_unique(self) -> "FleetConfig":
         names = [e.name for e in self.endpoints]
         if len(set(names)) != len(names):
-            raise ValueError(f"duplicate endpoint names {names}")
+            raise ValueError(f"duplicate endpoint names {_dupes(names)}")
         return self
 
     @classmethod

@@ -73,7 +73,7 @@ from prefixroute.server.app import (
     transfer_refused,
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
-    connect_failed, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
+    connect_failed, ends_with_done, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
@@ -149,10 +149,11 @@ _DATE = _Date()
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Longest request header line accepted (aiohttp's limit): 431 beyond.
 MAX_FIELD_BYTES = 8190
-#: Most header fields a request may have (aiohttp's limit, which answers 400 beyond):
-#: 431 beyond. Without it, a request with thousands of small headers within
-#: MAX_HEAD_BYTES would be relayed to the engine whole.
-MAX_HEADERS = 128
+#: Most header fields a request may have: 431 beyond. Without it, a request with
+#: thousands of small headers within MAX_HEAD_BYTES would be relayed to the engine
+#: whole. HAProxy's default (101 with the request line); below aiohttp's 128, with room
+#: for the fields the router adds to what it passes on (to the aiohttp app, to an engine).
+MAX_HEADERS = 100
 #: Seconds a connection refused mid-request (413, 431, 400) keeps reading and dropping
 #: what the client still sends before it closes: closing with unread bytes would reset
 #: the connection, and the client could lose the answer.
@@ -1635,7 +1636,7 @@ class FrontServer:
             if framed_out:
                 if not client.closed and transport is not None:
                     transport.writelines(framed_out)
-                    if done_marks and not rr.completed_status and b"[DONE]" in reply.tail:
+                    if done_marks and not rr.completed_status and ends_with_done(reply.tail):
                         rr.completed_status = reply.status
                 framed_out.clear()
 
@@ -1651,7 +1652,7 @@ class FrontServer:
         if not up.done.done():
             client.write(b"".join(parts))
             parts = []
-            if done_marks and not client.closed and b"[DONE]" in reply.tail:
+            if done_marks and not client.closed and ends_with_done(reply.tail):
                 rr.completed_status = reply.status
             client.upstream = up
             up.sink, up.flush = sink, flush

@@ -72,6 +72,14 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _LARGE_BODY = 1 << 20  # bytes; aiohttp's threshold for "large" raw bodies
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept in ModelError.OriginalMessage
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
+
+
+def ends_with_done(tail: bytes) -> bool:
+    """Whether an event stream's last bytes (``tail``, at most :data:`_TAIL`) are its
+    ``data: [DONE]`` event: that line last, after a line break, then only line breaks
+    (a token whose text is "[DONE]" is not it)."""
+    lines = tail.rstrip(b"\r\n").split(b"\n")
+    return len(lines) >= 2 and lines[-1].rstrip(b"\r") in (b"data: [DONE]", b"data:[DONE]")
 _MODELS_TIMEOUT_S = 30.0  # GET /v1/models is not inference: it answers at once or not at all
 
 _UploadTracker: Any = getattr(aiohttp, "UploadTracker", None)
@@ -108,10 +116,11 @@ class RoutedRequest:
         blocks: chained block hashes (CACHE_AWARE), or empty.
         decoded: the body came gzip or deflate encoded and is sent on decoded (the
             client's digests of it are then not sent on).
-        completed_status: the status of an OpenAI event stream whose ``data: [DONE]``
-            has been written to the client (0 until then). A client that closes after
-            it (the ``openai`` client does, before the instance ends its body) got the
-            whole answer: its ``responses_total`` code is this status, not 499.
+        completed_status: the status of an OpenAI event stream whose final
+            ``data: [DONE]`` event has been handed to the client's connection (0 until
+            then; :func:`ends_with_done`). A client that closes after it (the ``openai``
+            client does, before the instance ends its body) had the whole answer: its
+            ``responses_total`` code is this status, not 499.
     """
 
     request: web.Request | None
@@ -450,7 +459,7 @@ async def _relay(
             await resp.write(eventstream.payload_part(chunk) if framed else chunk)
         except ConnectionError:
             return resp, rr.completed_status or 499
-        if sse and rr.api is Api.OPENAI and not rr.completed_status and b"[DONE]" in tail:
+        if sse and rr.api is Api.OPENAI and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status
     if first:
         ttft.observe(time.perf_counter() - rr.t0)

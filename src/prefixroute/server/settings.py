@@ -121,7 +121,8 @@ class ServerSettings:
             without answering the supervisor's probe (its admin API, asked every
             quarter of this) before it is killed (SIGKILL) and restarted: a worker whose
             event loop a bug blocks, or that is stopped (SIGSTOP), would otherwise keep
-            its share of the port's new connections, which would hang. 0: never.
+            its share of the port's new connections, which would hang. 0: never;
+            else at least 1 s.
         data_plane: ``"fast"`` (default): the public port runs on raw asyncio
             protocols with httptools, inference requests relayed there and everything
             else passed to the aiohttp app (:mod:`prefixroute.server.dataplane`);
@@ -185,6 +186,9 @@ class ServerSettings:
         _duration("metrics scrape timeout", self.metrics_scrape_timeout_s, positive=True)
         _count("workers", self.workers, 1, MAX_WORKERS)
         _duration("worker timeout", self.worker_timeout_s)
+        if 0 < self.worker_timeout_s < 1:
+            raise ConfigError(f"worker timeout: {self.worker_timeout_s:g} s is too short for a probe to come back "
+                              "(at least 1 s, or 0 to disable)")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.admin_token is not None and not self.admin_token:

@@ -657,12 +657,23 @@ class Supervisor:
         ``timeout`` seconds: its event loop blocked (a bug) or its process stopped, it
         would keep getting its share of the port's new connections (the kernel's
         SO_REUSEPORT spreading does not know), and they would hang. Its exit restarts
-        it (:meth:`_on_exit`). A probe is one admin call (``GET /admin/config``), every
-        ``timeout / 4`` seconds; any answer counts."""
-        every = max(0.1, timeout / 4)
+        it (:meth:`_on_exit`). A probe is one admin call (``GET /admin/config``), sent
+        every ``timeout / 4`` seconds unless the last one is still waiting; any answer
+        counts. A pause of the supervisor itself (longer than two probe intervals)
+        restarts every worker's count: its silence was not the workers'."""
+        every = timeout / 4
+        tick = time.monotonic()
+        for w in self._workers:  # probed from now on (the first ready waited for the others)
+            w.answered = max(w.answered, tick)
         while not self._stopping:
             await asyncio.sleep(every)
             now = time.monotonic()
+            if now - tick > 2 * every:
+                # This process did not run for a while (stopped, a paused container, a
+                # frozen VM): no probe was sent, so the workers' silence says nothing.
+                for w in self._workers:
+                    w.answered = max(w.answered, now)
+            tick = now
             for w in self._workers:
                 if self._stopping or not w.serving or w.process is None:
                     continue
@@ -673,9 +684,10 @@ class Supervisor:
                     w.answered = now  # (killed once)
                     w.process.kill()
                 elif w.probe is None or w.probe.done():
-                    w.probe = asyncio.ensure_future(self._probe(w, every))
+                    w.probe = asyncio.ensure_future(self._probe(w, timeout))
 
     async def _probe(self, w: _Worker, timeout: float) -> None:
+        """One probe: an answer, however late within ``timeout``, counts."""
         try:
             async with asyncio.timeout(timeout):
                 await self._call(w, "GET", "/admin/config")
