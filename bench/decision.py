@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         doc = {"benchmark": "decision", "command": " ".join([sys.executable.rsplit('/', 1)[-1], *sys.argv]),
                "prefixroute_commit": source_commit(), "python": platform.python_version(),
-               "machine": platform.machine(), "interpreter_reference_us": {"before": reference, "after": reference_after}, "number": number,
+               "machine": platform.machine(),
+               "interpreter_reference_us": {"before": reference, "after": reference_after}, "number": number,
                "repeats": repeats, "goal_us": GOAL_US, "rows": rows}
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=2)

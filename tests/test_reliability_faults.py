@@ -468,7 +468,9 @@ async def test_a_client_that_leaves_after_done_got_the_whole_answer(backends, ht
     (b'{"delta":{"content":"say [DONE]"}}\n\n', False),  # a token's text is not the event
     (b'"content":"data: [DONE]"}}]}\n\n', False),
     (b'data: [DONE]\n\ndata: {"x":1}\n\n', False),  # not the last event
-    (b'data: [DONE]\n\n', False),  # no line before it in the window: not known to start a line
+    (b'data: [DONE]\n\n', True),  # the whole stream (shorter than the window kept)
+    (b'xxxxxxxxxxxxxxxxxx data: [DONE]\n\n', False),
+    (b'data: [DONE]' + b'\n' * 20, False),  # the window starts at it: not known to start a line
 ])
 def test_the_end_of_a_stream_is_its_done_event_only(tail, done):
     from prefixroute.server.proxy import ends_with_done

@@ -269,6 +269,13 @@ class RoutingConfig(BaseModel):
 MAX_ERROR_CLAUSES = 10
 
 
+def _shown(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` for an error message, cut to ``limit`` characters with ``...``
+    (a huge value, repeated in a YAML file by aliases, must not be quoted whole)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _dupes(items: Sequence[Any]) -> str:
     """The repeated ones of ``items``, at most ten, for an error message (a list of
     10,000 instances with one repeat must not be quoted whole)."""
@@ -278,7 +285,7 @@ def _dupes(items: Sequence[Any]) -> str:
         if x in seen and x not in repeated:
             repeated.append(x)
         seen.add(x)
-    shown = ", ".join(repr(x)[:80] for x in repeated[:10])
+    shown = ", ".join(_shown(x, 80) for x in repeated[:10])
     return shown + (f" (and {len(repeated) - 10:,} more)" if len(repeated) > 10 else "")
 
 
@@ -307,12 +314,12 @@ def format_validation_error(exc: ValidationError, root: str = "") -> str:
         elif kind == "missing":
             msg = "is required"
         elif kind in ("greater_than", "greater_than_equal", "less_than", "less_than_equal", "too_short", "too_long"):
-            msg = f"{msg} (got {err.get('input')!r:.60})"
+            msg = f"{msg} (got {_shown(err.get('input'))})"
         elif kind in ("model_type", "dict_type", "model_attributes_type", "tuple_type", "list_type"):
             expected = "a list" if kind in ("tuple_type", "list_type") else "a mapping"
-            msg = f"must be {expected} (got {type(err.get('input')).__name__} {err.get('input')!r:.60})"
+            msg = f"must be {expected} (got {type(err.get('input')).__name__} {_shown(err.get('input'))})"
         elif kind == "extra_forbidden":
-            msg = f"is not a known setting (value {err.get('input')!r:.60})"
+            msg = f"is not a known setting (value {_shown(err.get('input'))})"
         path = ".".join(p for p in (root, *parts) if p)
         if kind == "value_error":
             lines.append(f"{path}.{msg}" if path and ":" in msg else (f"{path}: {msg}" if path else msg))
@@ -415,7 +422,7 @@ class FleetConfig(BaseModel):
             ConfigError: any invalid field; the message gives its path.
         """
         if not isinstance(data, dict):
-            shown = "an empty document" if data is None else f"{type(data).__name__} {data!r:.60}"
+            shown = "an empty document" if data is None else f"{type(data).__name__} {_shown(data)}"
             raise ConfigError(f"the configuration must be a mapping with an 'Endpoints' list (got {shown})")
         return parse_model(cls, data)
 

@@ -1580,7 +1580,7 @@ class FrontServer:
         variant = rr.pool.name
         m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
         m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
-        if reply.sse and rr.api is Api.OPENAI and b"[DONE]" not in reply.tail:
+        if reply.sse and rr.api is Api.OPENAI and not ends_with_done(reply.tail):
             m.upstream_errors.labels(instance, "no_done").inc()
         return reply.status
 
@@ -1676,7 +1676,7 @@ class FrontServer:
             return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
         if not reply.first_s:
             ttft.observe(time.perf_counter() - rr.t0)
-        if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
+        if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
             m.upstream_errors.labels(instance, "no_done").inc()
         if client.closed:
             return rr.completed_status or 499

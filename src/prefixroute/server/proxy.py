@@ -72,15 +72,18 @@ _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _LARGE_BODY = 1 << 20  # bytes; aiohttp's threshold for "large" raw bodies
 _MAX_ERROR_BODY = 8192  # characters of a model's error body kept in ModelError.OriginalMessage
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
+_MODELS_TIMEOUT_S = 30.0  # GET /v1/models is not inference: it answers at once or not at all
 
 
 def ends_with_done(tail: bytes) -> bool:
-    """Whether an event stream's last bytes (``tail``, at most :data:`_TAIL`) are its
-    ``data: [DONE]`` event: that line last, after a line break, then only line breaks
-    (a token whose text is "[DONE]" is not it)."""
+    """Whether an event stream's last bytes (``tail``: its last :data:`_TAIL`, or all
+    of it if shorter) are its ``data: [DONE]`` event: that line last, then only line
+    breaks, and known to start a line (a line break before it, or the stream's start).
+    A token whose text is "[DONE]" is not it."""
+    if b"[DONE]" not in tail:  # (most calls: one search in C)
+        return False
     lines = tail.rstrip(b"\r\n").split(b"\n")
-    return len(lines) >= 2 and lines[-1].rstrip(b"\r") in (b"data: [DONE]", b"data:[DONE]")
-_MODELS_TIMEOUT_S = 30.0  # GET /v1/models is not inference: it answers at once or not at all
+    return lines[-1].rstrip(b"\r") in (b"data: [DONE]", b"data:[DONE]") and (len(lines) >= 2 or len(tail) < _TAIL)
 
 _UploadTracker: Any = getattr(aiohttp, "UploadTracker", None)
 if _UploadTracker is not None and "upload_tracker" not in inspect.signature(aiohttp.ClientSession._request).parameters:
@@ -464,7 +467,7 @@ async def _relay(
     if first:
         ttft.observe(time.perf_counter() - rr.t0)
     upstream.release()
-    if sse and rr.api is Api.OPENAI and b"[DONE]" not in tail:
+    if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
         m.upstream_errors.labels(instance, "no_done").inc()
     try:
         await resp.write_eof()
