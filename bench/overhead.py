@@ -13,7 +13,10 @@ One program, one fast backend, the same requests for every router:
   ``CACHE_AWARE``; ``prefixroute serve``, its default fast data plane), prefixroute
   ``PREFIX_AWARE`` on the aiohttp data plane (``--data-plane aiohttp``, the reference
   implementation: what the fast one saves), prefixroute ``CACHE_AWARE`` with ``--workers
-  2`` (when ``prefixroute serve`` has that option; else listed as skipped), HAProxy with
+  2`` (when ``prefixroute serve`` has that option; else listed as skipped), the **python
+  relay floor** (``bench/relay_floor.py``: a bare round-robin relay on prefixroute's own
+  stack, CPython + uvloop + httptools, with no routing, parsing or bookkeeping: what
+  any router written this way adds at the least), HAProxy with
   ``balance hash`` on the body's first 4096 bytes and ``hash-balance-factor 150``, the
   SGLang router (``sglang-router``, ``cache_aware``) and vLLM's router (``vllm-router``,
   ``cache_aware``), each with its defaults otherwise;
@@ -120,6 +123,8 @@ FAST_BACKEND = BENCH_DIR / "fast_backend.py"
 #: The label ratios of added latency are taken against, and the one of requests/s.
 LATENCY_REFERENCE = "haproxy hash-balance-factor"
 THROUGHPUT_REFERENCE = "sglang-router cache_aware"
+#: The reference row of what a bare Python relay costs (bench/relay_floor.py).
+RELAY_FLOOR_LABEL = "python relay floor"
 DIRECT = "direct"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -568,6 +573,35 @@ class MultiWorkerPrefixrouteSpec(PrefixrouteSpec):
         return RunningRouter(self, proc, url, backends)
 
 
+RELAY_FLOOR = BENCH_DIR / "relay_floor.py"
+_RELAY_READY = re.compile(r"relay-floor listening on (http://\S+)")
+
+
+@dataclass(frozen=True)
+class RelayFloorSpec(RouterSpec):
+    """``bench/relay_floor.py``: a bare Python relay on prefixroute's own stack (CPython,
+    uvloop, httptools) that routes round robin and does nothing else, so that its added
+    latency is the floor under any router written this way (nothing to install)."""
+
+    python: str = sys.executable
+
+    @property
+    def peer(self) -> str:
+        return ""
+
+    def start(self, tracker, backends, executable="", all_backends=(), ready_timeout_s=60.0):
+        argv = [self.python, str(RELAY_FLOOR), "--port", "0", *[a for b in backends for a in ("--backend", b)]]
+        proc = tracker.start("relay-floor", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        urls: list[str] = []
+
+        def ready() -> bool:
+            urls[:] = _RELAY_READY.findall(proc.tail(5))
+            return bool(urls)
+
+        proc.wait_ready(ready, ready_timeout_s, "listening")
+        return RunningRouter(self, proc, urls[0], backends)
+
+
 def prefixroute_workers_option(python: str = sys.executable) -> str:
     """"" when ``prefixroute serve`` has ``--workers``, else why the multi-worker row is skipped."""
     try:
@@ -598,6 +632,7 @@ def router_specs(s: OverheadSettings) -> list[RouterSpec]:
                         extra_args=("--data-plane", "aiohttp")),
         MultiWorkerPrefixrouteSpec(f"prefixroute CACHE_AWARE --workers {s.workers}", "prefixroute", "CACHE_AWARE",
                                    routing=cache_aware, workers=s.workers),
+        RelayFloorSpec(RELAY_FLOOR_LABEL, "python-relay-floor", "round robin, no routing"),
         HAProxySpec(LATENCY_REFERENCE, "haproxy", f"hash body[:{s.prefix_length}] balance-factor {s.balance_factor}",
                     hash_bytes=s.prefix_length, balance_factor=s.balance_factor),
         SGLangRouterSpec(THROUGHPUT_REFERENCE, "sglang-router", "cache_aware"),

@@ -269,6 +269,33 @@ def test_measure_direct_and_through_prefixroute(tracker, backend, script):
     tracker.stop([router.process])
 
 
+def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, backend, script):
+    wrk = _wrk()
+    spec = next(r for r in overhead.router_specs(overhead.FULL) if r.label == overhead.RELAY_FLOOR_LABEL)
+    assert spec.peer == ""  # nothing to install: it runs on prefixroute's own dependencies
+    router = spec.start(tracker, backend.urls)
+    target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid)
+    for stream in (False, True):
+        cell = overhead.Cell(2, 32768, stream)
+        files = overhead.write_bodies(tracker.workdir / f"floor-{stream}", overhead.make_bodies(32768, stream, 16),
+                                      f"floor-{stream}")
+        m = overhead.measure(tracker, target, cell, files, 1, backend=backend, wrk=wrk, script=script)
+        assert m.wrk.error_count == 0 and m.wrk.requests > 50
+        assert sum(m.instance_requests) == m.backend_requests >= m.wrk.requests
+        assert max(m.instance_requests) - min(m.instance_requests) <= 2  # round robin over the instances
+        assert m.backend_unknown == {}
+    # The answers arrive whole: a stream ends with its last chunk, a JSON answer with its body.
+    import urllib.request
+
+    for stream, end in ((False, b"}"), (True, b"data: [DONE]\n\n")):
+        body = overhead.make_bodies(1024, stream, 1)[0]
+        req = urllib.request.Request(router.url + "/v1/chat/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=10) as r:
+            assert r.status == 200 and r.read().rstrip(b"\n").endswith(end.rstrip(b"\n"))
+    tracker.stop([router.process])
+
+
 def test_settings_from_flags():
     q = overhead.settings_from(overhead.parse_args(["--quick"]))
     assert q == overhead.QUICK and q.concurrency == (1, 64) and q.body_sizes == (32768,)
@@ -283,6 +310,8 @@ def test_settings_from_flags():
     assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
                       "prefixroute CACHE_AWARE", "prefixroute PREFIX_AWARE --data-plane aiohttp",
                       "prefixroute CACHE_AWARE --workers 2"]
+    assert [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "python-relay-floor")] == \
+        [overhead.RELAY_FLOOR_LABEL]
 
 
 def test_process_tree_readings_of_this_process():

@@ -1,0 +1,189 @@
+"""The least a Python HTTP/1.1 relay can cost: a reference row for ``bench/overhead.py``.
+
+prefixroute's data plane runs on CPython, uvloop and ``httptools`` (llhttp). This
+program runs on the same three and does nothing else: no routing key, no JSON, no
+header rewriting, no metrics, no timeouts, no retries. It reads a request with
+``httptools``, sends its method, path, ``Content-Type`` and body to the next instance
+in turn (round robin) over a kept-alive connection, and copies the instance's answer
+to the client byte for byte as it arrives (a stream chunk by chunk). What it adds to a
+request is what the interpreter, the event loop and the two extra sockets cost, the
+floor under any router written this way; what prefixroute adds above it is its own
+work. It is a measuring instrument, not a proxy to deploy: it trusts both sides.
+
+Usage::
+
+    python bench/relay_floor.py --port 0 --backend http://127.0.0.1:9001 --backend http://127.0.0.1:9002
+
+Prints ``relay-floor listening on http://HOST:PORT``, then relays until SIGTERM or SIGINT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import signal
+import sys
+from urllib.parse import urlsplit
+
+import httptools
+
+try:
+    import uvloop
+except ImportError:  # pragma: no cover - uvloop is a dependency of prefixroute on Linux
+    uvloop = None  # type: ignore[assignment]
+
+
+class _Upstream(asyncio.Protocol):
+    """One kept-alive connection to an instance; relays one answer at a time."""
+
+    def __init__(self, pool: "_Pool") -> None:
+        self.pool = pool
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.client: _Client | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        client = self.client
+        if client is not None and client.transport is not None:
+            client.transport.write(data)  # the answer's bytes as they came
+        self.parser.feed_data(data)
+
+    def on_message_complete(self) -> None:
+        client, self.client = self.client, None
+        self.pool.idle.append(self)
+        if client is not None:
+            client.answered()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self in self.pool.idle:
+            self.pool.idle.remove(self)
+        client, self.client = self.client, None
+        if client is not None and client.transport is not None:
+            client.transport.abort()
+
+
+class _Pool:
+    """Kept-alive connections to one instance."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.idle: collections.deque[_Upstream] = collections.deque()
+
+    async def connect(self) -> _Upstream:
+        _, up = await asyncio.get_running_loop().create_connection(lambda: _Upstream(self), self.host, self.port)
+        return up
+
+
+class _Client(asyncio.Protocol):
+    """One client connection: requests answered in order, one at a time."""
+
+    pools: list[_Pool] = []
+    turn = 0
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.url = b""
+        self.content_type = b"application/json"
+        self.body: list[bytes] = []
+        self.queue: collections.deque[bytes] = collections.deque()
+        self.busy = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            if self.transport is not None:
+                self.transport.close()
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() == b"content-type":
+            self.content_type = value
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        body = b"".join(self.body)
+        method = self.parser.get_method()
+        self.queue.append(b"%s %s HTTP/1.1\r\nHost: backend\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
+                          % (method, self.url, self.content_type, len(body), body))
+        self.url, self.body = b"", []
+        if not self.busy:
+            self._next()
+
+    def _next(self) -> None:
+        if not self.queue or self.transport is None or self.transport.is_closing():
+            return
+        self.busy = True
+        request = self.queue.popleft()
+        pool = self.pools[_Client.turn % len(self.pools)]
+        _Client.turn += 1
+        if pool.idle:
+            self._send(pool.idle.pop(), request)
+        else:
+            asyncio.ensure_future(self._connect_and_send(pool, request))
+
+    async def _connect_and_send(self, pool: _Pool, request: bytes) -> None:
+        try:
+            up = await pool.connect()
+        except OSError:
+            if self.transport is not None:
+                self.transport.abort()
+            return
+        self._send(up, request)
+
+    def _send(self, up: _Upstream, request: bytes) -> None:
+        up.client = self
+        assert up.transport is not None
+        up.transport.write(request)
+
+    def answered(self) -> None:
+        self.busy = False
+        self._next()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+
+
+async def serve(host: str, port: int, backends: list[str]) -> None:
+    """Relay on ``host:port`` to ``backends`` (``http://HOST:PORT`` each) until stopped."""
+    for url in backends:
+        u = urlsplit(url)
+        _Client.pools.append(_Pool(u.hostname or "127.0.0.1", u.port or 80))
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(_Client, host, port, backlog=4096)
+    bound = server.sockets[0].getsockname()
+    print(f"relay-floor listening on http://{bound[0]}:{bound[1]}", flush=True)
+    stop = loop.create_future()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: stop.done() or stop.set_result(None))
+    await stop
+    server.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python bench/relay_floor.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=0, help="port to listen on; 0 picks a free one (default)")
+    p.add_argument("--backend", action="append", default=[], required=True,
+                   help="base URL of one instance, http://HOST:PORT; repeat for each")
+    args = p.parse_args(argv)
+    if uvloop is not None:
+        uvloop.install()
+    asyncio.run(serve(args.host, args.port, args.backend))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
