@@ -15,8 +15,8 @@ One program, one fast backend, the same requests for every router:
   implementation: what the fast one saves), prefixroute ``CACHE_AWARE`` with ``--workers
   2`` (when ``prefixroute serve`` has that option; else listed as skipped), the **python
   relay floor** (``bench/relay_floor.py``: a bare round-robin relay on prefixroute's own
-  stack, CPython + uvloop + httptools, with no routing, parsing or bookkeeping: what
-  any router written this way adds at the least), HAProxy with
+  stack, CPython + uvloop + httptools, with no routing, JSON or bookkeeping: about the
+  least a router written this way adds), HAProxy with
   ``balance hash`` on the body's first 4096 bytes and ``hash-balance-factor 150``, the
   SGLang router (``sglang-router``, ``cache_aware``) and vLLM's router (``vllm-router``,
   ``cache_aware``), each with its defaults otherwise;
@@ -580,8 +580,8 @@ _RELAY_READY = re.compile(r"relay-floor listening on (http://\S+)")
 @dataclass(frozen=True)
 class RelayFloorSpec(RouterSpec):
     """``bench/relay_floor.py``: a bare Python relay on prefixroute's own stack (CPython,
-    uvloop, httptools) that routes round robin and does nothing else, so that its added
-    latency is the floor under any router written this way (nothing to install)."""
+    uvloop, httptools) that routes round robin and does little else, so that its added
+    latency is about the least a router written this way adds (nothing to install)."""
 
     python: str = sys.executable
 

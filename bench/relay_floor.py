@@ -1,14 +1,20 @@
 """The least a Python HTTP/1.1 relay can cost: a reference row for ``bench/overhead.py``.
 
 prefixroute's data plane runs on CPython, uvloop and ``httptools`` (llhttp). This
-program runs on the same three and does nothing else: no routing key, no JSON, no
-header rewriting, no metrics, no timeouts, no retries. It reads a request with
-``httptools``, sends its method, path, ``Content-Type`` and body to the next instance
-in turn (round robin) over a kept-alive connection, and copies the instance's answer
-to the client byte for byte as it arrives (a stream chunk by chunk). What it adds to a
-request is what the interpreter, the event loop and the two extra sockets cost, the
-floor under any router written this way; what prefixroute adds above it is its own
-work. It is a measuring instrument, not a proxy to deploy: it trusts both sides.
+program runs on the same three and does little else: no routing key, no JSON, no
+metrics, no timeouts, no retries. It reads a request with ``httptools``, sends its
+method, target, end-to-end headers and body (re-framed with ``Content-Length``) to the
+next instance in turn (round robin) over a kept-alive connection, and copies the
+instance's answer to the client byte for byte, read by read. What it adds to a request
+is about what the interpreter, the event loop and the two extra sockets cost; what
+prefixroute adds above it is at most prefixroute's own work (the relay also skips some
+of what a correct proxy must do, below, so the gap is an upper bound).
+
+It is a measuring instrument for the benchmark's own backend, not a proxy to deploy:
+it trusts both sides. Not handled: ``Expect: 100-continue``, HTTP/1.0 clients, answers
+delimited by the connection's end, answers to ``HEAD``, a slow client (no flow
+control), a pooled connection the instance has just closed (the client connection is
+closed; no retry).
 
 Usage::
 
@@ -27,11 +33,11 @@ import sys
 from urllib.parse import urlsplit
 
 import httptools
+import uvloop  # prefixroute's own event loop (a dependency of it on Linux): no other loop is measured
 
-try:
-    import uvloop
-except ImportError:  # pragma: no cover - uvloop is a dependency of prefixroute on Linux
-    uvloop = None  # type: ignore[assignment]
+#: Request headers not relayed as they are: framing and hop-by-hop ones (RFC 9110 §7.6.1).
+_NOT_RELAYED = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te", b"trailer",
+                          b"upgrade", b"proxy-connection", b"expect", b"host"})
 
 
 class _Upstream(asyncio.Protocol):
@@ -54,16 +60,19 @@ class _Upstream(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         client, self.client = self.client, None
+        if client is None:  # an answer nobody asked for: never reuse this connection
+            if self.transport is not None:
+                self.transport.close()
+            return
         self.pool.idle.append(self)
-        if client is not None:
-            client.answered()
+        client.answered()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self in self.pool.idle:
             self.pool.idle.remove(self)
         client, self.client = self.client, None
         if client is not None and client.transport is not None:
-            client.transport.abort()
+            client.transport.close()  # what was relayed still reaches the client, then the end
 
 
 class _Pool:
@@ -81,14 +90,15 @@ class _Pool:
 class _Client(asyncio.Protocol):
     """One client connection: requests answered in order, one at a time."""
 
-    pools: list[_Pool] = []
+    pools: list[_Pool] = []  # one per instance (serve() fills it once per process)
     turn = 0
+    connecting: set[asyncio.Task[None]] = set()  # (a task must be referenced while it runs)
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
-        self.content_type = b"application/json"
+        self.headers: list[bytes] = []
         self.body: list[bytes] = []
         self.queue: collections.deque[bytes] = collections.deque()
         self.busy = False
@@ -107,18 +117,17 @@ class _Client(asyncio.Protocol):
         self.url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() == b"content-type":
-            self.content_type = value
+        if name.lower() not in _NOT_RELAYED:
+            self.headers.append(b"%s: %s\r\n" % (name, value))
 
     def on_body(self, body: bytes) -> None:
         self.body.append(body)
 
     def on_message_complete(self) -> None:
         body = b"".join(self.body)
-        method = self.parser.get_method()
-        self.queue.append(b"%s %s HTTP/1.1\r\nHost: backend\r\nContent-Type: %s\r\nContent-Length: %d\r\n\r\n%s"
-                          % (method, self.url, self.content_type, len(body), body))
-        self.url, self.body = b"", []
+        self.queue.append(b"%s %s HTTP/1.1\r\nHost: backend\r\n%sContent-Length: %d\r\n\r\n%s"
+                          % (self.parser.get_method(), self.url, b"".join(self.headers), len(body), body))
+        self.url, self.headers, self.body = b"", [], []
         if not self.busy:
             self._next()
 
@@ -132,7 +141,9 @@ class _Client(asyncio.Protocol):
         if pool.idle:
             self._send(pool.idle.pop(), request)
         else:
-            asyncio.ensure_future(self._connect_and_send(pool, request))
+            task = asyncio.get_running_loop().create_task(self._connect_and_send(pool, request))
+            self.connecting.add(task)
+            task.add_done_callback(self.connecting.discard)
 
     async def _connect_and_send(self, pool: _Pool, request: bytes) -> None:
         try:
@@ -179,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", action="append", default=[], required=True,
                    help="base URL of one instance, http://HOST:PORT; repeat for each")
     args = p.parse_args(argv)
-    if uvloop is not None:
-        uvloop.install()
+    uvloop.install()
     asyncio.run(serve(args.host, args.port, args.backend))
     return 0
 
