@@ -46,7 +46,9 @@ per (cell, target), as the median over rounds:
 * errors: non-2xx responses and socket errors (connect, read, write, timeout) from wrk.
 
 Tables add two ratios per cell: a router's added p50 latency over HAProxy's and its
-requests/s over sglang-router's. Requests a router sends the backend on its own (not
+requests/s over sglang-router's, of the medians, then in brackets the lowest and highest
+of the same ratio round by round (each round against the reference's figure of that
+round: a verdict that holds in the medians but not in every round shows). Requests a router sends the backend on its own (not
 health checks: e.g. tokenization calls) are counted by the backend and printed per
 router; the backend answers them 404.
 
@@ -775,6 +777,12 @@ class CellResult:
     added_p99_ms: float | None = None
     added_vs_haproxy: float | None = None
     rps_vs_sglang: float | None = None
+    #: Added p50 of each round (round -> ms), router minus direct in that round.
+    added_p50_by_round: dict[int, float] = field(default_factory=dict)
+    #: The same ratios round by round, each against the reference's figure of that round
+    #: (rounds where either is missing, or HAProxy's added p50 is not positive, are left out).
+    added_vs_haproxy_rounds: list[float] = field(default_factory=list)
+    rps_vs_sglang_rounds: list[float] = field(default_factory=list)
 
     @property
     def p50_ms(self) -> float | None:
@@ -829,13 +837,17 @@ class CellResult:
             "rounds_without_reply": self.rounds_without_reply,
             "added_p50_ms": self.added_p50_ms, "added_p99_ms": self.added_p99_ms,
             "added_p50_vs_haproxy": self.added_vs_haproxy, "throughput_vs_sglang_router": self.rps_vs_sglang,
+            "added_p50_vs_haproxy_rounds": self.added_vs_haproxy_rounds,
+            "throughput_vs_sglang_router_rounds": self.rps_vs_sglang_rounds,
             "router_cpu_us_per_request": self.cpu_us_per_request, "router_peak_rss_bytes": self.peak_rss_bytes,
         }
 
 
 def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) -> list[CellResult]:
     """Group measurements by (cell, target) and compute added latency (median over rounds
-    of router minus direct in the same round) and the ratios to the reference routers."""
+    of router minus direct in the same round) and the ratios to the reference routers:
+    of the medians, and round by round (each round's figure against the reference's
+    figure of the same round)."""
     by_target = {t.label: t for t in targets}
     groups: dict[tuple[Cell, str], list[Measurement]] = {}
     for m in measurements:
@@ -849,17 +861,23 @@ def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) ->
         if label != DIRECT and direct:
             paired = [(m, direct[m.round]) for m in ms
                       if m.round in direct and m.wrk.requests and direct[m.round].wrk.requests]
-            d50 = [m.wrk.p50_ms - d.wrk.p50_ms for m, d in paired]
+            cr.added_p50_by_round = {m.round: m.wrk.p50_ms - d.wrk.p50_ms for m, d in paired}
             d99 = [m.wrk.p99_ms - d.wrk.p99_ms for m, d in paired]
-            cr.added_p50_ms, cr.added_p99_ms = _median(d50), _median(d99)
+            cr.added_p50_ms, cr.added_p99_ms = _median(list(cr.added_p50_by_round.values())), _median(d99)
         out.append(cr)
     for cr in out:
         ref = next((r for r in out if r.cell == cr.cell and r.target.label == LATENCY_REFERENCE), None)
         if ref is not None and cr.added_p50_ms is not None and ref.added_p50_ms and ref.added_p50_ms > 0:
             cr.added_vs_haproxy = cr.added_p50_ms / ref.added_p50_ms
+        if ref is not None:
+            cr.added_vs_haproxy_rounds = [a / ref.added_p50_by_round[rnd] for rnd, a in sorted(cr.added_p50_by_round.items())
+                                          if ref.added_p50_by_round.get(rnd, 0) > 0]
         ref = next((r for r in out if r.cell == cr.cell and r.target.label == THROUGHPUT_REFERENCE), None)
         if ref is not None and ref.rps > 0:
             cr.rps_vs_sglang = cr.rps / ref.rps
+        if ref is not None:
+            theirs = {m.round: m.wrk.rps for m in ref.rounds}
+            cr.rps_vs_sglang_rounds = [m.wrk.rps / theirs[m.round] for m in cr.rounds if theirs.get(m.round, 0) > 0]
     order = {t.label: i for i, t in enumerate(targets)}
     out.sort(key=lambda r: (r.cell.stream, r.cell.body_bytes, r.cell.concurrency, order[r.target.label]))
     return out
@@ -1013,6 +1031,16 @@ def _f(x: float | None, fmt: str, none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
+def _ratio(median: float | None, rounds: Sequence[float], fmt: str) -> str:
+    """A ratio of medians, then its lowest and highest round by round when there are
+    several rounds (``1.0 (0.9-1.8)``)."""
+    if median is None:
+        return "-"
+    if len(rounds) < 2:
+        return format(median, fmt)
+    return f"{median:{fmt}} ({min(rounds):{fmt}}-{max(rounds):{fmt}})"
+
+
 def render_cell_table(cell: Cell, results: Sequence[CellResult], s: OverheadSettings) -> Any:
     """A rich table of one cell: one row per target."""
     from rich.table import Table
@@ -1025,7 +1053,8 @@ def render_cell_table(cell: Cell, results: Sequence[CellResult], s: OverheadSett
     for r in results:
         table.add_row(
             r.target.label, _f(r.p50_ms, ".2f"), _f(r.p99_ms, ".2f"), _f(r.added_p50_ms, "+.2f"),
-            _f(r.added_p99_ms, "+.2f"), _f(r.added_vs_haproxy, ".1f"), f"{r.rps:,.0f}", _f(r.rps_vs_sglang, ".2f"),
+            _f(r.added_p99_ms, "+.2f"), _ratio(r.added_vs_haproxy, r.added_vs_haproxy_rounds, ".1f"), f"{r.rps:,.0f}",
+            _ratio(r.rps_vs_sglang, r.rps_vs_sglang_rounds, ".2f"),
             _f(r.cpu_us_per_request, ",.0f"),
             "-" if r.peak_rss_bytes is None else f"{r.peak_rss_bytes / 2**20:.0f} MiB", f"{r.requests:,}",
             str(r.errors) + (f" + {r.rounds_without_reply} rounds without reply" if r.rounds_without_reply else ""),
@@ -1404,7 +1433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rs:
             console.print(render_cell_table(cell, rs, s))
     console.print("added = router minus direct in the same round (ms); x HAProxy = added p50 / HAProxy's added "
-                  "p50; x sglang = req/s / sglang-router's req/s; CPU and peak RSS: the router's process tree")
+                  "p50; x sglang = req/s / sglang-router's req/s; in brackets, the lowest and highest of the same "
+                  "ratio round by round; CPU and peak RSS: the router's process tree")
     unknown: dict[str, dict[str, int]] = {}
     for m in measurements:
         for k, v in m.backend_unknown.items():

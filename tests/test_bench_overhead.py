@@ -296,6 +296,41 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
     tracker.stop([router.process])
 
 
+def _measured(label: str, rnd: int, p50_ms: float, rps: float) -> "overhead.Measurement":
+    wrk = overhead.WrkResult(requests=int(rps), duration_s=1.0, p50_ms=p50_ms, p90_ms=p50_ms, p99_ms=2 * p50_ms,
+                             mean_ms=p50_ms, max_ms=3 * p50_ms, errors={}, bytes=0)
+    return overhead.Measurement(label, rnd, overhead.Cell(1, 32768, False), wrk, None, None, False, 0.0, [int(rps)],
+                                int(rps), {})
+
+
+def test_ratios_are_given_of_the_medians_and_round_by_round():
+    targets = [overhead.Target(label, label, "", "", None) for label in
+               (overhead.DIRECT, "router", overhead.LATENCY_REFERENCE, overhead.THROUGHPUT_REFERENCE)]
+    # (p50 ms, req/s) per round: direct, router, HAProxy, sglang-router
+    rounds = [((0.20, 5000), (0.50, 1800), (0.35, 2600), (0.80, 1400)),
+              ((0.20, 5000), (0.52, 1600), (0.50, 1700), (0.80, 1100)),
+              ((0.20, 5000), (0.47, 1900), (0.49, 1500), (0.70, 1050))]
+    ms = [_measured(t.label, rnd, p50, rps) for rnd, row in enumerate(rounds) for t, (p50, rps) in zip(targets, row)]
+    results = {r.target.label: r for r in overhead.aggregate(ms, targets)}
+    router = results["router"]
+    assert router.added_p50_by_round == pytest.approx({0: 0.30, 1: 0.32, 2: 0.27})
+    assert router.added_p50_ms == pytest.approx(0.30)  # the median of the rounds
+    assert router.added_vs_haproxy == pytest.approx(0.30 / 0.29)  # of the medians: HAProxy's is +0.29
+    assert router.added_vs_haproxy_rounds == pytest.approx([0.30 / 0.15, 0.32 / 0.30, 0.27 / 0.29])
+    assert router.rps_vs_sglang == pytest.approx(1800 / 1100)
+    assert router.rps_vs_sglang_rounds == pytest.approx([1800 / 1400, 1600 / 1100, 1900 / 1050])
+    run = router.to_json()
+    assert run["added_p50_vs_haproxy_rounds"] == pytest.approx(router.added_vs_haproxy_rounds)
+    assert run["throughput_vs_sglang_router_rounds"] == pytest.approx(router.rps_vs_sglang_rounds)
+    assert results[overhead.DIRECT].added_vs_haproxy_rounds == []  # direct adds nothing
+    # A round in which HAProxy added nothing (or less than nothing) gives no ratio.
+    ms[2 * 4 + 2] = _measured(overhead.LATENCY_REFERENCE, 2, 0.19, 1500)
+    router = {r.target.label: r for r in overhead.aggregate(ms, targets)}["router"]
+    assert router.added_vs_haproxy_rounds == pytest.approx([0.30 / 0.15, 0.32 / 0.30])
+    assert overhead._ratio(1.03, [2.0, 1.07], ".1f") == "1.0 (1.1-2.0)"
+    assert overhead._ratio(1.03, [1.03], ".1f") == "1.0" and overhead._ratio(None, [], ".1f") == "-"
+
+
 def test_settings_from_flags():
     q = overhead.settings_from(overhead.parse_args(["--quick"]))
     assert q == overhead.QUICK and q.concurrency == (1, 64) and q.body_sizes == (32768,)
