@@ -1218,8 +1218,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-plots", action="store_true", help="do not write plots")
     p.add_argument("--routers", default="",
                    help="comma-separated router labels or their slugs (prefixroute-cache-aware, "
-                        "sglang-router-cache-aware...) or product names (prefixroute, haproxy, sglang-router, "
-                        "vllm-router) to measure; direct is always measured (default: all)")
+                        "sglang-router-cache-aware...) or product names (prefixroute, python-relay-floor, haproxy, "
+                        "sglang-router, vllm-router) to measure; direct is always measured (default: all)")
     p.add_argument("--concurrency", default="",
                    help="comma-separated wrk connection counts, e.g. 1,64 (default: 1,8,64,256)")
     p.add_argument("--body-sizes", default="",
