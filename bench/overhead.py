@@ -706,7 +706,8 @@ class Measurement:
                 "error_count": self.wrk.error_count, "router_cpu_s": self.router_cpu_s,
                 "router_cpu_us_per_request": self.router_cpu_us_per_request,
                 "router_peak_rss_bytes": self.router_peak_rss_bytes,
-                "peak_rss_scope": "this measurement" if self.peak_rss_reset else "since the router started",
+                "peak_rss_scope": None if self.router_peak_rss_bytes is None else
+                "this measurement" if self.peak_rss_reset else "since the router started",
                 "backend_cpu_s": self.backend_cpu_s, "backend_cpu_us_per_request": self.backend_cpu_us_per_request,
                 "backend_requests": self.backend_requests, "instance_requests": self.instance_requests,
                 "backend_unknown_requests": self.backend_unknown}
@@ -779,10 +780,11 @@ class CellResult:
     rps_vs_sglang: float | None = None
     #: Added p50 of each round (round -> ms), router minus direct in that round.
     added_p50_by_round: dict[int, float] = field(default_factory=dict)
-    #: The same ratios round by round, each against the reference's figure of that round
-    #: (rounds where either is missing, or HAProxy's added p50 is not positive, are left out).
-    added_vs_haproxy_rounds: list[float] = field(default_factory=list)
-    rps_vs_sglang_rounds: list[float] = field(default_factory=list)
+    #: The same ratios round by round (one entry per round of this target, in round
+    #: order), each against the reference's figure of that round; ``None`` for a round
+    #: where either is missing or HAProxy's added p50 is not positive (no ratio).
+    added_vs_haproxy_rounds: list[float | None] = field(default_factory=list)
+    rps_vs_sglang_rounds: list[float | None] = field(default_factory=list)
 
     @property
     def p50_ms(self) -> float | None:
@@ -869,15 +871,19 @@ def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) ->
         ref = next((r for r in out if r.cell == cr.cell and r.target.label == LATENCY_REFERENCE), None)
         if ref is not None and cr.added_p50_ms is not None and ref.added_p50_ms and ref.added_p50_ms > 0:
             cr.added_vs_haproxy = cr.added_p50_ms / ref.added_p50_ms
-        if ref is not None:
-            cr.added_vs_haproxy_rounds = [a / ref.added_p50_by_round[rnd] for rnd, a in sorted(cr.added_p50_by_round.items())
-                                          if ref.added_p50_by_round.get(rnd, 0) > 0]
+        if ref is not None and cr.added_p50_by_round:
+            theirs_added = ref.added_p50_by_round
+            cr.added_vs_haproxy_rounds = [
+                cr.added_p50_by_round[m.round] / theirs_added[m.round]
+                if m.round in cr.added_p50_by_round and theirs_added.get(m.round, 0) > 0 else None
+                for m in cr.rounds]
         ref = next((r for r in out if r.cell == cr.cell and r.target.label == THROUGHPUT_REFERENCE), None)
         if ref is not None and ref.rps > 0:
             cr.rps_vs_sglang = cr.rps / ref.rps
         if ref is not None:
             theirs = {m.round: m.wrk.rps for m in ref.rounds}
-            cr.rps_vs_sglang_rounds = [m.wrk.rps / theirs[m.round] for m in cr.rounds if theirs.get(m.round, 0) > 0]
+            cr.rps_vs_sglang_rounds = [m.wrk.rps / theirs[m.round] if theirs.get(m.round, 0) > 0 else None
+                                       for m in cr.rounds]
     order = {t.label: i for i, t in enumerate(targets)}
     out.sort(key=lambda r: (r.cell.stream, r.cell.body_bytes, r.cell.concurrency, order[r.target.label]))
     return out
@@ -1031,14 +1037,18 @@ def _f(x: float | None, fmt: str, none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
-def _ratio(median: float | None, rounds: Sequence[float], fmt: str) -> str:
+def _ratio(median: float | None, rounds: Sequence[float | None], fmt: str) -> str:
     """A ratio of medians, then its lowest and highest round by round when there are
-    several rounds (``1.0 (0.9-1.8)``)."""
+    several rounds (``1.0 (0.9-1.8)``), with how many rounds gave one when some did not
+    (``1.5 (0.5-0.6 in 2 of 3)``: HAProxy added nothing in a round, say). The ratio of
+    medians need not lie within the rounds' range."""
     if median is None:
         return "-"
-    if len(rounds) < 2:
+    known = [r for r in rounds if r is not None]
+    if len(rounds) < 2 or not known:
         return format(median, fmt)
-    return f"{median:{fmt}} ({min(rounds):{fmt}}-{max(rounds):{fmt}})"
+    some = f" in {len(known)} of {len(rounds)}" if len(known) < len(rounds) else ""
+    return f"{median:{fmt}} ({min(known):{fmt}}-{max(known):{fmt}}{some})"
 
 
 def render_cell_table(cell: Cell, results: Sequence[CellResult], s: OverheadSettings) -> Any:
@@ -1256,6 +1266,8 @@ def settings_from(args: argparse.Namespace) -> OverheadSettings:
             upd["concurrency"] = tuple(int(x) for x in args.concurrency.split(",") if x.strip())
         if args.body_sizes:
             upd["body_sizes"] = tuple(parse_size(x) for x in args.body_sizes.split(",") if x.strip())
+            for size in upd["body_sizes"]:
+                make_bodies(size, True, 1)  # (a size too small for a chat request raises ValueError: said below)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     if args.modes:
@@ -1433,8 +1445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rs:
             console.print(render_cell_table(cell, rs, s))
     console.print("added = router minus direct in the same round (ms); x HAProxy = added p50 / HAProxy's added "
-                  "p50; x sglang = req/s / sglang-router's req/s; in brackets, the lowest and highest of the same "
-                  "ratio round by round; CPU and peak RSS: the router's process tree")
+                  "p50; x sglang = req/s / sglang-router's req/s (both of the medians); in brackets, the lowest and highest "
+                  "of the same ratio round by round (a round in which HAProxy added nothing gives none); CPU and "
+                  "peak RSS: the router's process tree")
     unknown: dict[str, dict[str, int]] = {}
     for m in measurements:
         for k, v in m.backend_unknown.items():

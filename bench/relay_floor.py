@@ -11,10 +11,13 @@ prefixroute adds above it is at most prefixroute's own work (the relay also skip
 of what a correct proxy must do, below, so the gap is an upper bound).
 
 It is a measuring instrument for the benchmark's own backend, not a proxy to deploy:
-it trusts both sides. Not handled: ``Expect: 100-continue``, HTTP/1.0 clients, answers
-delimited by the connection's end, answers to ``HEAD``, a slow client (no flow
-control), a pooled connection the instance has just closed (the client connection is
-closed; no retry).
+it trusts both sides. Not handled: ``Expect: 100-continue``; HTTP/1.0 clients; a
+client's ``Connection: close`` (the connection stays open) or half-close (the
+connection is closed at once); requests that ask to upgrade the connection (the
+connection is closed); answers delimited by the connection's end; answers to ``HEAD``;
+a slow client (no flow control); a client that leaves mid-answer (the instance is not
+told: it finishes the answer, which is read and dropped); a pooled connection the
+instance has just closed (the client connection is closed; no retry).
 
 Usage::
 
@@ -109,7 +112,7 @@ class _Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError:
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # (not a subclass of the other)
             if self.transport is not None:
                 self.transport.close()
 
@@ -171,7 +174,7 @@ async def serve(host: str, port: int, backends: list[str]) -> None:
     """Relay on ``host:port`` to ``backends`` (``http://HOST:PORT`` each) until stopped."""
     for url in backends:
         u = urlsplit(url)
-        _Client.pools.append(_Pool(u.hostname or "127.0.0.1", u.port or 80))
+        _Client.pools.append(_Pool(u.hostname, u.port))  # type: ignore[arg-type]  # (checked by main)
     loop = asyncio.get_running_loop()
     server = await loop.create_server(_Client, host, port, backlog=4096)
     bound = server.sockets[0].getsockname()
@@ -190,6 +193,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", action="append", default=[], required=True,
                    help="base URL of one instance, http://HOST:PORT; repeat for each")
     args = p.parse_args(argv)
+    for url in args.backend:
+        u = urlsplit(url)
+        try:
+            port = u.port
+        except ValueError:
+            port = None
+        if u.scheme != "http" or not u.hostname or port is None:
+            p.error(f"--backend {url!r}: expected http://HOST:PORT")
     uvloop.install()
     asyncio.run(serve(args.host, args.port, args.backend))
     return 0

@@ -285,6 +285,9 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
         assert max(m.instance_requests) - min(m.instance_requests) <= 2  # round robin over the instances
         assert m.backend_unknown == {}
     # The answers arrive whole: a stream ends with its last chunk, a JSON answer with its body.
+    import socket
+    import subprocess
+    import sys
     import urllib.request
 
     for stream, end in ((False, b"}"), (True, b"data: [DONE]\n\n")):
@@ -293,7 +296,24 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:
             assert r.status == 200 and r.read().rstrip(b"\n").endswith(end.rstrip(b"\n"))
+    # A request that asks to upgrade the connection (not handled): the connection is closed,
+    # and the relay goes on serving.
+    host, port = router.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: h2c\r\n"
+                  b"Content-Length: 2\r\n\r\n{}")
+        while s.recv(65536):
+            pass  # until the relay closes it
+    req = urllib.request.Request(router.url + "/v1/chat/completions", data=overhead.make_bodies(1024, False, 1)[0],
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        assert r.status == 200
+    assert router.process.proc.poll() is None
     tracker.stop([router.process])
+    for bad in ("nonsense", "127.0.0.1:9", "https://127.0.0.1:9", "http://127.0.0.1"):
+        proc = subprocess.run([sys.executable, str(overhead.RELAY_FLOOR), "--backend", bad], capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 2 and "expected http://HOST:PORT" in proc.stderr
 
 
 def _measured(label: str, rnd: int, p50_ms: float, rps: float) -> "overhead.Measurement":
@@ -326,9 +346,12 @@ def test_ratios_are_given_of_the_medians_and_round_by_round():
     # A round in which HAProxy added nothing (or less than nothing) gives no ratio.
     ms[2 * 4 + 2] = _measured(overhead.LATENCY_REFERENCE, 2, 0.19, 1500)
     router = {r.target.label: r for r in overhead.aggregate(ms, targets)}["router"]
-    assert router.added_vs_haproxy_rounds == pytest.approx([0.30 / 0.15, 0.32 / 0.30])
+    first, second, third = router.added_vs_haproxy_rounds  # one entry per round, in order
+    assert (first, second, third) == (pytest.approx(0.30 / 0.15), pytest.approx(0.32 / 0.30), None)
     assert overhead._ratio(1.03, [2.0, 1.07], ".1f") == "1.0 (1.1-2.0)"
+    assert overhead._ratio(1.5, [0.5, None, 0.6], ".1f") == "1.5 (0.5-0.6 in 2 of 3)"
     assert overhead._ratio(1.03, [1.03], ".1f") == "1.0" and overhead._ratio(None, [], ".1f") == "-"
+    assert overhead._ratio(1.2, [None, None], ".1f") == "1.2"
 
 
 def test_settings_from_flags():
@@ -341,6 +364,8 @@ def test_settings_from_flags():
     assert overhead.settings_from(overhead.parse_args([])) == overhead.FULL
     with pytest.raises(SystemExit):
         overhead.select_routers(overhead.router_specs(overhead.FULL), "no-such-router")
+    with pytest.raises(SystemExit, match="cannot hold a chat request"):  # a clean error, not a traceback
+        overhead.settings_from(overhead.parse_args(["--body-sizes", "1K,200"]))
     labels = [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "prefixroute")]
     assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
                       "prefixroute CACHE_AWARE", "prefixroute PREFIX_AWARE --data-plane aiohttp",
