@@ -48,9 +48,9 @@ per (cell, target), as the median over rounds:
 Tables add two ratios per cell: a router's added p50 latency over HAProxy's and its
 requests/s over sglang-router's, of the medians, then in brackets the lowest and highest
 of the same ratio round by round (each round against the reference's figure of that
-round: a verdict that holds in the medians but not in every round shows). Requests a router sends the backend on its own (not
-health checks: e.g. tokenization calls) are counted by the backend and printed per
-router; the backend answers them 404.
+round: a verdict that holds in the medians but not in every round shows). Requests a
+router sends the backend on its own (not health checks: e.g. tokenization calls) are
+counted by the backend and printed per router; the backend answers them 404.
 
 A separate phase, **streams**, opens ``--streams`` (2,000) streaming requests through
 one prefixroute router (``CACHE_AWARE``) in front of a slow backend (20 events
