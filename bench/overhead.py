@@ -1445,9 +1445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if rs:
             console.print(render_cell_table(cell, rs, s))
     console.print("added = router minus direct in the same round (ms); x HAProxy = added p50 / HAProxy's added "
-                  "p50; x sglang = req/s / sglang-router's req/s (both of the medians); in brackets, the lowest and highest "
-                  "of the same ratio round by round (a round in which HAProxy added nothing gives none); CPU and "
-                  "peak RSS: the router's process tree")
+                  "p50; x sglang = req/s / sglang-router's req/s (both of the medians); in brackets, the lowest "
+                  "and highest of the same ratio round by round (a round in which HAProxy added nothing gives "
+                  "none); CPU and peak RSS: the router's process tree")
     unknown: dict[str, dict[str, int]] = {}
     for m in measurements:
         for k, v in m.backend_unknown.items():
