@@ -577,25 +577,31 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
 @pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (8, 16.0)])
 def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight):
     # Requests repeated exactly, and follow-ups, with no shared header: one instance
-    # often holds a request's first block alone, and all of its chain (the short cut
-    # before the rules), sometimes at the threshold or matching less than LoadWeight.
+    # often holds a request's first block alone, and all of its chain or all of it but
+    # the last block (the short cut before the rules), sometimes at the threshold or
+    # matching less than LoadWeight.
     urls = [f"http://10.4.0.{i}:8000" for i in range(6)]
     pool = VariantPool("v", urls, ca(threshold=threshold, load_weight=load_weight, block_size=16,
                                      instance_cache_tokens=6_000), seed=5)
     strategy = pool.strategy
     rng = random.Random(threshold * 7)
     texts = [f"tenant {d}: " + "".join(rng.choice("xy") for _ in range(rng.randrange(1, 600))) for d in range(12)]
-    live, whole = [], 0
+    live, whole, all_but_last = [], 0, 0
     for i in range(1500):
-        text = rng.choice(texts) + ("" if rng.random() < 0.7 else f" question {rng.randrange(3)}")
+        r = rng.random()  # the text again, a question asked before, or a new one
+        text = rng.choice(texts) + ("" if r < 0.6 else f" question {rng.randrange(3) if r < 0.8 else i}")
         blocks = text_block_hashes(text, 16, 131_072, "m")
-        first, last = strategy._index.get(blocks[0], 0), strategy._index.get(blocks[len(blocks) - 1], 0)
-        whole += bool(first and not first & (first - 1) and last & first)
+        n = len(blocks)
+        first, last = strategy._index.get(blocks[0], 0), strategy._index.get(blocks[n - 1], 0)
+        alone = bool(first and not first & (first - 1))
+        whole += alone and bool(last & first)
+        all_but_last += alone and n > 1 and not last & first and bool(strategy._index.get(blocks[n - 2], 0) & first)
         _decide_as_the_reference(pool, blocks, i)
         live.append(pool.acquire(None, blocks=blocks))
         if len(live) > 2 * threshold or rng.random() < 0.4:
             live.pop(rng.randrange(len(live))).release()
     assert whole >= 50
+    assert all_but_last >= 30
 
 
 def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():

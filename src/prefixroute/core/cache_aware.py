@@ -509,19 +509,24 @@ class CacheAwareStrategy(Strategy):
         if not held:  # no candidate holds even the first block: a new prefix
             return self._place(get(0), candidates, bits, 0)
         w = self.load_weight
-        if not held & (held - 1) and cmask != held and self._index.get(get(n - 1), 0) & held:
-            # One candidate holds the first block, no other does, and it holds the whole
-            # chain (the usual follow-up request: a new question about a document, the
-            # next turn of a conversation): the answer of the rules below when it is
-            # below the threshold and its score is not a loss, found without them (the
-            # same test as the one after the first level below; tested equal in
-            # tests/test_core_cache_aware.py).
-            inst = by_bit[held]
-            top = (blocks.ends[n - 1] >> blocks.unit_shift) / self.block_size if isinstance(blocks, BlockChain) \
-                else float(n)
-            if top > w and inst.in_flight < self.threshold and \
-                    top - w * max(inst.in_flight, inst.engine_load) >= 0.0 - w * self.tie_requests:
-                return inst, DecisionKind.AFFINITY
+        if not held & (held - 1) and cmask != held:
+            # One candidate holds the first block and no other does. If it holds the
+            # whole chain, or all of it but the last block (the usual follow-up request:
+            # a new question about a document, the next turn of a conversation), its
+            # match is known from the last two blocks, which one xxh3 pass reads, and the
+            # rules below give it the request when it is below the threshold and its
+            # score is not a loss: found without them (the same test as the one after
+            # the first level below; tested equal in tests/test_core_cache_aware.py).
+            index = self._index
+            depth = n if index.get(get(n - 1), 0) & held else \
+                n - 1 if n > 1 and index.get(get(n - 2), 0) & held else 0
+            if depth:
+                inst = by_bit[held]
+                top = (blocks.ends[depth - 1] >> blocks.unit_shift) / self.block_size \
+                    if isinstance(blocks, BlockChain) else float(depth)
+                if top > w and inst.in_flight < self.threshold and \
+                        top - w * max(inst.in_flight, inst.engine_load) >= 0.0 - w * self.tie_requests:
+                    return inst, DecisionKind.AFFINITY
         # Levels of candidates holding part of the chain, longest match first, with the
         # match ``unit(depth)`` in BlockSize units (a chain's later blocks are longer), so
         # LoadWeight keeps its meaning whatever the block schedule. Found lazily: each
