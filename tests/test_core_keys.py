@@ -13,8 +13,10 @@ from prefixroute.core.keys import (
     InvalidRequest,
     completion_prompt,
     native_routing_key,
+    openai_block_hashes,
     openai_routing_key,
     render_chat_text,
+    text_block_hashes,
     text_routing_key,
     token_routing_key,
     validate_tenant_id,
@@ -248,6 +250,29 @@ def test_chat_key_equals_the_key_of_the_rendered_text(contents, limit, tenant):
     want = xxhash.xxh3_64_intdigest(text[:limit].encode("utf-8", "surrogatepass"), _seeded("m", tenant or ""))
     assert openai_routing_key(payload, True, limit) == want
     assert text_routing_key(text, limit, "m", tenant or "") == want
+
+
+@settings(max_examples=150, deadline=None)
+@given(contents=st.lists(_piece, min_size=1, max_size=5), limit=st.integers(min_value=1, max_value=20_000),
+       block_size=st.sampled_from([16, 64, 1000]), order=st.randoms(use_true_random=False))
+def test_chat_blocks_equal_the_blocks_of_the_rendered_text(contents, limit, block_size, order):
+    # Every block of a chat request's chain, read in any order, one by one, all at once
+    # or from any block on, is the hash of the rendered text's UTF-8 bytes up to the
+    # block's end, cut at MaxPrefixLength characters.
+    payload = {"model": "m", "messages": [{"role": "user" if i % 2 else "system", "content": c}
+                                          for i, c in enumerate(contents)]}
+    data = render_chat_text(payload)[:limit].encode("utf-8", "surrogatepass")
+    joined = text_block_hashes(render_chat_text(payload), block_size, limit, "m")
+    want = [xxhash.xxh3_64_intdigest(data[:e], _seeded("m")) for e in joined.ends]
+    assert joined.hashes() == want
+    lazy = openai_block_hashes(payload, True, block_size, limit)
+    assert lazy.ends == joined.ends and lazy.ends[-1] == len(data)
+    ks = list(range(len(lazy)))
+    order.shuffle(ks)
+    assert [v for _, v in sorted((k, lazy[k]) for k in ks)] == want
+    start = order.randrange(len(want) + 1)
+    assert openai_block_hashes(payload, True, block_size, limit).hashes_from(start) == want[start:]
+    assert openai_block_hashes(payload, True, block_size, limit).hashes() == want
 
 
 def test_text_key_cut_inside_a_long_ascii_or_non_ascii_text():
