@@ -672,8 +672,9 @@ class Target:
 
 @dataclass
 class Measurement:
-    """One wrk run against one target in one cell and round, with the router's CPU and
-    memory and the backend's view of it."""
+    """One wrk run against one target in one cell and round (``round`` counts from 1,
+    as the progress lines do), with the router's CPU and memory and the backend's view
+    of it."""
 
     target: str
     round: int
@@ -714,7 +715,7 @@ class Measurement:
 
 
 def measure(tracker: ProcessTracker, target: Target, cell: Cell, body_files: Sequence[Path], duration_s: int, *,
-            backend: FastBackend, wrk: str, script: Path, round_index: int = 0) -> Measurement:
+            backend: FastBackend, wrk: str, script: Path, round_index: int = 1) -> Measurement:
     """Drive ``target`` with wrk for ``duration_s`` seconds in ``cell`` and read the
     router's CPU time and peak RSS (its process tree) and the backend's counters
     around the run.
@@ -1404,7 +1405,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         except PeerError as exc:
                             console.print(f"[red]warm-up of {t.label} failed:[/red] {escape(str(exc))}")
                 _settled_stats(backend)
-            for rnd in range(s.rounds):
+            for rnd in range(1, s.rounds + 1):  # 1-based, in the JSON as in the progress lines
                 for t in targets:
                     n += 1
                     if not alive(t):
@@ -1419,7 +1420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     w = m.wrk
                     cpu = m.router_cpu_us_per_request
                     console.print(
-                        f"[{n}/{total}] {cell.name:<28} round {rnd + 1}  {t.label:<36} p50 {w.p50_ms:7.2f} ms  "
+                        f"[{n}/{total}] {cell.name:<28} round {rnd}  {t.label:<36} p50 {w.p50_ms:7.2f} ms  "
                         f"p99 {w.p99_ms:7.2f} ms  {w.rps:8,.0f} req/s  "
                         + (f"CPU {cpu:6,.0f} us/req  " if cpu is not None else "")
                         + f"{w.error_count} err" + (f"  [dim]backend saw {m.backend_unknown}[/dim]"

@@ -330,10 +330,10 @@ def test_ratios_are_given_of_the_medians_and_round_by_round():
     rounds = [((0.20, 5000), (0.50, 1800), (0.35, 2600), (0.80, 1400)),
               ((0.20, 5000), (0.52, 1600), (0.50, 1700), (0.80, 1100)),
               ((0.20, 5000), (0.47, 1900), (0.49, 1500), (0.70, 1050))]
-    ms = [_measured(t.label, rnd, p50, rps) for rnd, row in enumerate(rounds) for t, (p50, rps) in zip(targets, row)]
+    ms = [_measured(t.label, rnd, p50, rps) for rnd, row in enumerate(rounds, 1) for t, (p50, rps) in zip(targets, row)]
     results = {r.target.label: r for r in overhead.aggregate(ms, targets)}
     router = results["router"]
-    assert router.added_p50_by_round == pytest.approx({0: 0.30, 1: 0.32, 2: 0.27})
+    assert router.added_p50_by_round == pytest.approx({1: 0.30, 2: 0.32, 3: 0.27})
     assert router.added_p50_ms == pytest.approx(0.30)  # the median of the rounds
     assert router.added_vs_haproxy == pytest.approx(0.30 / 0.29)  # of the medians: HAProxy's is +0.29
     assert router.added_vs_haproxy_rounds == pytest.approx([0.30 / 0.15, 0.32 / 0.30, 0.27 / 0.29])
@@ -344,7 +344,7 @@ def test_ratios_are_given_of_the_medians_and_round_by_round():
     assert run["throughput_vs_sglang_router_rounds"] == pytest.approx(router.rps_vs_sglang_rounds)
     assert results[overhead.DIRECT].added_vs_haproxy_rounds == []  # direct adds nothing
     # A round in which HAProxy added nothing (or less than nothing) gives no ratio.
-    ms[2 * 4 + 2] = _measured(overhead.LATENCY_REFERENCE, 2, 0.19, 1500)
+    ms[2 * 4 + 2] = _measured(overhead.LATENCY_REFERENCE, 3, 0.19, 1500)
     router = {r.target.label: r for r in overhead.aggregate(ms, targets)}["router"]
     first, second, third = router.added_vs_haproxy_rounds  # one entry per round, in order
     assert (first, second, third) == (pytest.approx(0.30 / 0.15), pytest.approx(0.32 / 0.30), None)
