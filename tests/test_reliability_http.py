@@ -409,3 +409,63 @@ async def test_pooled_connection_closed_by_the_peer_is_found_dead():
         transport.abort()
     finally:
         server.close()
+
+
+async def test_a_request_that_stops_arriving_part_way_is_answered_408_and_closed(backends, data_plane, http):
+    # A client that sends a request's head and part of its body, then nothing (a
+    # Content-Length body cut short, a chunked one stopped inside a chunk): after
+    # --client-keepalive-timeout without a byte of it, the router answers 408 and closes
+    # the connection (the aiohttp data plane used to wait for ever; it closes after
+    # aiohttp's lingering time, 10 s, in which it still reads what the client sends; the
+    # fast one closed without an answer).
+    # Nothing reaches an engine, a slow client that keeps sending is not cut, and the
+    # router goes on serving.
+    import asyncio
+    import time
+    from urllib.parse import urlsplit
+
+    handle = await _router([b.url for b in backends], data_plane=data_plane, client_keepalive_timeout_s=1.0)
+    u = urlsplit(handle.url)
+    try:
+        part = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 700
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        stalled = [head + b"Content-Length: 4000\r\n\r\n" + part,
+                   head + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % 2000 + part]
+        for n, data in enumerate(stalled):
+            reader, writer = await asyncio.open_connection(u.hostname, u.port)
+            t0 = time.monotonic()
+            writer.write(data)
+            answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+            waited = time.monotonic() - t0
+            assert answer_head.startswith(b"HTTP/1.1 408 "), answer_head
+            length = int(answer_head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+            assert b"the request stopped arriving: nothing for 1 s" in await reader.readexactly(length)
+            assert 0.9 <= waited < 5.0, waited
+            if n == 0:  # and the connection is closed
+                assert await asyncio.wait_for(reader.read(), 15) == b""
+            writer.close()
+        # A request head cut short: the fast data plane answers 408 too, aiohttp closes.
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        writer.write(head[:-10])
+        answer = await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        if data_plane == "fast":
+            assert answer.startswith(b"HTTP/1.1 408 ") and b"nothing for 1 s" in answer, answer
+        else:
+            assert answer == b""
+        # A slow client that keeps sending is not cut: a fifth of the body every 0.4 s.
+        reader, writer = await asyncio.open_connection(u.hostname, u.port)
+        body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "slow " * 3}]})
+        writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body))
+        step = len(body) // 5 + 1
+        for i in range(0, len(body), step):
+            await asyncio.sleep(0.4)
+            writer.write(body[i: i + step])
+        answer = await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)
+        writer.close()
+        assert answer.startswith(b"HTTP/1.1 200 "), answer
+        assert sum(len(b.received) for b in backends) == 1  # only the slow client's request
+        async with http.post(handle.url + "/v1/chat/completions", data=body) as r:
+            assert r.status == 200
+    finally:
+        await handle.close()

@@ -49,7 +49,7 @@ from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
 from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
-__all__ = ["STATE", "DECODED_CODINGS", "ACCEPTED_CODINGS", "BodyNotDecoded", "BodyTooLarge", "build_app",
+__all__ = ["STATE", "DECODED_CODINGS", "ACCEPTED_CODINGS", "BodyNotDecoded", "BodyTimedOut", "BodyTooLarge", "build_app",
            "decode_request_body", "request_coding", "coding_refusal", "transfer_coding", "transfer_refused",
            "error_for_path", "parse_openai_request", "native_request_key", "prepare_inference", "request_id",
            "validate_openai_body", "count_answer", "read_body"]
@@ -276,19 +276,46 @@ class BodyTooLarge(Exception):
         super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
 
 
-async def read_body(request: web.Request, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
+class BodyTimedOut(Exception):
+    """The client sent nothing of its request body for ``idle_s`` seconds."""
+
+    def __init__(self, idle_s: float) -> None:
+        super().__init__(f"the request stopped arriving: nothing for {idle_s:g} s "
+                         "(--client-keepalive-timeout)")
+
+
+async def read_body(request: web.Request, limit: int,
+                    idle_s: float | None = None) -> bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut:
     """The whole body, at most ``limit`` bytes (a chunked body is de-chunked, a
     compressed one decoded by :func:`decode_request_body`: the app runs with aiohttp's
     decompression off), or the :class:`BodyTooLarge` error if its declared, actual or
     decoded size is over ``limit``, or :class:`BodyNotDecoded` if its Content-Encoding
-    does not decode it (the coding itself was checked before the body was read)."""
+    does not decode it (the coding itself was checked before the body was read), or
+    :class:`BodyTimedOut` if ``idle_s`` seconds pass without a byte of it (a client
+    that stalls mid-body; aiohttp itself would wait for ever)."""
     declared = request.content_length
     if declared is not None and declared > limit:
         return BodyTooLarge(limit, declared)
     try:
-        body = await request.read()
+        if idle_s is None:
+            body = await request.read()
+        else:
+            loop = asyncio.get_running_loop()
+            parts: list[bytes] = []
+            size = 0
+            async with asyncio.timeout(idle_s) as deadline:
+                while chunk := await request.content.readany():
+                    size += len(chunk)
+                    if size > limit:
+                        return BodyTooLarge(limit, None)
+                    parts.append(chunk)
+                    deadline.reschedule(loop.time() + idle_s)
+            body = b"".join(parts)
     except web.HTTPRequestEntityTooLarge:
         return BodyTooLarge(limit, None)
+    except TimeoutError:
+        assert idle_s is not None
+        return BodyTimedOut(idle_s)
     coding = request_coding(request.headers)
     return decode_request_body(body, coding, limit) if coding in ("gzip", "deflate") else body
 
@@ -409,7 +436,13 @@ async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.
                               request)
     if not isinstance(first, RoutedRequest):
         return first
-    body = await read_body(request, state.settings.max_body_bytes)
+    body = await read_body(request, state.settings.max_body_bytes, state.settings.client_keepalive_timeout_s)
+    if isinstance(body, BodyTimedOut):  # 408, and the connection is closed (what is left of the body is unread)
+        hdrs = {H.REQUEST_ID: rid, H.INVOKED_VARIANT: first.pool.name}
+        resp = openai_error(408, str(body), code="request_timeout", headers=hdrs) if api is Api.OPENAI else \
+            sagemaker_error("ValidationError", str(body), status=408, headers=hdrs)
+        resp.force_close()
+        return count_answer(state, first.endpoint, first.pool.name, resp, t0)
     rr = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, body, rid, t0,
                            request)
     if not isinstance(rr, RoutedRequest):

@@ -175,9 +175,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "running/waiting, exported as prefixroute_backend_*); 0 disables (default: 10)")
     o.add_argument("--client-keepalive-timeout", type=float, default=DEFAULT_CLIENT_KEEPALIVE_S,
                    metavar="SECONDS",
-                   help="seconds an idle client connection is kept open; behind a load balancer, set it above the "
-                        "balancer's idle timeout (e.g. 60 s for AWS ALB, 600 s for Google Cloud's) so that the "
-                        "balancer never reuses a connection the router is closing (default: 75)")
+                   help="seconds an idle client connection is kept open, and a request that stops arriving "
+                        "part-way is waited for (then 408 and the connection closed); behind a load balancer, set "
+                        "it above the balancer's idle timeout (e.g. 60 s for AWS ALB, 600 s for Google Cloud's) so "
+                        "that the balancer never reuses a connection the router is closing (default: 75)")
     o.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM/SIGINT, seconds requests in flight may take to finish; a second signal "
                         "cuts them at once (default: 30)")

@@ -36,7 +36,9 @@ Client connections: HTTP/1.1 keep-alive and pipelining (answered in order, one a
 time), ``Expect: 100-continue``, request line + headers at most
 :data:`MAX_HEAD_BYTES` in at most :data:`MAX_HEADERS` fields (431 beyond), bodies at most ``--max-body-size`` (413 in the
 API's shape, then the connection is closed), idle keep-alive connections closed after
-``--client-keepalive-timeout`` (``ServerSettings.client_keepalive_timeout_s``).
+``--client-keepalive-timeout`` (``ServerSettings.client_keepalive_timeout_s``), and a
+request that stops arriving part-way answered 408 and closed after as long without a
+byte of it.
 """
 
 from __future__ import annotations
@@ -1006,7 +1008,8 @@ class _Client(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         """The connection is idle from now: closed after ``client_keepalive_s`` without
-        a request (one timer per connection, re-armed only when it fires)."""
+        a request, or without a byte of one that stopped part-way (answered 408 then; one
+        timer per connection, re-armed only when it fires)."""
         loop = self.front.loop
         self.idle_since = loop.time()
         if self._idle is None and not self.closed:
@@ -1042,6 +1045,10 @@ class _Client(asyncio.Protocol):
         if self.busy or self.queue:
             due = loop.time() + self.front.client_keepalive_s
         elif loop.time() >= due:
+            if self.cur is not None and not self.discard:  # a request stopped arriving part-way
+                self._refuse(408, b"Request Timeout", "the request stopped arriving: nothing for "
+                             f"{self.front.client_keepalive_s:g} s (--client-keepalive-timeout)")
+                return
             self.close()
             return
         self._idle = loop.call_at(due, self._idle_timeout)

@@ -95,9 +95,10 @@ class ServerSettings:
             seconds. Below uvicorn's 5 s default so that we never reuse a connection
             the engine is about to close.
         client_keepalive_timeout_s: how long an idle client connection is kept open,
-            seconds (aiohttp's 75 s by default). Behind a load balancer, set it above
-            the balancer's own idle timeout, or the balancer may send a request on a
-            connection the router is closing.
+            seconds (aiohttp's 75 s by default), and how long a request that stops
+            arriving part-way is waited for before a 408 and the close (the aiohttp data
+            plane closes a request head cut short without an answer). Behind a load balancer, set it above the balancer's own idle timeout,
+            or the balancer may send a request on a connection the router is closing.
         shutdown_timeout_s: on shutdown, how long requests in flight may take to
             finish before they are cancelled, seconds.
         metrics_scrape_interval_s: seconds between scrapes of every instance's
