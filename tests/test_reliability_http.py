@@ -413,37 +413,54 @@ async def test_pooled_connection_closed_by_the_peer_is_found_dead():
 
 async def test_a_request_that_stops_arriving_part_way_is_answered_408_and_closed(backends, data_plane, http):
     # A client that sends a request's head and part of its body, then nothing (a
-    # Content-Length body cut short, a chunked one stopped inside a chunk): after
-    # --client-keepalive-timeout without a byte of it, the router answers 408 and closes
-    # the connection (the aiohttp data plane used to wait for ever; it closes after
-    # aiohttp's lingering time, 10 s, in which it still reads what the client sends; the
-    # fast one closed without an answer).
-    # Nothing reaches an engine, a slow client that keeps sending is not cut, and the
-    # router goes on serving.
+    # Content-Length body cut short, a chunked one stopped inside a chunk, a request with
+    # Upgrade, a native one): after --client-keepalive-timeout without a byte of it, the
+    # router answers 408 in the API's shape, counts it, and closes the connection (the
+    # aiohttp data plane used to wait for ever; it closes after aiohttp's lingering time,
+    # 10 s, in which it still reads what the client sends; the fast one closed without an
+    # answer). The same on the admin API. Nothing reaches an engine, a slow client that
+    # keeps sending is not cut, and the router goes on serving.
     import asyncio
     import time
     from urllib.parse import urlsplit
 
-    handle = await _router([b.url for b in backends], data_plane=data_plane, client_keepalive_timeout_s=1.0)
+    handle = await _router([b.url for b in backends], data_plane=data_plane, client_keepalive_timeout_s=1.0,
+                           admin_port=None)  # (admin API on port + 1 or a free one)
     u = urlsplit(handle.url)
+
+    async def stall(data: bytes, url: str = handle.url, wait_close: bool = False) -> tuple[bytes, bytes]:
+        """Send ``data``, then nothing: the answer's head and body (and the close)."""
+        where = urlsplit(url)
+        reader, writer = await asyncio.open_connection(where.hostname, where.port)
+        t0 = time.monotonic()
+        writer.write(data)
+        answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        waited = time.monotonic() - t0
+        length = int(answer_head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+        body = await reader.readexactly(length)
+        assert 0.9 <= waited < 5.0, waited
+        if wait_close:
+            assert await asyncio.wait_for(reader.read(), 15) == b""
+        writer.close()
+        return answer_head, body
+
     try:
         part = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * 700
         head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         stalled = [head + b"Content-Length: 4000\r\n\r\n" + part,
-                   head + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % 2000 + part]
+                   head + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % 2000 + part,
+                   head + b"Connection: Upgrade\r\nUpgrade: websocket\r\nContent-Length: 4000\r\n\r\n" + part]
         for n, data in enumerate(stalled):
-            reader, writer = await asyncio.open_connection(u.hostname, u.port)
-            t0 = time.monotonic()
-            writer.write(data)
-            answer_head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
-            waited = time.monotonic() - t0
+            answer_head, body = await stall(data, wait_close=n == 0)
             assert answer_head.startswith(b"HTTP/1.1 408 "), answer_head
-            length = int(answer_head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
-            assert b"the request stopped arriving: nothing for 1 s" in await reader.readexactly(length)
-            assert 0.9 <= waited < 5.0, waited
-            if n == 0:  # and the connection is closed
-                assert await asyncio.wait_for(reader.read(), 15) == b""
-            writer.close()
+            error = orjson.loads(body)["error"]
+            assert error["code"] == "request_timeout", error
+            assert error["message"] == "the request stopped arriving: nothing for 1 s (--client-keepalive-timeout)"
+            assert b"x-request-id: " in answer_head.lower()
+        answer_head, body = await stall(b"POST /invocations HTTP/1.1\r\nHost: x\r\nContent-Length: 900\r\n\r\n{")
+        assert answer_head.startswith(b"HTTP/1.1 408 ") and b"x-amzn-errortype: validationerror" in answer_head.lower()
+        assert b"nothing for 1 s" in body
+        assert metric_value(await metrics_text(http, handle), "prefixroute_responses_total", code="408") == 4
         # A request head cut short: the fast data plane answers 408 too, aiohttp closes.
         reader, writer = await asyncio.open_connection(u.hostname, u.port)
         writer.write(head[:-10])
@@ -453,6 +470,10 @@ async def test_a_request_that_stops_arriving_part_way_is_answered_408_and_closed
             assert answer.startswith(b"HTTP/1.1 408 ") and b"nothing for 1 s" in answer, answer
         else:
             assert answer == b""
+        # The admin API: a configuration change whose body stops arriving.
+        answer_head, body = await stall(b"PUT /admin/endpoints/default/variants/AllTraffic/routing HTTP/1.1\r\n"
+                                        b"Host: x\r\nContent-Length: 100\r\n\r\n{\"Rout", url=handle.admin_url)
+        assert answer_head.startswith(b"HTTP/1.1 408 ") and b"nothing for 1 s" in body
         # A slow client that keeps sending is not cut: a fifth of the body every 0.4 s.
         reader, writer = await asyncio.open_connection(u.hostname, u.port)
         body = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "slow " * 3}]})

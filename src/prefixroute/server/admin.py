@@ -31,7 +31,8 @@ from aiohttp import web
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
 from prefixroute.core.counters import InFlightTableFull
 from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
-from prefixroute.server.app import ACCEPTED_CODINGS, BodyNotDecoded, BodyTooLarge, coding_refusal, read_body
+from prefixroute.server.app import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedOut, BodyTooLarge, coding_refusal,
+                                    read_body)
 from prefixroute.server.errors import json_response
 from prefixroute.server.state import RouterState
 
@@ -93,14 +94,18 @@ class BodyRefused(Exception):
         return resp
 
 
-async def read_admin_body(request: web.Request) -> bytes:
+async def read_admin_body(request: web.Request, idle_s: float | None = None) -> bytes:
     """An admin request's body, decoded as the inference routes decode theirs (strict
     gzip or deflate: :func:`prefixroute.server.app.read_body`; the admin listeners run
-    with aiohttp's decompression off). Raises :class:`BodyRefused`."""
+    with aiohttp's decompression off), waiting at most ``idle_s`` seconds for each
+    part of it (``None``: for ever). Raises :class:`BodyRefused` (408 when it stops
+    arriving)."""
     refusal = coding_refusal(request.headers)
     if refusal is not None:
         raise BodyRefused(415, refusal)
-    body = await read_body(request, ADMIN_MAX_BODY_BYTES)
+    body = await read_body(request, ADMIN_MAX_BODY_BYTES, idle_s)
+    if isinstance(body, BodyTimedOut):
+        raise BodyRefused(408, str(body))
     if isinstance(body, BodyTooLarge):
         raise BodyRefused(413, str(body).replace(" (--max-body-size)", ""))
     if isinstance(body, BodyNotDecoded):
@@ -109,7 +114,7 @@ async def read_admin_body(request: web.Request) -> bytes:
 
 
 async def _json_body(request: web.Request) -> Any:
-    body = await read_admin_body(request)
+    body = await read_admin_body(request, request.app[_STATE].settings.client_keepalive_timeout_s)
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as exc:

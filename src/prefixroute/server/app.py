@@ -339,7 +339,7 @@ def endpoint_label(state: RouterState, request: web.Request) -> str:
 
 def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping[str, str],
                       raw_headers: H.RawHeaders, endpoint_name: str | None,
-                      body: bytes | BodyTooLarge | BodyNotDecoded | None, rid: str, t0: float,
+                      body: bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut | None, rid: str, t0: float,
                       request: web.Request | None = None) -> RoutedRequest | web.Response:
     """Everything between an inference request's arrival and its forwarding, for both
     data planes: resolve the endpoint and production variant, check the body's size,
@@ -351,8 +351,9 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         headers: the client's request headers.
         raw_headers: the same as received, ``(name, value)`` bytes.
         endpoint_name: the ``{endpoint}`` of the path, ``None`` for the default one.
-        body: the body read, a :class:`BodyTooLarge` if it was over the limit, or
-            ``None`` when not read yet (only the checks before the body are done; a
+        body: the body read, a :class:`BodyTooLarge` if it was over the limit, a
+            :class:`BodyTimedOut` if it stopped arriving part-way, or ``None`` when
+            not read yet (only the checks before the body are done; a
             :class:`RoutedRequest` with an empty body is returned if they pass).
         rid: the request id; ``t0``: ``time.perf_counter()`` at arrival.
         request: the aiohttp request, if it came through aiohttp.
@@ -361,9 +362,9 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         The :class:`RoutedRequest` to forward, or the error response to send (already
         counted in ``prefixroute_responses_total``), in the API's shape: 404 unknown
         endpoint, 400 unknown variant, invalid request or a body its Content-Encoding
-        does not decode, 413 body too large, 415 a Content-Encoding not decoded here
-        (checked before the body is read; :data:`DECODED_CODINGS`), 501 a
-        Transfer-Encoding other than ``chunked``.
+        does not decode, 408 a body that stopped arriving, 413 body too large, 415 a
+        Content-Encoding not decoded here (checked before the body is read;
+        :data:`DECODED_CODINGS`), 501 a Transfer-Encoding other than ``chunked``.
     """
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
@@ -393,6 +394,10 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     if isinstance(body, BodyNotDecoded):
         resp = openai_error(400, str(body), code="invalid_content_encoding", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), headers=hdrs)
+        return count_answer(state, endpoint.name, pool.name, resp, t0)
+    if isinstance(body, BodyTimedOut):
+        resp = openai_error(408, str(body), code="request_timeout", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(body), status=408, headers=hdrs)
         return count_answer(state, endpoint.name, pool.name, resp, t0)
     if body is None:
         if transfer_refused(headers):
@@ -437,15 +442,11 @@ async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.
     if not isinstance(first, RoutedRequest):
         return first
     body = await read_body(request, state.settings.max_body_bytes, state.settings.client_keepalive_timeout_s)
-    if isinstance(body, BodyTimedOut):  # 408, and the connection is closed (what is left of the body is unread)
-        hdrs = {H.REQUEST_ID: rid, H.INVOKED_VARIANT: first.pool.name}
-        resp = openai_error(408, str(body), code="request_timeout", headers=hdrs) if api is Api.OPENAI else \
-            sagemaker_error("ValidationError", str(body), status=408, headers=hdrs)
-        resp.force_close()
-        return count_answer(state, first.endpoint, first.pool.name, resp, t0)
     rr = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, body, rid, t0,
                            request)
     if not isinstance(rr, RoutedRequest):
+        if isinstance(body, BodyTimedOut):
+            rr.force_close()  # (what is left of the body is unread)
         return rr
     recorder = request.app.get(TRACE_RECORDER)
     if recorder is not None:  # --record-trace: digests of the routing text, never the text

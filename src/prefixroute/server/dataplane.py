@@ -65,6 +65,7 @@ from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import (
     BodyNotDecoded,
+    BodyTimedOut,
     BodyTooLarge,
     count_answer,
     decode_request_body,
@@ -639,7 +640,7 @@ class _Incoming:
     """One request read from a client."""
 
     __slots__ = ("url", "headers", "index", "head_bytes", "body", "size", "too_large", "method", "version",
-                 "keep_alive", "t0", "chunked", "encoded", "refusal", "started")
+                 "keep_alive", "t0", "chunked", "encoded", "refusal", "started", "timed_out")
 
     def __init__(self) -> None:
         self.url = b""
@@ -657,6 +658,7 @@ class _Incoming:
         self.encoded = False  # a Content-Encoding header (aiohttp decodes compressed bodies)
         self.refusal: bytes | None = None  # a complete answer to send as it is (400, 431)
         self.started: _Started | None = None  # what FrontServer.begin did for it
+        self.timed_out: float | None = None  # stopped arriving part-way: seconds waited (answered 408)
 
 
 class _Started:
@@ -1045,9 +1047,14 @@ class _Client(asyncio.Protocol):
         if self.busy or self.queue:
             due = loop.time() + self.front.client_keepalive_s
         elif loop.time() >= due:
-            if self.cur is not None and not self.discard:  # a request stopped arriving part-way
-                self._refuse(408, b"Request Timeout", "the request stopped arriving: nothing for "
-                             f"{self.front.client_keepalive_s:g} s (--client-keepalive-timeout)")
+            inc = self.cur if self.cur is not None else self.raw_inc
+            if inc is not None and not self.discard:  # a request stopped arriving part-way: 408
+                if inc.index is None:  # its head cut short: nothing to route it by
+                    self._refuse(408, b"Request Timeout", str(BodyTimedOut(self.front.client_keepalive_s)))
+                else:  # answered in the API's shape, counted, as a body over the limit is
+                    inc.timed_out = self.front.client_keepalive_s
+                    self.raw_inc, self.cur = None, inc
+                    self._enqueue_now()
                 return
             self.close()
             return
@@ -1223,8 +1230,10 @@ class FrontServer:
         """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
         api, chat, endpoint_name = route
         headers = H.RawHeaderView(inc.headers, inc.index)
-        body: bytes | BodyTooLarge | BodyNotDecoded | None
-        if inc.too_large is not None:
+        body: bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut | None
+        if inc.timed_out is not None:
+            body = BodyTimedOut(inc.timed_out)
+        elif inc.too_large is not None:
             body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
         elif inc.chunked and transfer_refused(headers):
             body = None  # (gzip, chunked...): the checks before the body answer 501
@@ -1266,7 +1275,7 @@ class FrontServer:
         stream, an error, a timeout, the client gone: :meth:`hand_over`). False: the
         task answers it, from where this left it (:attr:`_Incoming.started`: routed, or
         the error answer to send; maybe its lease, when a new connection is needed)."""
-        if inc.too_large is not None or inc.refusal is not None:
+        if inc.too_large is not None or inc.refusal is not None or inc.timed_out is not None:
             return False
         _, route = self._route(inc)
         if route is None:
@@ -1407,7 +1416,8 @@ class FrontServer:
             return
         path, route = self._route(inc)
         if route is None:
-            inference = match_route(path) if inc.too_large is not None and inc.method == b"POST" else None
+            cut = inc.too_large is not None or inc.timed_out is not None
+            inference = match_route(path) if cut and inc.method == b"POST" else None
             if inference is not None:  # (HTTP/1.0, --record-trace...): counted as the aiohttp app counts it
                 client.write(_serialize(self._prepare(inc, inference), keep_alive=False))
                 return
@@ -1416,6 +1426,10 @@ class FrontServer:
                 size = f"{inc.too_large:,} bytes" if inc.too_large >= 0 else "a chunked body went past it"
                 resp = error_for_path(path, 413, f"request body too large ({size}); the limit is {limit:,} bytes "
                                       "(--max-body-size)", "request_too_large")
+                client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
+                return
+            if inc.timed_out is not None:
+                resp = error_for_path(path, 408, str(BodyTimedOut(inc.timed_out)), "request_timeout")
                 client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
                 return
             await self._delegate(client, inc)

@@ -819,7 +819,8 @@ class Supervisor:
 
         from prefixroute.server.admin import read_admin_body
 
-        body = await read_admin_body(request)  # decoded: the workers get it plain (BodyRefused: the middleware)
+        # decoded: the workers get it plain (BodyRefused: the middleware)
+        body = await read_admin_body(request, self.settings.client_keepalive_timeout_s)
         async with self._config_lock:
             results = await self._gather(request.method, request.path_qs, body)
             if not results:
