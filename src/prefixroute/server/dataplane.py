@@ -1226,15 +1226,22 @@ class FrontServer:
         route = match_route(path)
         return path, route if route is not None and self._all_plain_http() else None
 
+    def _cut(self, inc: _Incoming) -> BodyTooLarge | BodyTimedOut | None:
+        """Why ``inc`` is answered before its body was read in full (over
+        ``--max-body-size``, or it stopped arriving), if it is."""
+        if inc.timed_out is not None:
+            return BodyTimedOut(inc.timed_out)
+        if inc.too_large is not None:
+            return BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
+        return None
+
     def _prepare(self, inc: _Incoming, route: tuple[Api, bool, str | None]) -> RoutedRequest | web.Response:
         """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
         api, chat, endpoint_name = route
         headers = H.RawHeaderView(inc.headers, inc.index)
         body: bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut | None
-        if inc.timed_out is not None:
-            body = BodyTimedOut(inc.timed_out)
-        elif inc.too_large is not None:
-            body = BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
+        if inc.too_large is not None or inc.timed_out is not None:
+            body = self._cut(inc)  # answered 413 or 408 by prepare_inference
         elif inc.chunked and transfer_refused(headers):
             body = None  # (gzip, chunked...): the checks before the body answer 501
         else:
@@ -1416,20 +1423,15 @@ class FrontServer:
             return
         path, route = self._route(inc)
         if route is None:
-            cut = inc.too_large is not None or inc.timed_out is not None
-            inference = match_route(path) if cut and inc.method == b"POST" else None
+            cut = self._cut(inc)
+            inference = match_route(path) if cut is not None and inc.method == b"POST" else None
             if inference is not None:  # (HTTP/1.0, --record-trace...): counted as the aiohttp app counts it
                 client.write(_serialize(self._prepare(inc, inference), keep_alive=False))
                 return
-            if inc.too_large is not None:
-                limit = self.state.settings.max_body_bytes
-                size = f"{inc.too_large:,} bytes" if inc.too_large >= 0 else "a chunked body went past it"
-                resp = error_for_path(path, 413, f"request body too large ({size}); the limit is {limit:,} bytes "
-                                      "(--max-body-size)", "request_too_large")
-                client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
-                return
-            if inc.timed_out is not None:
-                resp = error_for_path(path, 408, str(BodyTimedOut(inc.timed_out)), "request_timeout")
+            if cut is not None:
+                status, code = (408, "request_timeout") if isinstance(cut, BodyTimedOut) else \
+                    (413, "request_too_large")
+                resp = error_for_path(path, status, str(cut), code)
                 client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
                 return
             await self._delegate(client, inc)
