@@ -388,6 +388,46 @@ def test_membership_change_drops_views_of_removed_instances():
     assert set(pool.strategy.caches) <= set(URLS[:2])
 
 
+def test_an_instance_whose_engine_lost_its_cache_holds_nothing_in_the_view():
+    # A document learned on an instance other than its placement (it overflowed there),
+    # then that instance's engine restarts: its follow-ups go where a new document would.
+    fresh = VariantPool("v", URLS, ca(threshold=100))
+    for i in range(100):
+        doc = f"document {i} " + "d" * 3000
+        placed = fresh.choose(None, blocks=text_block_hashes(doc, 64, 131072, "m")).instance.instance_id
+        if placed != URLS[0]:
+            break
+    assert placed != URLS[0]
+    pool = VariantPool("v", URLS, ca(threshold=100))
+    other = pool.get(URLS[1])
+    pool.learn(pool.get(URLS[0]), text_block_hashes(doc + " question 1", 64, 131072, "m"))
+    pool.learn(other, text_block_hashes("another document " + "o" * 3000, 64, 131072, "m"))
+    follow_up = text_block_hashes(doc + " question 2", 64, 131072, "m")
+    d = pool.choose(None, blocks=follow_up)
+    assert (d.instance.instance_id, d.kind) == (URLS[0], DecisionKind.AFFINITY)  # the (stale) view's home
+    held = len(pool.strategy.caches[URLS[1]])
+    assert pool.forget_cache(URLS[0]) is True
+    assert len(pool.strategy.caches[URLS[0]]) == 0 and len(pool.strategy.caches[URLS[1]]) == held
+    bit = pool.strategy._bits[URLS[0]]
+    assert not any(m & bit for m in pool.strategy._index.values())  # out of the fleet-wide index too
+    d = pool.choose(None, blocks=follow_up)
+    assert (d.instance.instance_id, d.kind) == (placed, DecisionKind.AFFINITY)  # placed as a new document
+    assert pool.forget_cache("http://not-a-member:1") is False
+    # Learning starts again from nothing: the next request sticks to where it went.
+    with pool.acquire(None, blocks=follow_up) as lease:
+        assert lease.instance.instance_id == placed
+    assert pool.choose(None, blocks=follow_up).instance.instance_id == placed
+
+
+def test_strategies_without_learned_state_ignore_a_lost_cache():
+    for routing in (RoutingConfig.build("prefix-aware", 1024, 8), RoutingConfig()):
+        pool = VariantPool("v", URLS, routing, seed=3)
+        before = pool.choose(123).instance.instance_id if pool.routing.prefix_aware else None
+        assert pool.forget_cache(URLS[0]) is True
+        if before is not None:
+            assert pool.choose(123).instance.instance_id == before
+
+
 def test_config_validation():
     with pytest.raises(ConfigError, match="CacheAwareRoutingConfig.ConcurrencyThreshold: is required"):
         RoutingConfig.build("cache-aware")

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import logging
+
+import aiohttp
 from aiohttp import web
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.core.endpoint import Fleet
+from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
+from prefixroute.engine.server import start_engine_server
 from prefixroute.server.metrics import RouterMetrics
 from prefixroute.server.scrape import BackendStats, parse_engine_metrics, scrape_all
 
-from test_server_helpers import metric_value, router_for
+from test_server_helpers import eventually, metric_value, router_for
 
 M = 'model_name="meta-llama/Llama-3.1-8B-Instruct"'
 
@@ -124,3 +130,77 @@ async def test_the_router_scrapes_an_sglang_instance_and_its_load_reaches_the_st
     finally:
         await handle.close()
         await runner.cleanup()
+
+
+def test_a_counter_lower_than_at_the_last_scrape_is_a_restart():
+    before = parse_engine_metrics("vllm:prefix_cache_queries_total 1000.0\nvllm:prefix_cache_hits_total 900.0\n")
+    grown = parse_engine_metrics("vllm:prefix_cache_queries_total 1500.0\nvllm:prefix_cache_hits_total 900.0\n")
+    restarted = parse_engine_metrics("vllm:prefix_cache_queries_total 40.0\nvllm:prefix_cache_hits_total 0.0\n")
+    hits_only_back = parse_engine_metrics("vllm:prefix_cache_queries_total 1000.0\nvllm:prefix_cache_hits_total 5.0\n")
+    unknown = parse_engine_metrics("vllm:num_requests_running 2.0\n")
+    assert not grown.reset_since(before) and not before.reset_since(before)
+    assert restarted.reset_since(before) and hits_only_back.reset_since(before)
+    assert not unknown.reset_since(before) and not restarted.reset_since(unknown)  # nothing to compare
+
+
+async def test_an_engine_restarted_on_its_url_is_seen_and_cache_aware_forgets_its_cache(caplog):
+    """Real emulated engines behind the router (CACHE_AWARE, scraping every 50 ms). The
+    instance that served a document restarts on the same port: the next successful
+    scrape finds its counters back at zero, counts a restart, and the router's view of
+    that instance's cache is emptied (the other instance's view is kept)."""
+    started = [await start_engine_server(EngineConfig(), time_scale=0.0, instance_id=f"r{i}") for i in range(2)]
+    runners = [r for r, _ in started]
+    urls = [f"http://127.0.0.1:{p}" for _, p in started]
+    handle = await router_for(urls, RoutingConfig.build("cache-aware", None, 8), metrics_scrape_interval_s=0.05)
+    [(_, pool)] = handle.fleet.all_pools()
+    caches = pool.strategy.caches
+
+    async def ask(session: aiohttp.ClientSession, doc: str, question: str) -> str:
+        body = {"model": DEFAULT_MODEL, "max_tokens": 2,
+                "messages": [{"role": "system", "content": doc}, {"role": "user", "content": question}]}
+        async with session.post(handle.url + "/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+            await resp.read()
+            return resp.headers["X-Prefixroute-Instance"]
+
+    def restarts(url: str) -> float | None:
+        return metric_value(handle.state.metrics.render().decode(), "prefixroute_backend_restarts_total", instance=url)
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            docs = [f"Document {i}. " + "The quick brown fox jumps over the lazy dog. " * 80 for i in range(12)]
+            served = [await ask(session, d, "Summarise it.") for d in docs]
+            assert set(served) == set(urls)  # both instances hold documents
+            home = served[0]
+            other = next(u for u in urls if u != home)
+            assert await eventually(lambda: restarts(home) == 0 and restarts(other) == 0)
+            # More requests: the counters grow, no restart is seen, nothing is forgotten.
+            assert await ask(session, docs[0], "And the second part?") == home
+            held = {u: len(caches[u]) for u in urls}
+            await asyncio.sleep(0.3)
+            assert restarts(home) == 0 and {u: len(caches[u]) for u in urls} == held and held[home] > 0
+
+            # The instance restarts on its port (down for a few scrapes first: a failed
+            # scrape is not a restart).
+            i = urls.index(home)
+            await runners[i].cleanup()
+            await asyncio.sleep(0.3)
+            assert restarts(home) == 0 and len(caches[home]) == held[home]
+            with caplog.at_level(logging.WARNING, logger="prefixroute.server.state"):
+                runners[i], _ = await start_engine_server(EngineConfig(), port=int(home.rsplit(":", 1)[1]),
+                                                          time_scale=0.0, instance_id="r-restarted")
+                assert await eventually(lambda: restarts(home) == 1, timeout=5.0)  # its counters start at 0
+            assert len(caches[home]) == 0  # forgotten
+            assert restarts(other) == 0 and len(caches[other]) == held[other]
+            assert [r.getMessage() for r in caplog.records if "restarted" in r.getMessage()] == [
+                f"instance {home} restarted (its prefix-cache counters went back): the router's view of its cache "
+                "is cleared"]
+            # Learning starts again; later scrapes see the counters grow, not another restart.
+            served_after = await ask(session, docs[0], "Anything new?")
+            assert len(caches[served_after]) > (held[other] if served_after == other else 0)
+            await asyncio.sleep(0.3)
+            assert restarts(home) == 1 and restarts(other) == 0
+    finally:
+        await handle.close()
+        for r in runners:
+            await r.cleanup()

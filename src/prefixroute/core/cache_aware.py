@@ -666,6 +666,13 @@ class CacheAwareStrategy(Strategy):
             self._cache(inst)
         self._bits_src, self._bits_list = None, []
 
+    def on_cache_lost(self, instance: InstanceState) -> None:
+        # The engine starts empty: its view is emptied (and its bit leaves the index),
+        # so its chains count as held nowhere until requests are routed to it again.
+        cache = self.caches.get(instance.instance_id)
+        if cache is not None:
+            cache.clear()
+
     def stats(self) -> dict[str, float]:
         blocks = sum(len(c) for c in self.caches.values())
         return {

@@ -187,6 +187,22 @@ class VariantPool:
             inst.healthy = healthy
             self._healthy = None
 
+    def forget_cache(self, instance_id: str) -> bool:
+        """The instance's engine lost its prefix cache (it restarted on the same URL):
+        the strategy forgets what it learned about that cache (``CACHE_AWARE`` empties
+        its view of the instance; the other strategies keep no such state). In-flight
+        counts and health are unchanged.
+
+        Returns:
+            ``True`` if the instance is a member of this pool (and was told about),
+            ``False`` otherwise.
+        """
+        inst = self._by_id.get(instance_id)
+        if inst is None:
+            return False
+        self._strategy.on_cache_lost(inst)
+        return True
+
     # -- decisions ----------------------------------------------------------------
 
     def choose(

@@ -138,6 +138,11 @@ class Strategy(ABC):
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         """Called when instances are added or removed; stateless strategies ignore it."""
 
+    def on_cache_lost(self, instance: InstanceState) -> None:
+        """Called when ``instance``'s engine lost its prefix cache (it restarted):
+        what a strategy learned about that cache no longer holds. Stateless strategies
+        ignore it."""
+
     def stats(self) -> dict[str, float]:
         """Gauges worth exporting (e.g. memory of learned state); empty by default."""
         return {}

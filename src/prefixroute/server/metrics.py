@@ -142,6 +142,11 @@ class _BackendCollector(Collector):
         waiting = GaugeMetricFamily(
             "prefixroute_backend_requests_waiting",
             "Requests the instance reports queued (vllm:num_requests_waiting, sglang:num_queue_reqs).", labels=lbl)
+        restarts = CounterMetricFamily(
+            "prefixroute_backend_restarts",
+            "Engine restarts seen by this router: scrapes that found the instance's prefix-cache counters lower than "
+            "at the scrape before (each clears CACHE_AWARE's view of its cache).",
+            labels=lbl)
         ok = GaugeMetricFamily(
             "prefixroute_backend_scrape_ok", "1 if the latest scrape of the instance's /metrics succeeded, else 0.",
             labels=lbl)
@@ -149,6 +154,7 @@ class _BackendCollector(Collector):
         for instance, s in sorted(self._stats().items()):
             labels = (instance,)
             ok.add_metric(labels, 1.0 if s.ok else 0.0)
+            restarts.add_metric(labels, s.restarts)
             if s.prefix_cache_queries is not None:
                 queries.add_metric(labels, s.prefix_cache_queries)
             if s.prefix_cache_hits is not None:
@@ -164,7 +170,7 @@ class _BackendCollector(Collector):
                 waiting.add_metric(labels, s.requests_waiting)
         if total_q > 0:
             fleet.add_metric((), total_h / total_q)
-        return [queries, hits, rate, fleet, running, waiting, ok]
+        return [queries, hits, rate, fleet, running, waiting, restarts, ok]
 
 
 def use_multiprocess_values(path: str) -> None:

@@ -25,6 +25,17 @@ The text is parsed with ``prometheus_client``'s parser after keeping only the li
 these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsing them
 all would hold the event loop for milliseconds). A failed scrape keeps the last values,
 marks the instance's scrape as failed, and is not a health failure.
+
+**Engine restarts.** An engine restarted on the same URL starts with an empty prefix
+cache, and its counters start again from zero. A scrape that finds the prompt-token
+counter (or the cached-token counter) lower than at the last successful scrape counts a
+restart (a counter reset, as Prometheus' ``resets()`` reads one) and tells every variant
+that has the instance (:meth:`prefixroute.core.pool.VariantPool.forget_cache`):
+``CACHE_AWARE`` then empties its view of that instance's cache instead of routing
+follow-ups to an instance that no longer holds their prefix. A restart goes unseen when
+the engine exports neither counter, or when by the next scrape it has already counted
+more tokens than before it stopped (scrapes every ``--metrics-scrape-interval``
+seconds, 10 by default, against minutes for an engine to load a model).
 """
 
 from __future__ import annotations
@@ -33,7 +44,7 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import aiohttp
@@ -67,6 +78,8 @@ class BackendStats:
         requests_waiting: requests waiting in the engine, or ``None``.
         scraped_at: ``time.time()`` of the scrape, seconds.
         ok: whether the latest scrape succeeded (the values are from the last one that did).
+        restarts: engine restarts seen so far (counter resets between two successful
+            scrapes; set by :func:`scrape_all`, 0 from :func:`parse_engine_metrics`).
     """
 
     prefix_cache_queries: float | None = None
@@ -75,6 +88,7 @@ class BackendStats:
     requests_waiting: float | None = None
     scraped_at: float = 0.0
     ok: bool = False
+    restarts: int = 0
 
     @property
     def hit_rate(self) -> float | None:
@@ -90,6 +104,13 @@ class BackendStats:
         if self.requests_running is None and self.requests_waiting is None:
             return None
         return int((self.requests_running or 0) + (self.requests_waiting or 0))
+
+    def reset_since(self, earlier: "BackendStats") -> bool:
+        """Whether a counter went back between ``earlier`` and this scrape: the engine
+        restarted (its prompt-token or cached-token counter is lower than it was)."""
+        return any(new is not None and old is not None and new < old for new, old in (
+            (self.prefix_cache_queries, earlier.prefix_cache_queries),
+            (self.prefix_cache_hits, earlier.prefix_cache_hits)))
 
 
 def _wanted(line: str) -> bool:
@@ -142,7 +163,9 @@ async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, time
 
 async def scrape_all(state: "RouterState") -> dict[str, BackendStats]:
     """Scrape every configured instance once, concurrently, and store the results in
-    ``state.backend_stats`` (and each pool instance's ``engine_load``)."""
+    ``state.backend_stats`` (and each pool instance's ``engine_load``). An instance
+    whose counters went back (it restarted) has its learned cache view forgotten
+    (:meth:`RouterState.engine_restarted`)."""
     session = state.session
     if session is None:
         return {}
@@ -153,11 +176,15 @@ async def scrape_all(state: "RouterState") -> dict[str, BackendStats]:
     for gone in [i for i in stats if i not in ids]:
         del stats[gone]
     for instance_id, got in zip(ids, results):
+        old = stats.get(instance_id)
         if got is None:
-            old = stats.get(instance_id)
-            got = BackendStats(ok=False) if old is None else BackendStats(
-                old.prefix_cache_queries, old.prefix_cache_hits, old.requests_running, old.requests_waiting,
-                old.scraped_at, False)
+            got = BackendStats(ok=False) if old is None else replace(old, ok=False)
+        elif old is not None:
+            if got.reset_since(old):
+                got = replace(got, restarts=old.restarts + 1)
+                state.engine_restarted(instance_id)
+            else:
+                got = replace(got, restarts=old.restarts)
         stats[instance_id] = got
     state.publish_engine_load()
     return dict(stats)

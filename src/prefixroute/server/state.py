@@ -174,6 +174,15 @@ class RouterState:
                 return True
         return False
 
+    def engine_restarted(self, instance_id: str) -> None:
+        """The instance's engine restarted (its scraped counters went back): every
+        variant that has it forgets what its strategy learned about its prefix cache
+        (:meth:`VariantPool.forget_cache`)."""
+        told = [pool.forget_cache(instance_id) for _, pool in self.fleet.all_pools()]
+        if any(told):
+            log.warning("instance %s restarted (its prefix-cache counters went back): the router's view of its "
+                        "cache is cleared", instance_id)
+
     def publish_engine_load(self) -> None:
         """Copy each instance's scraped ``running + waiting`` to its pool state
         (``InstanceState.engine_load``, read by load-aware strategies)."""
