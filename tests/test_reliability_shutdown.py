@@ -80,6 +80,43 @@ async def test_deadline_cuts_longer_streams_and_releases(backend, floor, caplog)
     await assert_invariants(handle, [backend], floor)
 
 
+async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, floor, data_plane):
+    # A client stalled mid-body (its request has reached no instance) must not keep the
+    # router waiting for --shutdown-timeout (30 s here): its connection is closed when
+    # shutting down starts, on both data planes, while a stream in flight still finishes.
+    from urllib.parse import urlsplit
+
+    backend.default = Fault("ok", events=6, delay=0.1)
+    handle = await start_router(FleetConfig.single([backend.url], RoutingConfig.build("random")),
+                                ServerSettings(port=0, admin_port=None, health_check_interval_s=0,
+                                               metrics_scrape_interval_s=0, shutdown_timeout_s=30.0,
+                                               data_plane=data_plane))
+    u, a = urlsplit(handle.url), urlsplit(handle.admin_url)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    stalled = [(u, head + b"Content-Length: 4000\r\n\r\n" + CHAT[:40]),
+               (u, head + b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n" % 2000 + CHAT[:40]),
+               (a, b"PUT /admin/config HTTP/1.1\r\nHost: x\r\nContent-Length: 4000\r\n\r\n{")]
+    conns = [await asyncio.open_connection(where.hostname, where.port) for where, _ in stalled]
+    for (_, data), (_, writer) in zip(stalled, conns):
+        writer.write(data)
+    async with aiohttp.ClientSession() as http:
+        r = await http.post(handle.url + "/v1/chat/completions", data=CHAT)
+        await r.content.readuntil(b"\n\n")
+        await asyncio.sleep(0.2)  # the stalled bodies' first bytes are in
+        t0 = time.monotonic()
+        closing = asyncio.create_task(handle.close())
+        for reader, _ in conns:  # closed without an answer, at once
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+        rest = await r.read()  # the stream in flight finishes
+        await asyncio.wait_for(closing, 10)
+        assert time.monotonic() - t0 < 5.0  # not the 30 s shutdown timeout
+    assert len(backend.received) == 1  # nothing of the stalled requests reached the instance
+    assert rest.endswith(b"data: [DONE]\n\n")
+    for _, writer in conns:
+        writer.close()
+    await assert_invariants(handle, [backend], floor)
+
+
 async def _serve(backend, *extra: str, tmp=None, shutdown_timeout: str = "60", group: bool = False):
     """``prefixroute serve`` on ``backend`` as a child (its own process group if
     ``group``); returns it and its URL once it listens (killed if it does not)."""

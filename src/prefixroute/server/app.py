@@ -284,6 +284,37 @@ class BodyTimedOut(Exception):
                          "(--client-keepalive-timeout)")
 
 
+class _Receiving:
+    """The connections of one aiohttp application whose request body is still arriving
+    (in :func:`read_body`), and whether the application is shutting down."""
+
+    __slots__ = ("conns", "closed")
+
+    def __init__(self) -> None:
+        self.conns: set[Any] = set()  # (aiohttp's RequestHandler takes no weak reference)
+        self.closed = False
+
+
+RECEIVING = web.AppKey("prefixroute_receiving", _Receiving)
+
+
+def close_receiving_on_shutdown(app: web.Application) -> None:
+    """When ``app`` shuts down, close at once the connections whose request body is
+    still arriving (and any that starts arriving after): their requests reached no
+    instance, and a client stalled mid-body would otherwise hold the shutdown for up to
+    ``--shutdown-timeout`` (aiohttp waits for every handler). Requests already read
+    still finish. Serve ``app`` with ``handler_cancellation=True``."""
+    app[RECEIVING] = _Receiving()
+    app.on_shutdown.append(_close_receiving)
+
+
+async def _close_receiving(app: web.Application) -> None:
+    receiving = app[RECEIVING]
+    receiving.closed = True
+    for conn in list(receiving.conns):
+        conn.force_close()
+
+
 async def read_body(request: web.Request, limit: int,
                     idle_s: float | None = None) -> bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut:
     """The whole body, at most ``limit`` bytes (a chunked body is de-chunked, a
@@ -296,6 +327,12 @@ async def read_body(request: web.Request, limit: int,
     declared = request.content_length
     if declared is not None and declared > limit:
         return BodyTooLarge(limit, declared)
+    receiving = request.app.get(RECEIVING)
+    if receiving is not None:
+        conn = request.protocol
+        if receiving.closed:
+            conn.force_close()  # shutting down: the handler is cancelled
+        receiving.conns.add(conn)
     try:
         if idle_s is None:
             body = await request.read()
@@ -316,6 +353,9 @@ async def read_body(request: web.Request, limit: int,
     except TimeoutError:
         assert idle_s is not None
         return BodyTimedOut(idle_s)
+    finally:
+        if receiving is not None:
+            receiving.conns.discard(request.protocol)
     coding = request_coding(request.headers)
     return decode_request_body(body, coding, limit) if coding in ("gzip", "deflate") else body
 
@@ -619,6 +659,7 @@ def build_app(state: RouterState) -> web.Application:
     had decoded already would be decoded twice."""
     app = web.Application(client_max_size=state.settings.max_body_bytes, middlewares=[_error_shapes])
     app[STATE] = state
+    close_receiving_on_shutdown(app)
     app.cleanup_ctx.append(_background_tasks)
     if state.settings.record_trace:
         app.cleanup_ctx.append(recorder_context(state.settings.record_trace))
