@@ -5,7 +5,9 @@ One program, one fast backend, the same requests for every router:
 
 * the backend is ``bench/fast_backend.py``: a raw asyncio/uvloop HTTP/1.1 server
   answering canned OpenAI-shaped JSON or SSE streams (8 events, no delay) on 4 ports,
-  the fleet's 4 "instances". It costs about 25 µs of CPU per JSON answer and 100 µs
+  the fleet's 4 "instances": 18431-18434 (``--backend-port``), the same in every run,
+  so the rendezvous placement of the test bodies over the instances, which depends on
+  their URLs, is the same too (free ports, said so, when those are taken). It costs about 25 µs of CPU per JSON answer and 100 µs
   per stream (whatever the body size) on a 2-core development machine, a fraction of
   any router's cost, so the routers differ only by what they do themselves;
 * the targets: **direct** (the backend's first port, no router), prefixroute with every
@@ -89,6 +91,7 @@ import platform
 import re
 import shutil
 import statistics
+import socket
 import subprocess
 import sys
 import time
@@ -146,6 +149,11 @@ class OverheadSettings:
         rounds: measurements of every (cell, target); the median is reported.
         warmup_s: seconds of load before a cell's first round, per target (0: none).
         instances: ports of the fast backend, the routers' instances.
+        backend_port: the fast backend's first port, the others following it; fixed, so
+            that the instances' URLs, by which rendezvous hashing places the test
+            bodies (PREFIX_AWARE, CACHE_AWARE, the peers' cache-aware policies), are the
+            same in every run. 0, or a port in use: free ports chosen by the OS (the
+            placement then changes from run to run).
         distinct_bodies: request bodies the load cycles over (distinct system prompts).
         stream_events: SSE events per streamed answer (before ``data: [DONE]``).
         prefix_length: PREFIX_AWARE PrefixLength (characters) and HAProxy's hashed bytes.
@@ -167,6 +175,7 @@ class OverheadSettings:
     rounds: int = 3
     warmup_s: int = 1
     instances: int = 4
+    backend_port: int = 18431
     distinct_bodies: int = 16
     stream_events: int = 8
     prefix_length: int = 4096
@@ -453,15 +462,34 @@ class FastBackend:
             return json.loads(r.read())
 
 
-def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, stream_events: int = 8,
+def ports_free(first: int, count: int) -> bool:
+    """Whether ports ``first`` to ``first + count - 1`` can be bound on 127.0.0.1 now."""
+    for port in range(first, first + count):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                return False
+    return True
+
+
+def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: int = 0, stream_events: int = 8,
                        stream_delay_ms: float = 0.0, record_bodies: bool = False, python: str = sys.executable,
-                       timeout_s: float = 30.0) -> FastBackend:
-    """Start the fast backend on ``ports`` free ports and wait until it listens on all.
+                       timeout_s: float = 30.0, log: Callable[[str], None] = print) -> FastBackend:
+    """Start the fast backend on ``ports`` ports and wait until it listens on all: on
+    ``first_port`` and the ones after it, or on free ports if ``first_port`` is 0 or
+    one of those is in use (said through ``log``).
 
     Raises:
         PeerError: it exited or did not listen in time.
     """
-    argv = [python, str(FAST_BACKEND), *[a for _ in range(ports) for a in ("--port", "0")],
+    if first_port and not (first_port + ports - 1 <= 65535 and ports_free(first_port, ports)):
+        log(f"note: ports {first_port}-{first_port + ports - 1} are not all free: the fast backend listens on free "
+            "ports, so the test bodies' placement over the instances differs from other runs")
+        first_port = 0
+    chosen = [str(first_port + i) if first_port else "0" for i in range(ports)]
+    argv = [python, str(FAST_BACKEND), *[a for port in chosen for a in ("--port", port)],
             "--stream-chunks", str(stream_events), "--stream-delay-ms", str(stream_delay_ms)]
     if record_bodies:
         argv.append("--record-bodies")
@@ -1185,8 +1213,9 @@ def versions(statuses: dict[str, PeerStatus]) -> dict[str, str]:
 
 def write_json(path: Path, results: Sequence[CellResult], measurements: Sequence[Measurement],
                streams: StreamsResult | None, s: OverheadSettings, command: str, skipped: dict[str, str],
-               statuses: dict[str, PeerStatus]) -> None:
-    """SPEC §7's object plus every measurement, settings, command, versions, skipped routers."""
+               statuses: dict[str, PeerStatus], backend_urls: Sequence[str] = ()) -> None:
+    """SPEC §7's object plus every measurement, settings, command, versions, skipped routers,
+    the fast backend's URLs (the routers' instances)."""
     import orjson
 
     doc = {
@@ -1197,6 +1226,7 @@ def write_json(path: Path, results: Sequence[CellResult], measurements: Sequence
         "measurements": [m.to_json() for m in measurements],
         "streams": streams.to_json() if streams else None,
         "settings": asdict(s),
+        "backend_urls": list(backend_urls),
         "command": command,
         "versions": versions(statuses),
         "skipped": skipped,
@@ -1252,6 +1282,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"milliseconds between two of the {FULL.streams_events} events of a stream in the streams "
                         f"phase (default: {FULL.streams_delay_ms:g}; shorter streams may end before the last ones "
                         "open)")
+    p.add_argument("--backend-port", type=int, default=None,
+                   help=f"first of the fast backend's {FULL.instances} consecutive ports (default: {FULL.backend_port}). "
+                        "Fixed ports keep the instances' URLs, and so the rendezvous placement of the test bodies, "
+                        "the same from run to run; 0 (or a port in use) takes free ports, and the placement then "
+                        "changes between runs")
     p.add_argument("--peers-venv", type=Path, default=DEFAULT_PEERS_VENV,
                    help=f"virtual environment for sglang-router and vllm-router (default: {DEFAULT_PEERS_VENV})")
     p.add_argument("--no-install", action="store_true",
@@ -1277,7 +1312,8 @@ def settings_from(args: argparse.Namespace) -> OverheadSettings:
             raise SystemExit("error: --modes takes plain and/or stream")
         upd["streaming"] = tuple(m == "stream" for m in dict.fromkeys(modes))
     for flag, name in (("duration", "duration_s"), ("rounds", "rounds"), ("warmup", "warmup_s"),
-                       ("streams", "streams"), ("streams_delay_ms", "streams_delay_ms")):
+                       ("streams", "streams"), ("streams_delay_ms", "streams_delay_ms"),
+                       ("backend_port", "backend_port")):
         if getattr(args, flag) is not None:
             upd[name] = getattr(args, flag)
     s = replace(s, **upd)
@@ -1285,6 +1321,9 @@ def settings_from(args: argparse.Namespace) -> OverheadSettings:
             or s.warmup_s < 0 or s.streams < 0 or not s.streams_delay_ms >= 0):
         raise SystemExit("error: --concurrency, --body-sizes, --duration and --rounds must be positive; "
                          "--warmup, --streams and --streams-delay-ms >= 0")
+    if not 0 <= s.backend_port <= 65536 - s.instances:
+        raise SystemExit(f"error: --backend-port must be 0 (free ports) or 1-{65536 - s.instances}, "
+                         f"got {s.backend_port}")
     return s
 
 
@@ -1342,6 +1381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     cells = [Cell(c, b, st) for st in s.streaming for b in s.body_sizes for c in s.concurrency]
     measurements: list[Measurement] = []
     streams: StreamsResult | None = None
+    backend_urls: list[str] = []
     with ProcessTracker() as tracker:
         script = tracker.path("bodies", ".lua")
         script.write_text(WRK_SCRIPT)
@@ -1350,7 +1390,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for st in s.streaming:
                 files[(b, st)] = write_bodies(tracker.workdir / "bodies", make_bodies(b, st, s.distinct_bodies, s.seed),
                                               f"body-{b}-{'stream' if st else 'plain'}")
-        backend = start_fast_backend(tracker, s.instances, stream_events=s.stream_events)
+        backend = start_fast_backend(tracker, s.instances, first_port=s.backend_port, stream_events=s.stream_events,
+                                     log=console.print)
+        backend_urls[:] = backend.urls
         targets = [Target(DIRECT, "none", "direct to the backend", backend.urls[0], None)]
         for spec in specs:
             try:
@@ -1471,7 +1513,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_plots(Path(args.out_dir), results, streams)
         console.print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
-        write_json(Path(args.json), results, measurements, streams, s, command, skipped, statuses)
+        write_json(Path(args.json), results, measurements, streams, s, command, skipped, statuses, backend_urls)
         console.print(f"results: {args.json}")
     ok = bool(measurements) and all(m.wrk.error_count == 0 and m.wrk.requests > 0 for m in measurements)
     if s.streams:

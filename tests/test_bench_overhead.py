@@ -366,12 +366,41 @@ def test_settings_from_flags():
         overhead.select_routers(overhead.router_specs(overhead.FULL), "no-such-router")
     with pytest.raises(SystemExit, match="cannot hold a chat request"):  # a clean error, not a traceback
         overhead.settings_from(overhead.parse_args(["--body-sizes", "1K,200"]))
+    assert overhead.settings_from(overhead.parse_args(["--backend-port", "0"])).backend_port == 0
+    assert overhead.settings_from(overhead.parse_args(["--backend-port", "20000"])).backend_port == 20000
+    for bad in ("-1", "65533", "70000"):  # 4 consecutive ports must exist
+        with pytest.raises(SystemExit, match="--backend-port must be 0"):
+            overhead.settings_from(overhead.parse_args(["--backend-port", bad]))
     labels = [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "prefixroute")]
     assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
                       "prefixroute CACHE_AWARE", "prefixroute PREFIX_AWARE --data-plane aiohttp",
                       "prefixroute CACHE_AWARE --workers 2"]
     assert [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "python-relay-floor")] == \
         [overhead.RELAY_FLOOR_LABEL]
+
+
+def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
+    # Fixed ports give the instances the same URLs in every run (the bodies' rendezvous
+    # placement depends on them); a port in use falls back to free ports, said so.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        first = probe.getsockname()[1]
+    if not overhead.ports_free(first, 2):
+        first = 23456
+    assert overhead.ports_free(first, 2)
+    said: list[str] = []
+    fixed = overhead.start_fast_backend(tracker, 2, first_port=first, log=said.append)
+    assert fixed.urls == [f"http://127.0.0.1:{first}", f"http://127.0.0.1:{first + 1}"] and said == []
+    assert not overhead.ports_free(first, 2)  # (they are taken now)
+    moved = overhead.start_fast_backend(tracker, 2, first_port=first, log=said.append)
+    assert not set(moved.urls) & set(fixed.urls) and len(moved.urls) == 2
+    assert said == [f"note: ports {first}-{first + 1} are not all free: the fast backend listens on free ports, so "
+                    "the test bodies' placement over the instances differs from other runs"]
+    for b in (fixed, moved):
+        assert b.stats()["requests"] == 0  # (answered on its first URL: it listens there)
+        b.process.stop()
 
 
 def test_process_tree_readings_of_this_process():
