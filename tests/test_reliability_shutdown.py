@@ -12,13 +12,14 @@ import sys
 import time
 
 import aiohttp
+import orjson
 import pytest
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.server import ServerSettings, start_router
 
 from fault_backend import Fault, FaultBackend, sse_events
-from reliability_helpers import assert_invariants, eventually, in_flight, install_floor
+from reliability_helpers import assert_invariants, eventually, in_flight, install_floor, sse_data
 
 CHAT = b'{"model": "m", "messages": [{"role": "user", "content": "hello"}], "stream": true}'
 
@@ -59,24 +60,56 @@ async def test_stream_in_flight_finishes_and_new_connections_are_refused(backend
     await assert_invariants(handle, [backend], floor)
 
 
-async def test_deadline_cuts_longer_streams_and_releases(backend, floor, caplog):
+@pytest.mark.parametrize("route", ["chat_stream", "response_stream", "native_stream"])
+async def test_deadline_cuts_longer_streams_and_releases(backend, floor, caplog, data_plane, route):
+    # A stream longer than --shutdown-timeout is cut at the deadline: the engine sees its
+    # connection close and the slot is released. On the fast data plane its client gets
+    # the stream's own error event (an SSE error object, an event-stream
+    # InternalStreamFailure; a native SSE stream, relayed as is, an SSE error object too)
+    # and the end of the body, as when an instance breaks off. The aiohttp plane closes
+    # the connection.
+    from reliability_helpers import request_for
+
     backend.default = Fault("ok", events=100, delay=0.05)  # 5 s: longer than the deadline
-    handle = await _router(backend.url, shutdown_timeout_s=0.3)
+    handle = await start_router(FleetConfig.single([backend.url], RoutingConfig.build("random")),
+                                ServerSettings(port=0, admin_port=0, health_check_interval_s=0,
+                                               metrics_scrape_interval_s=0, shutdown_timeout_s=0.3,
+                                               data_plane=data_plane))
     caplog.set_level(logging.WARNING, logger="prefixroute")
+    path, body = request_for(route)
     async with aiohttp.ClientSession() as http:
-        r = await http.post(handle.url + "/v1/chat/completions", data=CHAT)
-        await r.content.readuntil(b"\n\n")
+        r = await http.post(handle.url + path, data=body, headers={"Content-Type": "application/json"})
+        first = await r.content.readany()
         t0 = time.monotonic()
         await asyncio.wait_for(handle.close(), 5)
         assert time.monotonic() - t0 < 2.0
-        with pytest.raises(aiohttp.ClientPayloadError):
-            await r.read()
+        message = "the router is shutting down: the response was cut before its end"
+        if data_plane == "fast":
+            rest = first + await r.read()  # a whole body, ended
+            if route != "response_stream":
+                events = sse_data(rest)
+                assert orjson.loads(events[-1]) == {"error": {
+                    "message": message, "type": "server_error", "param": None, "code": "router_shutting_down"}}
+                assert 1 <= len(events) - 1 < 100 and all(e.startswith(b"{") for e in events[:-1])
+            else:
+                from botocore.eventstream import EventStreamBuffer
+
+                buf = EventStreamBuffer()
+                buf.add_data(rest)
+                msgs = [(dict(m.headers), m.payload) for m in buf]
+                assert msgs[-1][0][":exception-type"] == "InternalStreamFailure"
+                assert orjson.loads(msgs[-1][1]) == {"Message": message}
+                assert {h[":event-type"] for h, _ in msgs[:-1]} == {"PayloadPart"} and len(msgs) >= 2
+        else:
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await r.read()
     [rec] = backend.received
     assert await eventually(lambda: rec.t_closed is not None, 1.0)  # the engine was told
     assert in_flight(handle) == 0
-    assert [r.getMessage() for r in caplog.records if "--shutdown-timeout" in r.getMessage()] == [
-        "shutting down: 1 request still being answered after 0.3 s (--shutdown-timeout): cut, their connections "
-        "closed"]
+    if data_plane == "fast":
+        assert [r.getMessage() for r in caplog.records if "--shutdown-timeout" in r.getMessage()] == [
+            "shutting down: 1 request still being answered after 0.3 s (--shutdown-timeout): cut, their "
+            "connections closed"]
     await assert_invariants(handle, [backend], floor)
 
 
@@ -194,7 +227,8 @@ async def test_workers_drain_on_a_signal_to_the_process_group(backend, sig):
 @pytest.mark.parametrize("workers,plane", [(1, "fast"), (1, "aiohttp"), (2, "fast")])
 async def test_a_second_stop_signal_cuts_the_drain_short(backend, tmp_path, workers, plane):
     """Ctrl-C twice: the first starts the drain, the second stops waiting for it. The
-    stream in flight is cut (the engine sees its connection closed), the router exits
+    stream in flight is cut (the engine sees its connection closed; one fast-plane
+    process ends the client's stream with an error event), the router exits
     0 at once with a warning and no traceback, and leaves nothing in TMPDIR."""
     backend.default = Fault("ok", events=100, delay=0.1)  # 10 s, far beyond the test's waits
     tmp = tmp_path / "tmp"
@@ -214,8 +248,12 @@ async def test_a_second_stop_signal_cuts_the_drain_short(backend, tmp_path, work
             os.killpg(proc.pid, signal.SIGINT)
             assert await asyncio.wait_for(proc.wait(), 10) == 0
             assert time.monotonic() - t0 < 5.0
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await asyncio.wait_for(r.read(), 5)
+            if plane == "fast" and workers == 1:  # the stream's own error event ends it
+                events = sse_data(await asyncio.wait_for(r.read(), 5))
+                assert orjson.loads(events[-1])["error"]["code"] == "router_shutting_down"
+            else:  # (with --workers the supervisor kills its workers on the second signal)
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await asyncio.wait_for(r.read(), 5)
         [rec] = backend.received
         assert await eventually(lambda: rec.t_closed is not None, 2.0)  # the engine was told
         err = (await proc.stderr.read()).decode()

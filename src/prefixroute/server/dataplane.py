@@ -1689,6 +1689,10 @@ class FrontServer:
             except _ClientGone:
                 up.abort()
                 return rr.completed_status or 499
+            except asyncio.CancelledError:
+                if self.closing:  # cut by the shutdown: ended in the stream's own terms
+                    self._end_cut(client, sse, reply.tail, framed)
+                raise
             finally:
                 watch.cancel()
                 client.upstream = None
@@ -1792,6 +1796,21 @@ class FrontServer:
             return STREAM_ABORTED
         client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         return STREAM_ABORTED
+
+    @staticmethod
+    def _end_cut(client: _Client, sse: bool, tail: bytes, framed: bool) -> None:
+        """A stream under way cut by the shutdown (``--shutdown-timeout`` passed, or a
+        second stop signal): its client gets the stream's own error event and the end of
+        the body, as when the instance breaks off (:meth:`_end_broken`), where an event
+        can be placed; else the connection is closed, as before."""
+        message = "the router is shutting down: the response was cut before its end"
+        if framed:
+            event = eventstream.internal_stream_failure(message)
+        elif sse and at_event_boundary(tail):
+            event = sse_error_event(message, "router_shutting_down")
+        else:
+            return
+        client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
 
     async def _model_error(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
                            t_headers: float, keep_alive: bool) -> int:
