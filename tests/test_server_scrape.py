@@ -132,15 +132,63 @@ async def test_the_router_scrapes_an_sglang_instance_and_its_load_reaches_the_st
         await runner.cleanup()
 
 
-def test_a_counter_lower_than_at_the_last_scrape_is_a_restart():
-    before = parse_engine_metrics("vllm:prefix_cache_queries_total 1000.0\nvllm:prefix_cache_hits_total 900.0\n")
-    grown = parse_engine_metrics("vllm:prefix_cache_queries_total 1500.0\nvllm:prefix_cache_hits_total 900.0\n")
-    restarted = parse_engine_metrics("vllm:prefix_cache_queries_total 40.0\nvllm:prefix_cache_hits_total 0.0\n")
-    hits_only_back = parse_engine_metrics("vllm:prefix_cache_queries_total 1000.0\nvllm:prefix_cache_hits_total 5.0\n")
+def test_a_counter_lower_than_its_last_known_value_is_a_restart():
+    def page(q: str, h: str) -> BackendStats:
+        return parse_engine_metrics(f"vllm:prefix_cache_queries_total {q}\nvllm:prefix_cache_hits_total {h}\n")
+
+    before = page("1000.0", "900.0")
+    assert not page("1500.0", "900.0").reset_since(before) and not before.reset_since(before)
+    assert page("40.0", "0.0").reset_since(before) and page("1000.0", "5.0").reset_since(before)
     unknown = parse_engine_metrics("vllm:num_requests_running 2.0\n")
-    assert not grown.reset_since(before) and not before.reset_since(before)
-    assert restarted.reset_since(before) and hits_only_back.reset_since(before)
-    assert not unknown.reset_since(before) and not restarted.reset_since(unknown)  # nothing to compare
+    assert not unknown.reset_since(before) and not page("40.0", "0.0").reset_since(unknown)  # nothing to compare
+    # A scrape that lacks the counters (missing, NaN, negative, infinite) keeps their last
+    # known values: a restart across it is still seen.
+    gap = BackendStats(ok=False)
+    for bad in (unknown, page("NaN", "NaN"), page("-1.0", "+Inf"), parse_engine_metrics("")):
+        carried = bad.after(before)
+        assert carried.marks == (1000.0, 900.0) and carried.restarts == 0
+        gap = carried
+    restarted = page("5.0", "0.0").after(gap)
+    assert restarted.restarts == 1 and restarted.marks == (5.0, 0.0)
+    assert page("6.0", "1.0").after(restarted).restarts == 1  # growing again: no second restart
+    half = parse_engine_metrics("vllm:prefix_cache_queries_total 1200.0\n").after(before)  # hits went missing
+    assert half.restarts == 0 and half.marks == (1200.0, 900.0)
+
+
+async def test_a_metrics_page_that_arrives_in_pieces_is_read_whole():
+    # A page split across TCP segments (a real engine's page of tens of KB over a real
+    # network) must be read to its end: reading only the first piece cut a counter's
+    # digits short, which read as a restart every other scrape.
+    page = ('vllm:iteration_tokens_total_bucket{engine="0",le="1"} 1\n' * 2000
+            + "vllm:prefix_cache_queries_total 123456789.0\nvllm:prefix_cache_hits_total 98765432.0\n"
+            + "vllm:num_requests_running 3.0\n").encode()
+    cut = page.index(b"123456789.0") + 4
+
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/plain"})
+        resp.content_length = len(page)
+        await resp.prepare(request)
+        for piece in (page[:cut], page[cut:-10], page[-10:]):
+            await resp.write(piece)
+            await asyncio.sleep(0.005)
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    handle = await router_for([url], RoutingConfig.build("cache-aware", None, 8))
+    try:
+        for _ in range(3):
+            stats = await scrape_all(handle.state)
+            assert (stats[url].prefix_cache_queries, stats[url].prefix_cache_hits) == (123456789.0, 98765432.0)
+            assert stats[url].requests_running == 3.0 and stats[url].restarts == 0 and stats[url].ok
+    finally:
+        await handle.close()
+        await runner.cleanup()
 
 
 async def test_an_engine_restarted_on_its_url_is_seen_and_cache_aware_forgets_its_cache(caplog):
@@ -164,7 +212,7 @@ async def test_an_engine_restarted_on_its_url_is_seen_and_cache_aware_forgets_it
             return resp.headers["X-Prefixroute-Instance"]
 
     def restarts(url: str) -> float | None:
-        return metric_value(handle.state.metrics.render().decode(), "prefixroute_backend_restarts_total", instance=url)
+        return metric_value(handle.state.metrics.render().decode(), "prefixroute_backend_restarts_seen", instance=url)
 
     try:
         async with aiohttp.ClientSession() as session:

@@ -142,10 +142,11 @@ class _BackendCollector(Collector):
         waiting = GaugeMetricFamily(
             "prefixroute_backend_requests_waiting",
             "Requests the instance reports queued (vllm:num_requests_waiting, sglang:num_queue_reqs).", labels=lbl)
-        restarts = CounterMetricFamily(
-            "prefixroute_backend_restarts",
-            "Engine restarts seen by this router: scrapes that found the instance's prefix-cache counters lower than "
-            "at the scrape before (each clears CACHE_AWARE's view of its cache).",
+        restarts = GaugeMetricFamily(
+            "prefixroute_backend_restarts_seen",
+            "Engine restarts this router process has seen since it started: scrapes that found the instance's "
+            "prefix-cache counters lower than before (each clears CACHE_AWARE's view of its cache). A gauge: with "
+            "--workers N, the count of the worker that answers (a restarted worker starts from 0).",
             labels=lbl)
         ok = GaugeMetricFamily(
             "prefixroute_backend_scrape_ok", "1 if the latest scrape of the instance's /metrics succeeded, else 0.",

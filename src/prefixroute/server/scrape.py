@@ -23,14 +23,17 @@ batches, not read: the hit rate is then unknown). The hit rate of either engine 
 
 The text is parsed with ``prometheus_client``'s parser after keeping only the lines of
 these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsing them
-all would hold the event loop for milliseconds). A failed scrape keeps the last values,
+all would hold the event loop for milliseconds). The page is read whole, in as many reads
+as it arrives in (at most 16 MiB: a larger one is a failed scrape). A failed scrape keeps the last values,
 marks the instance's scrape as failed, and is not a health failure.
 
 **Engine restarts.** An engine restarted on the same URL starts with an empty prefix
 cache, and its counters start again from zero. A scrape that finds the prompt-token
 counter (or the cached-token counter) lower than at the last successful scrape counts a
-restart (a counter reset, as Prometheus' ``resets()`` reads one) and tells every variant
-that has the instance (:meth:`prefixroute.core.pool.VariantPool.forget_cache`):
+restart (a counter reset, as Prometheus' ``resets()`` reads one; a scrape that finds a
+counter missing or not a count keeps its last known value for that comparison) and tells every variant
+that has the instance (:meth:`prefixroute.core.pool.VariantPool.forget_cache`) and
+``prefixroute_backend_restarts_seen{instance}`` counts it:
 ``CACHE_AWARE`` then empties its view of that instance's cache instead of routing
 follow-ups to an instance that no longer holds their prefix. A restart goes unseen when
 the engine exports neither counter, or when by the next scrape it has already counted
@@ -78,8 +81,12 @@ class BackendStats:
         requests_waiting: requests waiting in the engine, or ``None``.
         scraped_at: ``time.time()`` of the scrape, seconds.
         ok: whether the latest scrape succeeded (the values are from the last one that did).
-        restarts: engine restarts seen so far (counter resets between two successful
-            scrapes; set by :func:`scrape_all`, 0 from :func:`parse_engine_metrics`).
+        restarts: engine restarts seen so far by this process (counter resets between
+            two successful scrapes; set by :func:`scrape_all`, 0 from
+            :func:`parse_engine_metrics`).
+        counter_marks: ``(queries, hits)``, the latest known value of each counter, kept
+            across scrapes that found it missing or not a count (what the next scrape
+            is compared with to see a restart); ``None``: this scrape's own values.
     """
 
     prefix_cache_queries: float | None = None
@@ -89,6 +96,14 @@ class BackendStats:
     scraped_at: float = 0.0
     ok: bool = False
     restarts: int = 0
+    counter_marks: tuple[float | None, float | None] | None = None
+
+    @property
+    def marks(self) -> tuple[float | None, float | None]:
+        """``(queries, hits)`` as last known (see ``counter_marks``)."""
+        if self.counter_marks is not None:
+            return self.counter_marks
+        return self.prefix_cache_queries, self.prefix_cache_hits
 
     @property
     def hit_rate(self) -> float | None:
@@ -107,10 +122,21 @@ class BackendStats:
 
     def reset_since(self, earlier: "BackendStats") -> bool:
         """Whether a counter went back between ``earlier`` and this scrape: the engine
-        restarted (its prompt-token or cached-token counter is lower than it was)."""
-        return any(new is not None and old is not None and new < old for new, old in (
-            (self.prefix_cache_queries, earlier.prefix_cache_queries),
-            (self.prefix_cache_hits, earlier.prefix_cache_hits)))
+        restarted (its prompt-token or cached-token counter is lower than ``earlier``'s
+        last known value of it)."""
+        return any(new is not None and old is not None and new < old
+                   for new, old in zip((self.prefix_cache_queries, self.prefix_cache_hits), earlier.marks))
+
+    def after(self, earlier: "BackendStats") -> "BackendStats":
+        """This scrape, carrying on from ``earlier`` (the instance's previous one): its
+        restart count (plus one if :meth:`reset_since`) and the counters' last known
+        values (a counter this scrape lacks keeps ``earlier``'s, unless the engine
+        restarted)."""
+        if self.reset_since(earlier):
+            return replace(self, restarts=earlier.restarts + 1, counter_marks=None)
+        marks = tuple(new if new is not None else old
+                      for new, old in zip((self.prefix_cache_queries, self.prefix_cache_hits), earlier.marks))
+        return replace(self, restarts=earlier.restarts, counter_marks=marks)  # type: ignore[arg-type]
 
 
 def _wanted(line: str) -> bool:
@@ -154,8 +180,14 @@ async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, time
                                headers={"Accept": "text/plain"}) as resp:
             if resp.status != 200:
                 return None
-            raw = await resp.content.read(_MAX_METRICS_BYTES)
-        return parse_engine_metrics(raw.decode("utf-8", "replace"), time.time())
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in resp.content.iter_any():  # the whole page, as many reads as it takes
+                size += len(chunk)
+                if size > _MAX_METRICS_BYTES:
+                    raise ValueError(f"metrics page over {_MAX_METRICS_BYTES} bytes")
+                parts.append(chunk)
+        return parse_engine_metrics(b"".join(parts).decode("utf-8", "replace"), time.time())
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
         log.debug("metrics scrape of %s failed: %s", instance_id, type(exc).__name__)
         return None
@@ -180,11 +212,9 @@ async def scrape_all(state: "RouterState") -> dict[str, BackendStats]:
         if got is None:
             got = BackendStats(ok=False) if old is None else replace(old, ok=False)
         elif old is not None:
-            if got.reset_since(old):
-                got = replace(got, restarts=old.restarts + 1)
+            got = got.after(old)
+            if got.restarts > old.restarts:
                 state.engine_restarted(instance_id)
-            else:
-                got = replace(got, restarts=old.restarts)
         stats[instance_id] = got
     state.publish_engine_load()
     return dict(stats)
