@@ -417,7 +417,7 @@ async def test_a_request_that_stops_arriving_part_way_is_answered_408_and_closed
     # Upgrade, a native one): after --client-keepalive-timeout without a byte of it, the
     # router answers 408 in the API's shape, counts it, and closes the connection (the
     # aiohttp data plane used to wait for ever; it closes after aiohttp's lingering time,
-    # 10 s, in which it still reads what the client sends; the fast one closed without an
+    # 2 s, in which it still reads what the client sends; the fast one closed without an
     # answer). The same on the admin API. Nothing reaches an engine, a slow client that
     # keeps sending is not cut, and the router goes on serving.
     import asyncio

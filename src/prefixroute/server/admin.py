@@ -31,8 +31,8 @@ from aiohttp import web
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
 from prefixroute.core.counters import InFlightTableFull
 from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
-from prefixroute.server.app import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedOut, BodyTooLarge, coding_refusal,
-                                    read_body)
+from prefixroute.server.app import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedOut, BodyTooLarge,
+                                    close_receiving_on_shutdown, coding_refusal, read_body)
 from prefixroute.server.errors import json_response
 from prefixroute.server.state import RouterState
 
@@ -248,6 +248,7 @@ def build_admin_app(state: RouterState, token: str | None = None) -> web.Applica
     app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
                           middlewares=admin_middlewares(token if token is not None else state.settings.admin_token))
     app[_STATE] = state
+    close_receiving_on_shutdown(app)
     app.router.add_get("/admin/config", get_config, allow_head=False)
     app.router.add_put("/admin/config", put_config)
     app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", put_routing)

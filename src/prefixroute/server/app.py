@@ -305,11 +305,16 @@ def close_receiving_on_shutdown(app: web.Application) -> None:
     ``--shutdown-timeout`` (aiohttp waits for every handler). Requests already read
     still finish. Serve ``app`` with ``handler_cancellation=True``."""
     app[RECEIVING] = _Receiving()
-    app.on_shutdown.append(_close_receiving)
+    app.on_shutdown.append(close_receiving)
 
 
-async def _close_receiving(app: web.Application) -> None:
-    receiving = app[RECEIVING]
+async def close_receiving(app: web.Application) -> None:
+    """Close now the connections of ``app`` whose request body is still arriving, and
+    any that starts arriving from now on (what ``app`` does when it shuts down, if
+    :func:`close_receiving_on_shutdown` was called on it; else nothing)."""
+    receiving = app.get(RECEIVING)
+    if receiving is None:
+        return
     receiving.closed = True
     for conn in list(receiving.conns):
         conn.force_close()

@@ -897,6 +897,9 @@ class _Client(asyncio.Protocol):
             return
         self.cur = None
         self.pending_continue = False  # its body is all here: no 100 Continue is owed any more
+        if self.front.closing and not self.busy and not self.queue:
+            self.close()  # shutting down: a request that arrives now is not routed
+            return
         if self.raw_inc is None and self.parser.should_upgrade():
             self.upgrading = cur  # its body (if any) comes after the upgrade point
             return
@@ -1160,8 +1163,8 @@ class FrontServer:
         deadline = self.loop.time() + timeout_s
         while True:
             for c in list(self.clients):
-                if not c.busy and c.cur is None and not c.queue:
-                    c.close()  # idle (a busy one closes after its answer)
+                if not c.busy and not c.queue:
+                    c.close()  # idle, or a request still arriving (a busy one closes after its answer)
             if self.hurried or not any(c.busy for c in self.clients) or self.loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)

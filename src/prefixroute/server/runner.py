@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -22,8 +23,8 @@ from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.admin import build_admin_app
-from prefixroute.server.app import build_app
-from prefixroute.server.dataplane import FrontServer, internal_socket_path
+from prefixroute.server.app import build_app, close_receiving
+from prefixroute.server.dataplane import LINGER_S, FrontServer, internal_socket_path
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -126,18 +127,37 @@ class RouterHandle:
     async def close(self) -> None:
         """Stop listening, let requests in flight finish (up to
         ``settings.shutdown_timeout_s``, or until :meth:`hurry`), then close the
-        upstream client and remove the internal socket."""
+        upstream client and remove the internal socket.
+
+        Every port stops accepting at once (the public one and the admin API's), and
+        their connections whose request is still arriving are closed at once (it
+        reached no instance); the requests already read are waited for."""
         front = self._front
+        timeout_s = self.state.settings.shutdown_timeout_s
+        for i, runner in enumerate(self._runners):
+            if i or front is None:  # the public aiohttp port, the admin API (not the fast plane's internal app)
+                for site in list(runner.sites):
+                    await site.stop()
+                await close_receiving(runner.app)
         if front is not None:
             if self._hurried:
                 front.hurry()
-            await front.close(self.state.settings.shutdown_timeout_s)
+            await front.close(timeout_s)
             self._front = None
+        loop = asyncio.get_running_loop()
         while self._runners:
             runner = self._runners[-1]
             if self._hurried:
                 _cut(runner)
-            await runner.cleanup()
+            # aiohttp waits for its handlers up to the runner's shutdown timeout twice
+            # over (for the handler, then for its cancellation); the public port's
+            # requests are cut at --shutdown-timeout itself.
+            deadline = loop.call_later(timeout_s, _cut, runner) if len(self._runners) == 1 else None
+            try:
+                await runner.cleanup()
+            finally:
+                if deadline is not None:
+                    deadline.cancel()
             self._runners.pop()
         if self._socket_path is not None:
             with contextlib.suppress(OSError):
@@ -194,8 +214,13 @@ async def reload_logged_waiting(state: RouterState) -> bool:
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,
                  reuse_port: bool = False, unix_path: str | None = None,
                  keepalive_timeout_s: float = 75.0, auto_decompress: bool = True) -> tuple[web.AppRunner, int]:
+    # lingering_time: after an answer to a request whose body was not read (404, 405, a
+    # declared body over the limit), what the client still sends is read and dropped
+    # this long before closing, as on the fast plane (aiohttp's default, 10 s, also held
+    # a shutdown up that long).
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s,
-                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress, logger=SERVER_LOG)
+                           keepalive_timeout=keepalive_timeout_s, auto_decompress=auto_decompress, logger=SERVER_LOG,
+                           lingering_time=LINGER_S)
     await runner.setup()
     try:
         site: web.BaseSite

@@ -754,9 +754,11 @@ class Supervisor:
 
     def _admin_app(self) -> web.Application:
         from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, admin_middlewares
+        from prefixroute.server.app import close_receiving_on_shutdown
 
         app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
                               middlewares=admin_middlewares(self.settings.admin_token))
+        close_receiving_on_shutdown(app)
         app.router.add_get("/admin/config", self._get_config, allow_head=False)
         app.router.add_get("/admin/workers", self._get_workers, allow_head=False)
         app.router.add_put("/admin/config", self._change)
