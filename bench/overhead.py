@@ -7,7 +7,8 @@ One program, one fast backend, the same requests for every router:
   answering canned OpenAI-shaped JSON or SSE streams (8 events, no delay) on 4 ports,
   the fleet's 4 "instances": 18431-18434 (``--backend-port``), the same in every run,
   so the rendezvous placement of the test bodies over the instances, which depends on
-  their URLs, is the same too (free ports, said so, when those are taken). It costs about 25 µs of CPU per JSON answer and 100 µs
+  their URLs, is the same too (free ports, said so, when those are taken; the streams
+  phase's own slow backend always takes free ports: it measures no placement). It costs about 25 µs of CPU per JSON answer and 100 µs
   per stream (whatever the body size) on a 2-core development machine, a fraction of
   any router's cost, so the routers differ only by what they do themselves;
 * the targets: **direct** (the backend's first port, no router), prefixroute with every
