@@ -151,7 +151,8 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
              f"{args.instances} emulated Llama-3.1-70B/8xH100 instances (time scale {args.time_scale})")
     console.print(
         f"[bold]prefixroute demo[/bold]: {fleet}, {args.groups} groups x {args.prefix_tokens}-token prefixes, "
-        f"{args.users} users, {args.duration:.0f} s per strategy"
+        f"{args.users} users, {args.duration:.0f} s of traffic per strategy (plus starting the fleet and "
+        "letting the last requests finish)"
     )
     summaries = []
     runs = {}
