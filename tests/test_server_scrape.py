@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import zlib
 
 import aiohttp
 from aiohttp import web
@@ -252,3 +253,53 @@ async def test_an_engine_restarted_on_its_url_is_seen_and_cache_aware_forgets_it
         await handle.close()
         for r in runners:
             await r.cleanup()
+
+
+async def test_a_compressed_metrics_page_is_asked_for_plain_and_read_if_sent_anyway():
+    # prometheus-client's own servers (SGLang's /metrics) gzip the page when the request
+    # allows it; the upstream session does not decompress, so the page read as no
+    # counters while the scrape counted as a success.
+    import gzip
+
+    page = b"sglang:prompt_tokens_total 8000.0\nsglang:cached_tokens_total 6000.0\nsglang:num_queue_reqs 2.0\n"
+    seen: list[str] = []
+
+    async def polite(request: web.Request) -> web.Response:  # gzips only when allowed
+        accept = request.headers.get("Accept-Encoding", "")
+        seen.append(accept)
+        if "gzip" in accept:
+            return web.Response(body=gzip.compress(page), headers={"Content-Encoding": "gzip"})
+        return web.Response(body=page, content_type="text/plain")
+
+    async def always(request: web.Request) -> web.Response:  # gzips whatever was asked
+        return web.Response(body=gzip.compress(page), headers={"Content-Encoding": "gzip"})
+
+    async def deflate(request: web.Request) -> web.Response:
+        return web.Response(body=zlib.compress(page), headers={"Content-Encoding": "deflate"})
+
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(body=gzip.compress(page)[:-12] + b"x" * 12, headers={"Content-Encoding": "gzip"})
+
+    app = web.Application()
+    for name, handler in (("polite", polite), ("always", always), ("deflate", deflate), ("broken", broken)):
+        sub = web.Application()
+        sub.router.add_get("/metrics", handler)
+        app.add_subapp(f"/{name}", sub)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    urls = [f"{base}/{n}" for n in ("polite", "always", "deflate", "broken")]
+    handle = await router_for(urls, RoutingConfig.build("cache-aware", None, 8))
+    try:
+        stats = await scrape_all(handle.state)
+        assert seen == ["identity"]
+        for url in urls[:3]:
+            s = stats[url]
+            assert (s.prefix_cache_queries, s.prefix_cache_hits, s.requests_waiting, s.ok) == (8000.0, 6000.0, 2.0,
+                                                                                             True), url
+        assert not stats[urls[3]].ok and stats[urls[3]].prefix_cache_queries is None  # a failed scrape, not a page
+    finally:
+        await handle.close()
+        await runner.cleanup()

@@ -24,7 +24,8 @@ batches, not read: the hit rate is then unknown). The hit rate of either engine 
 The text is parsed with ``prometheus_client``'s parser after keeping only the lines of
 these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsing them
 all would hold the event loop for milliseconds). The page is read whole, in as many reads
-as it arrives in (at most 16 MiB: a larger one is a failed scrape). A failed scrape keeps the last values,
+as it arrives in (at most 16 MiB: a larger one is a failed scrape), asked for uncompressed
+(gzip or deflate is decoded if sent anyway); a page over 256 KB is parsed in a thread. A failed scrape keeps the last values,
 marks the instance's scrape as failed, and is not a health failure.
 
 **Engine restarts.** An engine restarted on the same URL starts with an empty prefix
@@ -47,6 +48,7 @@ import asyncio
 import logging
 import math
 import time
+import zlib
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -67,6 +69,9 @@ _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING)
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
+#: Pages longer than this are parsed in a thread: a few MiB of lines of the families
+#: read took seconds of the event loop's time (prometheus-client's parser is Python).
+_PARSE_IN_THREAD_BYTES = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,19 +181,31 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
 async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:
     """Scrape ``instance_id/metrics`` once; ``None`` on any failure."""
     try:
+        # identity: the upstream session does not decompress, and prometheus-client's
+        # own servers (SGLang's /metrics among them) gzip a page when they may.
         async with session.get(instance_id + "/metrics", timeout=aiohttp.ClientTimeout(total=timeout_s),
-                               headers={"Accept": "text/plain"}) as resp:
+                               headers={"Accept": "text/plain", "Accept-Encoding": "identity"}) as resp:
             if resp.status != 200:
                 return None
+            coding = resp.headers.get("Content-Encoding", "identity").strip().lower()
+            if coding not in ("identity", "", "gzip", "x-gzip", "deflate"):
+                raise ValueError(f"metrics page in an unknown coding: {coding}")
+            inflate = zlib.decompressobj(47 if coding != "deflate" else 15) \
+                if coding not in ("identity", "") else None  # (47: gzip or zlib header)
             parts: list[bytes] = []
             size = 0
             async for chunk in resp.content.iter_any():  # the whole page, as many reads as it takes
+                if inflate is not None:
+                    chunk = inflate.decompress(chunk, _MAX_METRICS_BYTES + 1 - size)
                 size += len(chunk)
                 if size > _MAX_METRICS_BYTES:
                     raise ValueError(f"metrics page over {_MAX_METRICS_BYTES} bytes")
                 parts.append(chunk)
-        return parse_engine_metrics(b"".join(parts).decode("utf-8", "replace"), time.time())
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        text = b"".join(parts).decode("utf-8", "replace")
+        if len(text) > _PARSE_IN_THREAD_BYTES:  # (a big page: the event loop keeps serving meanwhile)
+            return await asyncio.to_thread(parse_engine_metrics, text, time.time())
+        return parse_engine_metrics(text, time.time())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, zlib.error) as exc:
         log.debug("metrics scrape of %s failed: %s", instance_id, type(exc).__name__)
         return None
 
