@@ -120,7 +120,7 @@ async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, f
     # and finishes. A body that completes after that start is not routed.
     from urllib.parse import urlsplit
 
-    backend.default = Fault("ok", events=30, delay=0.1)
+    backend.default = Fault("ok", events=1, delay=0.0)
     handle = await start_router(FleetConfig.single([backend.url], RoutingConfig.build("random")),
                                 ServerSettings(port=0, admin_port=None, health_check_interval_s=0,
                                                metrics_scrape_interval_s=0, shutdown_timeout_s=30.0,
@@ -135,6 +135,19 @@ async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, f
     conns = [await asyncio.open_connection(where.hostname, where.port) for where, _ in stalled]
     for (_, data), (_, writer) in zip(stalled, conns):
         writer.write(data)
+    # Idle keep-alive connections, one request answered on each: on the public port and the
+    # admin API. They are closed too: a request sent on them afterwards gets no answer.
+    idle = [await asyncio.open_connection(where.hostname, where.port) for where in (u, u, a)]
+    again = [late + CHAT, late + CHAT, b"GET /admin/config HTTP/1.1\r\nHost: x\r\n\r\n"]
+    for (reader, writer), data in zip(idle, again):
+        writer.write(data)
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n"), 5)).startswith(b"HTTP/1.1 200")
+        head = await reader.readuntil(b"\r\n\r\n")
+        if b"content-length:" in head.lower():
+            await reader.readexactly(int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0]))
+        else:  # a short stream, chunked
+            await asyncio.wait_for(reader.readuntil(b"0\r\n\r\n"), 5)
+    backend.default = Fault("ok", events=30, delay=0.1)  # 3 s
     async with aiohttp.ClientSession() as http:
         r = await http.post(handle.url + "/v1/chat/completions", data=CHAT)
         await r.content.readuntil(b"\n\n")
@@ -143,6 +156,11 @@ async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, f
         closing = asyncio.create_task(handle.close())
         await asyncio.sleep(0.05)
         conns[-1][1].write(CHAT[40:])  # the rest of the late one's body
+        for (_, writer), data in zip(idle, again):  # a new request on each idle connection
+            with contextlib.suppress(ConnectionError):
+                writer.write(data)
+        for reader, _ in idle:
+            assert await asyncio.wait_for(reader.read(), 5) == b""
         for reader, _ in conns:  # closed without an answer, at once: well before the stream ends
             assert await asyncio.wait_for(reader.read(), 5) == b""
         assert time.monotonic() - t0 < 1.5
@@ -150,9 +168,9 @@ async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, f
         rest = await r.read()  # and finishes
         await asyncio.wait_for(closing, 10)
         assert time.monotonic() - t0 < 6.0  # not the 30 s shutdown timeout
-    assert len(backend.received) == 1  # nothing of the stalled or late requests reached the instance
+    assert len(backend.received) == 3  # the stream and the two idle connections' first requests, nothing else
     assert rest.endswith(b"data: [DONE]\n\n")
-    for _, writer in conns:
+    for _, writer in conns + idle:
         writer.close()
     await assert_invariants(handle, [backend], floor)
 

@@ -335,8 +335,9 @@ async def read_body(request: web.Request, limit: int,
     receiving = request.app.get(RECEIVING)
     if receiving is not None:
         conn = request.protocol
-        if receiving.closed:
-            conn.force_close()  # shutting down: the handler is cancelled
+        if receiving.closed:  # shutting down: the request is not read, let alone routed
+            conn.force_close()
+            raise asyncio.CancelledError()  # (what the lost connection does to the handler)
         receiving.conns.add(conn)
     try:
         if idle_s is None:

@@ -1154,12 +1154,17 @@ class FrontServer:
                                                     backlog=4096)
         return int(self.server.sockets[0].getsockname()[1])
 
-    async def close(self, timeout_s: float) -> None:
-        """Stop listening, close idle client connections, let requests being answered
-        finish (at most ``timeout_s``), then close everything."""
+    def stop_listening(self) -> None:
+        """Refuse new connections and new requests from now on (:meth:`close` begins
+        so; callable before it, at once)."""
         self.closing = True
         if self.server is not None:
             self.server.close()
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop listening, close idle client connections, let requests being answered
+        finish (at most ``timeout_s``), then close everything."""
+        self.stop_listening()
         deadline = self.loop.time() + timeout_s
         while True:
             for c in list(self.clients):

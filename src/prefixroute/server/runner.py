@@ -134,36 +134,55 @@ class RouterHandle:
         reached no instance); the requests already read are waited for."""
         front = self._front
         timeout_s = self.state.settings.shutdown_timeout_s
-        for i, runner in enumerate(self._runners):
-            if i or front is None:  # the public aiohttp port, the admin API (not the fast plane's internal app)
-                for site in list(runner.sites):
-                    await site.stop()
-                await close_receiving(runner.app)
-        if front is not None:
-            if self._hurried:
-                front.hurry()
-            await front.close(timeout_s)
-            self._front = None
+        if front is not None:  # the public port first, before anything waits
+            front.stop_listening()
+        runners = list(self._runners)
+        internal = runners[0] if front is not None and runners else None  # the fast plane's aiohttp app
+        outer = [r for r in runners if r is not internal]  # the public aiohttp port, the admin API
+        for runner in outer:
+            for site in list(runner.sites):
+                await site.stop()
+            await close_receiving(runner.app)
+            server = runner.server
+            if server is not None:
+                server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
         loop = asyncio.get_running_loop()
-        while self._runners:
-            runner = self._runners[-1]
+
+        async def clean(runner: web.AppRunner, within_s: float) -> None:
             if self._hurried:
                 _cut(runner)
             # aiohttp waits for its handlers up to the runner's shutdown timeout twice
-            # over (for the handler, then for its cancellation); the public port's
-            # requests are cut at --shutdown-timeout itself.
-            deadline = loop.call_later(timeout_s, _cut, runner) if len(self._runners) == 1 else None
+            # over (for the handler, then for its cancellation): cut at the deadline.
+            deadline = loop.call_later(within_s, _cut, runner)
             try:
                 await runner.cleanup()
             finally:
-                if deadline is not None:
-                    deadline.cancel()
-            self._runners.pop()
+                deadline.cancel()
+
+        async def drain_front() -> None:
+            if front is not None:
+                if self._hurried:
+                    front.hurry()
+                await front.close(timeout_s)
+                self._front = None
+
+        # The data plane and the admin API drain side by side (the admin API's own
+        # requests: ADMIN_SHUTDOWN_S at most).
+        results = await asyncio.gather(
+            drain_front(), *(clean(r, timeout_s if front is None and i == 0 else ADMIN_SHUTDOWN_S)
+                             for i, r in enumerate(outer)), return_exceptions=True)
+        if internal is not None:
+            results.append(await asyncio.gather(clean(internal, timeout_s), return_exceptions=True))
+        self._runners.clear()
+        errors = [r for r in results if isinstance(r, BaseException)]
+        errors += [e for r in results if isinstance(r, list) for e in r if isinstance(e, BaseException)]
         if self._socket_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._socket_path)
                 os.rmdir(os.path.dirname(self._socket_path))
             self._socket_path = None
+        if errors:
+            raise errors[0]
 
     def hurry(self) -> None:
         """Make a :meth:`close` under way (or the next one) stop waiting for the
@@ -235,6 +254,10 @@ async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s:
     return runner, 0 if unix_path is not None else int(runner.addresses[0][1])
 
 
+#: How long the admin API's requests in flight may take to finish when the router stops.
+ADMIN_SHUTDOWN_S = 1.0
+
+
 async def start_router(config: FleetConfig, settings: ServerSettings | None = None, *,
                        worker: WorkerRuntime | None = None) -> RouterHandle:
     """Start the router (and its admin API) on the running event loop.
@@ -290,7 +313,8 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
     if worker is not None:
         try:
             admin_runner, admin_port = await _start(build_admin_app(state, token=worker.admin_token), "127.0.0.1",
-                                                    0, 1.0, auto_decompress=False)  # admin.read_admin_body decodes
+                                                    0, ADMIN_SHUTDOWN_S,
+                                                    auto_decompress=False)  # admin.read_admin_body decodes
         except BaseException:
             await handle.close()
             raise
@@ -301,8 +325,8 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         if admin_port is None:
             admin_port = port + 1 if settings.port else 0
         try:
-            admin_runner, admin_port = await _start(build_admin_app(state), settings.admin_host, admin_port, 1.0,
-                                                    auto_decompress=False)  # admin.read_admin_body decodes
+            admin_runner, admin_port = await _start(build_admin_app(state), settings.admin_host, admin_port,
+                                                    ADMIN_SHUTDOWN_S, auto_decompress=False)  # read_admin_body decodes
         except BaseException:
             await handle.close()
             raise

@@ -316,6 +316,24 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
 # -- the supervisor ---------------------------------------------------------------
 
 
+
+async def _close_admin(runner: web.AppRunner) -> None:
+    """Stop the supervisor's admin API: its port and idle connections at once (a body
+    still arriving is cut), the requests in it within ``ADMIN_SHUTDOWN_S``."""
+    from prefixroute.server.app import close_receiving
+    from prefixroute.server.runner import ADMIN_SHUTDOWN_S, _cut
+
+    for site in list(runner.sites):
+        await site.stop()
+    await close_receiving(runner.app)
+    if runner.server is not None:
+        runner.server.pre_shutdown()
+    deadline = asyncio.get_running_loop().call_later(ADMIN_SHUTDOWN_S, _cut, runner)
+    try:
+        await runner.cleanup()
+    finally:
+        deadline.cancel()
+
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
@@ -496,11 +514,12 @@ class Supervisor:
         finally:
             hold.close()  # the workers listen now (or failed)
         if s.admin_enabled:
-            from prefixroute.server.runner import _start as start_site
+            from prefixroute.server.runner import ADMIN_SHUTDOWN_S, _start as start_site
 
             admin_port = s.admin_port if s.admin_port is not None else (self.port + 1 if s.port else 0)
             try:
-                self._admin_runner, admin_port = await start_site(self._admin_app(), s.admin_host, admin_port, 1.0,
+                self._admin_runner, admin_port = await start_site(self._admin_app(), s.admin_host, admin_port,
+                                                                  ADMIN_SHUTDOWN_S,
                                                                   auto_decompress=False)  # read_admin_body decodes
             except OSError as exc:
                 print(f"error: cannot listen on the admin port {s.admin_host}:{admin_port}: {exc}", file=sys.stderr)
@@ -703,8 +722,9 @@ class Supervisor:
         for w in self._workers:
             if w.probe is not None:
                 w.probe.cancel()
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
+        admin_closed: asyncio.Task[None] | None = None
+        if self._admin_runner is not None:  # stops accepting now; its requests finish beside the workers' drain
+            admin_closed = asyncio.create_task(_close_admin(self._admin_runner))
             self._admin_runner = None
         for w in self._workers:
             if w.restarting is not None:
@@ -712,6 +732,8 @@ class Supervisor:
             if w.alive and w.process is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(w.process.pid, signal.SIGTERM)  # type: ignore[arg-type]
+        if admin_closed is not None:
+            await admin_closed
         deadline = time.monotonic() + self.settings.shutdown_timeout_s + _EXIT_GRACE_S
         while any(w.alive for w in self._workers) and time.monotonic() < deadline and not self._killed:
             await asyncio.sleep(0.05)
