@@ -36,6 +36,8 @@ def _parse(*argv: str) -> argparse.Namespace:
     (["--response-headers-timeout", "inf"], "response headers timeout: inf"),
     (["--stream-idle-timeout", "nan"], "stream idle timeout: nan"),
     (["--metrics-scrape-interval", "nan"], "metrics scrape interval: nan"),
+    (["--metrics-scrape-timeout", "0"], "metrics scrape timeout: 0.0 s must be > 0"),
+    (["--metrics-scrape-timeout", "inf"], "metrics scrape timeout: inf"),
     (["--unhealthy-threshold", "0"], "unhealthy threshold: 0 is out of range"),
     (["--max-retries", "-1"], "max retries: -1 is out of range"),
     (["--max-body-size", "0"], "max body size: 0 is out of range"),
@@ -46,6 +48,11 @@ def test_invalid_flags_exit_2_with_a_clear_message(argv, needle, capsys, monkeyp
     assert run(_parse(*argv)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and needle in err, err
+
+
+def test_metrics_scrape_timeout_flag_reaches_the_settings():
+    assert build_settings(_parse()).metrics_scrape_timeout_s == 2.0
+    assert build_settings(_parse("--metrics-scrape-timeout", "7.5")).metrics_scrape_timeout_s == 7.5
 
 
 def test_client_keepalive_timeout_flag_reaches_the_settings():

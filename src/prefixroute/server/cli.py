@@ -173,6 +173,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--metrics-scrape-interval", type=float, default=10.0, metavar="SECONDS",
                    help="seconds between scrapes of every instance's /metrics (prefix-cache hit rate, requests "
                         "running/waiting, exported as prefixroute_backend_*); 0 disables (default: 10)")
+    o.add_argument("--metrics-scrape-timeout", type=float, default=2.0, metavar="SECONDS",
+                   help="longest one scrape of an instance's /metrics may take, page read whole; a scrape that "
+                        "takes longer fails and the last values are kept (default: 2)")
     o.add_argument("--client-keepalive-timeout", type=float, default=DEFAULT_CLIENT_KEEPALIVE_S,
                    metavar="SECONDS",
                    help="seconds an idle client connection is kept open, and a request that stops arriving "
@@ -283,6 +286,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         connect_timeout_s=args.connect_timeout, response_headers_timeout_s=args.response_headers_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, max_retries=args.max_retries,
         max_body_bytes=args.max_body_size, metrics_scrape_interval_s=args.metrics_scrape_interval,
+        metrics_scrape_timeout_s=getattr(args, "metrics_scrape_timeout", 2.0),
         client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
         config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
