@@ -61,6 +61,16 @@ sglang:time_to_first_token_seconds_count{{{M}}} 4.0
 """
 
 
+async def _serve(app: web.Application) -> tuple[web.AppRunner, str]:
+    """Serve ``app`` (a stand-in engine's ``/metrics``) on a free loopback port: its
+    runner (to clean up) and base URL."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+
 def test_an_sglang_page_gives_prompt_and_cached_tokens_and_the_queue():
     s = parse_engine_metrics(SGLANG_PAGE, 12.5)
     assert (s.prefix_cache_queries, s.prefix_cache_hits) == (8000.0, 6000.0)  # summed over the label sets
@@ -114,11 +124,7 @@ async def test_the_router_scrapes_an_sglang_instance_and_its_load_reaches_the_st
         return web.Response(text=SGLANG_PAGE, content_type="text/plain")
 
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, url = await _serve(app)
     handle = await router_for([url], RoutingConfig.build("cache-aware", None, 8))
     try:
         stats = await scrape_all(handle.state)
@@ -176,11 +182,7 @@ async def test_a_metrics_page_that_arrives_in_pieces_is_read_whole():
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, url = await _serve(app)
     handle = await router_for([url], RoutingConfig.build("cache-aware", None, 8))
     try:
         for _ in range(3):
@@ -285,11 +287,7 @@ async def test_a_compressed_metrics_page_is_asked_for_plain_and_read_if_sent_any
         sub = web.Application()
         sub.router.add_get("/metrics", handler)
         app.add_subapp(f"/{name}", sub)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    base = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    runner, base = await _serve(app)
     urls = [f"{base}/{n}" for n in ("polite", "always", "deflate", "broken")]
     handle = await router_for(urls, RoutingConfig.build("cache-aware", None, 8))
     try:

@@ -1794,15 +1794,12 @@ class FrontServer:
         self.state.health.passive_failure(instance)
         log.warning("instance %s: response broken mid-body (%s)", instance, kind)
         message = broken_message(instance, kind, idle_s)
-        if framed:
-            event = eventstream.model_stream_error(message, "ModelInvocationTimeExceeded" if timeout else
-                                                   "StreamBroken")
-        elif sse and at_event_boundary(tail):
-            event = sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected")
-        else:
+        if not _end_with_event(client, sse, tail, framed,
+                               lambda: eventstream.model_stream_error(
+                                   message, "ModelInvocationTimeExceeded" if timeout else "StreamBroken"),
+                               lambda: sse_error_event(message, "upstream_timeout" if timeout else
+                                                       "upstream_disconnected")):
             client.abort()
-            return STREAM_ABORTED
-        client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
         return STREAM_ABORTED
 
     @staticmethod
@@ -1810,15 +1807,10 @@ class FrontServer:
         """A stream under way cut by the shutdown (``--shutdown-timeout`` passed, or a
         second stop signal): its client gets the stream's own error event and the end of
         the body, as when the instance breaks off (:meth:`_end_broken`), where an event
-        can be placed; else the connection is closed, as before."""
+        can be placed; else the connection is closed (by the shutdown), as before."""
         message = "the router is shutting down: the response was cut before its end"
-        if framed:
-            event = eventstream.internal_stream_failure(message)
-        elif sse and at_event_boundary(tail):
-            event = sse_error_event(message, "router_shutting_down")
-        else:
-            return
-        client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+        _end_with_event(client, sse, tail, framed, lambda: eventstream.internal_stream_failure(message),
+                        lambda: sse_error_event(message, "router_shutting_down"))
 
     async def _model_error(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
                            t_headers: float, keep_alive: bool) -> int:
@@ -1908,6 +1900,22 @@ class FrontServer:
             client.upstream = None
             if up is not None:
                 up.finish()
+
+
+def _end_with_event(client: _Client, sse: bool, tail: bytes, framed: bool, framed_event: Callable[[], bytes],
+                    sse_event: Callable[[], bytes]) -> bool:
+    """End a chunked stream relayed to ``client`` with an error event in its own terms
+    (an event-stream exception, or an SSE error object at an event boundary) and the
+    last chunk. False if no event can be placed (an SSE stream cut inside an event, or
+    a stream of neither kind): nothing written."""
+    if framed:
+        event = framed_event()
+    elif sse and at_event_boundary(tail):
+        event = sse_event()
+    else:
+        return False
+    client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+    return True
 
 
 def _our_lines(request_id: str, decision: Any) -> bytes:

@@ -140,24 +140,12 @@ class RouterHandle:
         internal = runners[0] if front is not None and runners else None  # the fast plane's aiohttp app
         outer = [r for r in runners if r is not internal]  # the public aiohttp port, the admin API
         for runner in outer:
-            for site in list(runner.sites):
-                await site.stop()
-            await close_receiving(runner.app)
-            server = runner.server
-            if server is not None:
-                server.pre_shutdown()  # idle keep-alive connections close now, busy ones after their answer
-        loop = asyncio.get_running_loop()
+            await stop_accepting(runner)
 
         async def clean(runner: web.AppRunner, within_s: float) -> None:
             if self._hurried:
                 _cut(runner)
-            # aiohttp waits for its handlers up to the runner's shutdown timeout twice
-            # over (for the handler, then for its cancellation): cut at the deadline.
-            deadline = loop.call_later(within_s, _cut, runner)
-            try:
-                await runner.cleanup()
-            finally:
-                deadline.cancel()
+            await cleanup_within(runner, within_s)
 
         async def drain_front() -> None:
             if front is not None:
@@ -172,10 +160,9 @@ class RouterHandle:
             drain_front(), *(clean(r, timeout_s if front is None and i == 0 else ADMIN_SHUTDOWN_S)
                              for i, r in enumerate(outer)), return_exceptions=True)
         if internal is not None:
-            results.append(await asyncio.gather(clean(internal, timeout_s), return_exceptions=True))
+            results += await asyncio.gather(clean(internal, timeout_s), return_exceptions=True)
         self._runners.clear()
         errors = [r for r in results if isinstance(r, BaseException)]
-        errors += [e for r in results if isinstance(r, list) for e in r if isinstance(e, BaseException)]
         if self._socket_path is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self._socket_path)
@@ -193,6 +180,29 @@ class RouterHandle:
             self._front.hurry()
         for runner in self._runners:
             _cut(runner)
+
+
+async def stop_accepting(runner: web.AppRunner) -> None:
+    """The first step of stopping an aiohttp server: its ports stop accepting, its
+    connections whose request body is still arriving are closed (see
+    :func:`prefixroute.server.app.close_receiving`), and its idle keep-alive connections
+    close (busy ones after their answer)."""
+    for site in list(runner.sites):
+        await site.stop()
+    await close_receiving(runner.app)
+    if runner.server is not None:
+        runner.server.pre_shutdown()
+
+
+async def cleanup_within(runner: web.AppRunner, within_s: float) -> None:
+    """``runner.cleanup()``, its handlers still running cut after ``within_s`` seconds
+    (aiohttp alone waits up to its shutdown timeout twice over: for the handler, then
+    for its cancellation)."""
+    deadline = asyncio.get_running_loop().call_later(within_s, _cut, runner)
+    try:
+        await runner.cleanup()
+    finally:
+        deadline.cancel()
 
 
 def _cut(runner: web.AppRunner) -> None:

@@ -320,19 +320,11 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
 async def _close_admin(runner: web.AppRunner) -> None:
     """Stop the supervisor's admin API: its port and idle connections at once (a body
     still arriving is cut), the requests in it within ``ADMIN_SHUTDOWN_S``."""
-    from prefixroute.server.app import close_receiving
-    from prefixroute.server.runner import ADMIN_SHUTDOWN_S, _cut
+    from prefixroute.server.runner import ADMIN_SHUTDOWN_S, cleanup_within, stop_accepting
 
-    for site in list(runner.sites):
-        await site.stop()
-    await close_receiving(runner.app)
-    if runner.server is not None:
-        runner.server.pre_shutdown()
-    deadline = asyncio.get_running_loop().call_later(ADMIN_SHUTDOWN_S, _cut, runner)
-    try:
-        await runner.cleanup()
-    finally:
-        deadline.cancel()
+    await stop_accepting(runner)
+    await cleanup_within(runner, ADMIN_SHUTDOWN_S)
+
 
 def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
