@@ -301,3 +301,28 @@ async def test_a_compressed_metrics_page_is_asked_for_plain_and_read_if_sent_any
     finally:
         await handle.close()
         await runner.cleanup()
+
+
+def test_restarts_are_read_series_by_series():
+    def page(*rows: tuple[str, str, float]) -> BackendStats:
+        return parse_engine_metrics("".join(f'vllm:prefix_cache_{c}_total{{model_name="{m}"}} {v}\n' for c, m, v in rows))
+
+    both = page(("queries", "a", 1000.0), ("hits", "a", 900.0), ("queries", "b", 5000.0), ("hits", "b", 10.0))
+    assert both.marks == (6000.0, 910.0)
+    # Model b is no longer served: its series disappear, the sums fall, nothing restarted.
+    only_a = page(("queries", "a", 1100.0), ("hits", "a", 950.0))
+    assert not only_a.reset_since(both)
+    carried = only_a.after(both)
+    assert carried.restarts == 0 and carried.marks == (6100.0, 960.0)  # b's last values are kept
+    # A series that is still there and went back is a restart, whatever the others do.
+    assert page(("queries", "a", 3.0), ("hits", "a", 0.0), ("queries", "b", 9000.0)).reset_since(both)
+    assert page(("queries", "a", 1100.0), ("hits", "a", 5.0)).reset_since(both)
+    # b comes back lower than it was: its engine lost that cache.
+    assert page(("queries", "a", 1200.0), ("hits", "a", 990.0), ("queries", "b", 7.0)).after(carried).restarts == 1
+    # No series in common (the engine came back with other labels): the sums are compared.
+    assert page(("queries", "c", 40.0), ("hits", "c", 1.0)).reset_since(both)
+    assert not page(("queries", "c", 9000.0), ("hits", "c", 1000.0)).reset_since(both)
+    # A scrape from an older release's names after the new ones (or back): no series in
+    # common, the sums decide.
+    old_names = parse_engine_metrics("vllm:gpu_prefix_cache_queries_total 10.0\nvllm:gpu_prefix_cache_hits_total 1.0\n")
+    assert old_names.marks == (10.0, 1.0) and old_names.reset_since(both)

@@ -29,10 +29,13 @@ as it arrives in (at most 16 MiB: a larger one is a failed scrape), asked for un
 marks the instance's scrape as failed, and is not a health failure.
 
 **Engine restarts.** An engine restarted on the same URL starts with an empty prefix
-cache, and its counters start again from zero. A scrape that finds the prompt-token
-counter (or the cached-token counter) lower than at the last successful scrape counts a
-restart (a counter reset, as Prometheus' ``resets()`` reads one; a scrape that finds a
-counter missing or not a count keeps its last known value for that comparison) and tells every variant
+cache, and its counters start again from zero. A scrape that finds a series of the
+prompt-token counter (or of the cached-token counter) lower than at the last successful
+scrape counts a restart (a counter reset, as Prometheus' ``resets()`` reads one: series by
+series, so a label set that stops being exported, a second ``model_name`` no longer
+served, is not a restart; a series missing or not a count keeps its last known value for
+that comparison; when no series is in both scrapes, the engine came back with other
+labels, the sums are compared) and tells every variant
 that has the instance (:meth:`prefixroute.core.pool.VariantPool.forget_cache`) and
 ``prefixroute_backend_restarts_seen{instance}`` counts it:
 ``CACHE_AWARE`` then empties its view of that instance's cache instead of routing
@@ -49,8 +52,8 @@ import logging
 import math
 import time
 import zlib
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Mapping
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -68,6 +71,10 @@ _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits", "sglang:cached_
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING)
+_COUNTERS = (_QUERIES, _HITS)
+
+#: One series of a counter: its name (without ``_total``) and its sorted label pairs.
+Series = tuple[str, tuple[tuple[str, str], ...]]
 _MAX_METRICS_BYTES = 16 * 1024 * 1024
 #: Pages longer than this are parsed in a thread: a few MiB of lines of the families
 #: read took seconds of the event loop's time (prometheus-client's parser is Python).
@@ -89,9 +96,11 @@ class BackendStats:
         restarts: engine restarts seen so far by this process (counter resets between
             two successful scrapes; set by :func:`scrape_all`, 0 from
             :func:`parse_engine_metrics`).
-        counter_marks: ``(queries, hits)``, the latest known value of each counter, kept
-            across scrapes that found it missing or not a count (what the next scrape
-            is compared with to see a restart); ``None``: this scrape's own values.
+        counter_series: this scrape's value of each series of the prompt-token and
+            cached-token counters (the valid ones), ``{}`` when there were none.
+        counter_marks: the latest known value of each such series, kept across scrapes
+            that found it missing or not a count (what the next scrape is compared
+            with to see a restart); ``None``: this scrape's own values.
     """
 
     prefix_cache_queries: float | None = None
@@ -101,14 +110,19 @@ class BackendStats:
     scraped_at: float = 0.0
     ok: bool = False
     restarts: int = 0
-    counter_marks: tuple[float | None, float | None] | None = None
+    counter_series: Mapping[Series, float] = field(default_factory=dict)
+    counter_marks: Mapping[Series, float] | None = None
+
+    @property
+    def series_marks(self) -> Mapping[Series, float]:
+        """Each counter series' last known value (see ``counter_marks``)."""
+        return self.counter_series if self.counter_marks is None else self.counter_marks
 
     @property
     def marks(self) -> tuple[float | None, float | None]:
-        """``(queries, hits)`` as last known (see ``counter_marks``)."""
-        if self.counter_marks is not None:
-            return self.counter_marks
-        return self.prefix_cache_queries, self.prefix_cache_hits
+        """``(queries, hits)`` as last known: each counter's series marks summed, under
+        the first of its names that has any (``None`` for a counter never seen)."""
+        return _total(self.series_marks, _QUERIES), _total(self.series_marks, _HITS)
 
     @property
     def hit_rate(self) -> float | None:
@@ -127,21 +141,39 @@ class BackendStats:
 
     def reset_since(self, earlier: "BackendStats") -> bool:
         """Whether a counter went back between ``earlier`` and this scrape: the engine
-        restarted (its prompt-token or cached-token counter is lower than ``earlier``'s
-        last known value of it)."""
-        return any(new is not None and old is not None and new < old
-                   for new, old in zip((self.prefix_cache_queries, self.prefix_cache_hits), earlier.marks))
+        restarted. For each counter (prompt tokens, cached tokens): a series in both
+        this scrape and ``earlier``'s last known values that is lower now; or, when no
+        series is in both (the engine came back with other labels), the sum of this
+        scrape's series lower than the sum of ``earlier``'s."""
+        old, new = earlier.series_marks, self.counter_series
+        for names in _COUNTERS:
+            old_f = {k: v for k, v in old.items() if k[0] in names}
+            new_f = {k: v for k, v in new.items() if k[0] in names}
+            common = old_f.keys() & new_f.keys()
+            if common:
+                if any(new_f[k] < old_f[k] for k in common):
+                    return True
+            elif old_f and new_f and sum(new_f.values()) < sum(old_f.values()):
+                return True
+        return False
 
     def after(self, earlier: "BackendStats") -> "BackendStats":
         """This scrape, carrying on from ``earlier`` (the instance's previous one): its
-        restart count (plus one if :meth:`reset_since`) and the counters' last known
-        values (a counter this scrape lacks keeps ``earlier``'s, unless the engine
+        restart count (plus one if :meth:`reset_since`) and the counter series' last
+        known values (a series this scrape lacks keeps ``earlier``'s, unless the engine
         restarted)."""
         if self.reset_since(earlier):
             return replace(self, restarts=earlier.restarts + 1, counter_marks=None)
-        marks = tuple(new if new is not None else old
-                      for new, old in zip((self.prefix_cache_queries, self.prefix_cache_hits), earlier.marks))
-        return replace(self, restarts=earlier.restarts, counter_marks=marks)  # type: ignore[arg-type]
+        return replace(self, restarts=earlier.restarts, counter_marks={**earlier.series_marks, **self.counter_series})
+
+
+def _total(series: Mapping[Series, float], names: tuple[str, ...]) -> float | None:
+    """The sum of the series of the first of ``names`` that has any (``None`` if none has)."""
+    for name in names:
+        values = [v for k, v in series.items() if k[0] == name]
+        if values:
+            return sum(values)
+    return None
 
 
 def _wanted(line: str) -> bool:
@@ -161,6 +193,7 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
     kept = "\n".join(line for line in text.splitlines() if _wanted(line)) + "\n"
     sums: dict[str, float] = {}
     bad: set[str] = set()
+    series: dict[Series, float] = {}
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
@@ -169,13 +202,16 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
                 bad.add(name)
             elif name in _FAMILIES and not sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
                 sums[name] = sums.get(name, 0.0) + value
+                if name in _QUERIES or name in _HITS:
+                    series[(name, tuple(sorted(sample.labels.items())))] = value
     for name in bad:
         sums.pop(name, None)
 
     def first(names: tuple[str, ...]) -> float | None:
         return next((sums[n] for n in names if n in sums), None)
 
-    return BackendStats(first(_QUERIES), first(_HITS), first(_RUNNING), first(_WAITING), scraped_at, True)
+    return BackendStats(first(_QUERIES), first(_HITS), first(_RUNNING), first(_WAITING), scraped_at, True,
+                        counter_series=series)
 
 
 async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:
