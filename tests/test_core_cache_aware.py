@@ -522,8 +522,6 @@ def _reference_choose(strategy, candidates, blocks, rng):
             if not nxt:
                 return least_outstanding(candidates, rng), DecisionKind.ALL_BUSY
             i, kind = nxt[0], DecisionKind.OVERFLOW
-        if top_depth and depth[candidates[i].instance_id] < top_depth:
-            kind = DecisionKind.OVERFLOW
         return candidates[i], kind
 
     if not top_depth:
@@ -660,3 +658,32 @@ def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():
     lease = pool.acquire(None, blocks=follow_up)
     assert (lease.instance, lease.decision.kind) == (home.instance, DecisionKind.AFFINITY)
     assert len(follow_up._memo) <= 3  # block 0, and the last two blocks in one pass
+
+
+def test_a_placement_beside_a_short_match_with_nothing_loaded_is_affinity():
+    # A 1 KB document is 16 blocks, no more than LoadWeight (16): rule 4 places its
+    # follow-ups like new prefixes, by the rendezvous order of their first new block,
+    # whatever the load. Landing beside the holder is the rule's first choice, not an
+    # overflow (nothing is loaded); only a first choice at the threshold overflows.
+    urls = [f"http://10.6.0.{i}:8000" for i in range(8)]
+    pool = VariantPool("v", urls, ca(threshold=2))
+    doc = "document 1\n" + "w" * 1013  # 1,024 characters: 16 blocks of 64
+    routed = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
+    routed.release()
+    holder = routed.instance
+    elsewhere = 0
+    for q in range(40):
+        lease = pool.acquire(None, blocks=text_block_hashes(doc + f"question {q}?", 64, 131_072, "m"), learn=False)
+        lease.release()
+        assert lease.decision.kind is DecisionKind.AFFINITY, q
+        elsewhere += lease.instance is not holder
+    assert elsewhere >= 20  # most follow-ups are placed away from the holder, none labelled overflow
+    # The same follow-up with its placement's first choice at the threshold: overflow.
+    blocks = text_block_hashes(doc + "question 0?", 64, 131_072, "m")
+    first = pool.choose(None, blocks=blocks).instance
+    busy = [pool.acquire(None, blocks=blocks, learn=False) for _ in range(2)]
+    assert all(lease.instance is first for lease in busy) and first.in_flight == 2
+    decision = pool.choose(None, blocks=blocks)
+    assert decision.instance is not first and decision.kind is DecisionKind.OVERFLOW
+    for lease in busy:
+        lease.release()

@@ -47,10 +47,11 @@ disagree when several router replicas run (SPEC §5). This strategy:
    that share only a system prompt thus spread out once its holder is busy, and a
    hot document overflows to the same second instance on every replica.
 
-Decision kinds: ``affinity`` (a home, or the first choice of a placement), ``overflow``
-(a longer match existed but its instance was at the threshold or too loaded, or the
-placement's first choice was at the threshold), ``all_busy``, ``fallback`` (no blocks:
-an empty prompt).
+Decision kinds: ``affinity`` (a home, or the first choice of a placement, also when it
+lands beside a match no more than ``LoadWeight`` longer than the others: rule 4 sets
+that match aside whatever the load), ``overflow`` (a longer match existed but its
+instance was at the threshold or too loaded, or the placement's first choice was at the
+threshold), ``all_busy``, ``fallback`` (no blocks: an empty prompt).
 """
 
 from __future__ import annotations
@@ -507,7 +508,7 @@ class CacheAwareStrategy(Strategy):
         bits, cmask, by_bit = self._bits_of(candidates)
         held = self._index.get(get(0), 0) & cmask
         if not held:  # no candidate holds even the first block: a new prefix
-            return self._place(get(0), candidates, bits, 0)
+            return self._place(get(0), candidates)
         w = self.load_weight
         if not held & (held - 1) and cmask != held:
             # One candidate holds the first block and no other does. If it holds the
@@ -577,7 +578,7 @@ class CacheAwareStrategy(Strategy):
             # No instance holds meaningfully more than the others (only a shared header,
             # or the same on all): placed like a new prefix, by the rendezvous order of
             # what is new in it. Independent of load views, so router replicas agree.
-            return self._place(anchor, candidates, bits, top_mask)
+            return self._place(anchor, candidates)
         # Some instances hold meaningfully more ("homes": within LoadWeight of the
         # longest match). The best home (match - LoadWeight x load, ties within
         # TIE_REQUESTS requests by rendezvous) gets the request unless the instance a
@@ -611,7 +612,7 @@ class CacheAwareStrategy(Strategy):
                 band = [inst for sc, inst in homes if sc >= best - tie]
                 home = band[0] if len(band) == 1 else band[self.rendezvous(anchor, band)]
                 return home, DecisionKind.AFFINITY
-        alt, alt_kind = self._place(anchor, candidates, bits, top_mask)
+        alt, alt_kind = self._place(anchor, candidates)
         alt_depth = levels.depth_of(bits[candidates.index(alt)])
         alt_match = unit(alt_depth) if alt_depth else 0.0
         alt_score = alt_match - w * max(alt.in_flight, alt.engine_load)
@@ -622,12 +623,12 @@ class CacheAwareStrategy(Strategy):
                 return home, DecisionKind.AFFINITY
         return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
 
-    def _place(self, anchor: int, candidates: Sequence[InstanceState], bits: list[int],
-               top_mask: int) -> tuple[InstanceState, DecisionKind]:
+    def _place(self, anchor: int, candidates: Sequence[InstanceState]) -> tuple[InstanceState, DecisionKind]:
         """Rendezvous placement: the first candidate below the threshold in ``anchor``'s
-        rendezvous order (``overflow`` if that is not the first one, or is not among
-        ``top_mask``, the candidates holding the longest match, when some do);
-        ``all_busy`` (least outstanding) when every one is at it."""
+        rendezvous order (``affinity`` if that is the first one, ``overflow`` if the first
+        one was at the threshold); ``all_busy`` (least outstanding) when every one is at
+        it. A placement that lands beside a match not meaningfully longer than the
+        others (within ``LoadWeight``) is the rule's first choice, not an overflow."""
         tokens = self.tokens(candidates)
         i = rendezvous_best(anchor, tokens)
         threshold = self.threshold
@@ -639,8 +640,6 @@ class CacheAwareStrategy(Strategy):
                     break
             else:
                 return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
-            kind = DecisionKind.OVERFLOW
-        if top_mask and not bits[i] & top_mask:
             kind = DecisionKind.OVERFLOW
         return candidates[i], kind
 
