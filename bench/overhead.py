@@ -485,24 +485,35 @@ def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: i
     Raises:
         PeerError: it exited or did not listen in time.
     """
+    moved = ("the fast backend listens on free ports, so the test bodies' placement over the instances differs "
+             "from other runs")
     if first_port and not (first_port + ports - 1 <= 65535 and ports_free(first_port, ports)):
-        log(f"note: ports {first_port}-{first_port + ports - 1} are not all free: the fast backend listens on free "
-            "ports, so the test bodies' placement over the instances differs from other runs")
+        log(f"note: ports {first_port}-{first_port + ports - 1} are not all free: {moved}")
         first_port = 0
-    chosen = [str(first_port + i) if first_port else "0" for i in range(ports)]
-    argv = [python, str(FAST_BACKEND), *[a for port in chosen for a in ("--port", port)],
-            "--stream-chunks", str(stream_events), "--stream-delay-ms", str(stream_delay_ms)]
-    if record_bodies:
-        argv.append("--record-bodies")
-    proc = tracker.start("fast-backend", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    urls: list[str] = []
+    while True:
+        chosen = [str(first_port + i) if first_port else "0" for i in range(ports)]
+        argv = [python, str(FAST_BACKEND), *[a for port in chosen for a in ("--port", port)],
+                "--stream-chunks", str(stream_events), "--stream-delay-ms", str(stream_delay_ms)]
+        if record_bodies:
+            argv.append("--record-bodies")
+        proc = tracker.start("fast-backend", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        urls: list[str] = []
 
-    def ready() -> bool:
-        urls[:] = _BACKEND_READY.findall(proc.tail(ports + 5))
-        return len(urls) >= ports
+        def ready() -> bool:
+            urls[:] = _BACKEND_READY.findall(proc.tail(ports + 5))
+            return len(urls) >= ports
 
-    proc.wait_ready(ready, timeout_s, "listening")
-    return FastBackend(proc, urls[:ports])
+        try:
+            proc.wait_ready(ready, timeout_s, "listening")
+        except PeerError:
+            if not first_port or proc.alive():  # (free ports failed too, or a timeout: nothing to retry)
+                raise
+            # A port was taken between the check and the start (another program's).
+            log(f"note: the fast backend could not listen on ports {first_port}-{first_port + ports - 1} "
+                f"(exit code {proc.proc.returncode}): {moved}")
+            first_port = 0
+            continue
+        return FastBackend(proc, urls[:ports])
 
 
 def process_tree(root: int) -> list[int]:

@@ -398,7 +398,16 @@ def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
     assert not set(moved.urls) & set(fixed.urls) and len(moved.urls) == 2
     assert said == [f"note: ports {first}-{first + 1} are not all free: the fast backend listens on free ports, so "
                     "the test bodies' placement over the instances differs from other runs"]
-    for b in (fixed, moved):
+    # A port taken between the check and the start (the check said free): the backend
+    # that could not listen is replaced by one on free ports, said so.
+    said.clear()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(overhead, "ports_free", lambda first, count: True)
+        raced = overhead.start_fast_backend(tracker, 2, first_port=first, log=said.append)
+    assert not set(raced.urls) & set(fixed.urls) and len(raced.urls) == 2
+    assert len(said) == 1 and said[0].startswith(f"note: the fast backend could not listen on ports {first}-{first + 1} "
+                                                 "(exit code ") and said[0].endswith("differs from other runs")
+    for b in (fixed, moved, raced):
         assert b.stats()["requests"] == 0  # (answered on its first URL: it listens there)
         b.process.stop()
 
