@@ -175,6 +175,45 @@ async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, f
     await assert_invariants(handle, [backend], floor)
 
 
+async def test_requests_pipelined_behind_a_stream_get_a_503_each_at_shutdown(backend, floor):
+    # Two requests sent whole, pipelined behind a stream, before the shutdown begins: the
+    # stream finishes; they are not routed (nothing is sent to an instance once shutting
+    # down has begun), and each gets a 503 in its API's shape, in order, the last with
+    # Connection: close, instead of a connection closed on them (fast data plane).
+    from urllib.parse import urlsplit
+
+    backend.default = Fault("ok", events=15, delay=0.1)  # 1.5 s
+    handle = await _router(backend.url, shutdown_timeout_s=10.0)
+    u = urlsplit(handle.url)
+    native = b'{"inputs": "hi", "stream": false}'
+    plain = CHAT.replace(b'"stream": true', b'"stream": false')
+
+    def post(path: bytes, body: bytes) -> bytes:
+        return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+            path, len(body), body)
+
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(post(b"/v1/chat/completions", CHAT) + post(b"/v1/chat/completions", plain) + post(b"/invocations", native))
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    first = await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)  # the stream's first event
+    closing = asyncio.create_task(handle.close())
+    rest = await asyncio.wait_for(reader.read(), 10)  # to the end of the connection
+    await asyncio.wait_for(closing, 10)
+    stream, sep, after = rest.partition(b"\r\n0\r\n\r\n")  # the end of the chunked stream
+    assert sep and b"\r\ndata: " in first and b"data: [DONE]" in stream
+    answers = after.split(b"HTTP/1.1 ")[1:]
+    assert len(answers) == 2 and all(a.startswith(b"503 Service Unavailable\r\n") for a in answers)
+    chat_head, chat_body = answers[0].split(b"\r\n\r\n", 1)
+    assert orjson.loads(chat_body)["error"]["code"] == "router_shutting_down"
+    assert b"connection: close" not in chat_head.lower()
+    native_head, native_body = answers[1].split(b"\r\n\r\n", 1)
+    assert b"x-amzn-errortype: serviceunavailable" in native_head.lower()
+    assert b"connection: close" in native_head.lower() and "shutting down" in orjson.loads(native_body)["message"]
+    assert len(backend.received) == 1  # the stream alone reached the instance
+    writer.close()
+    await assert_invariants(handle, [backend], floor)
+
+
 async def _serve(backend, *extra: str, tmp=None, shutdown_timeout: str = "60", group: bool = False):
     """``prefixroute serve`` on ``backend`` as a child (its own process group if
     ``group``); returns it and its URL once it listens (killed if it does not)."""

@@ -77,6 +77,7 @@ from prefixroute.server.app import (
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, ends_with_done, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
+from prefixroute.server.errors import json_response, openai_error, sagemaker_error
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
@@ -1004,12 +1005,35 @@ class _Client(asyncio.Protocol):
         """After the answer to ``inc``: close if it was the last one, else send a
         ``100 Continue`` owed to the next request. False if the connection is closing."""
         if not inc.keep_alive or self.front.closing:
+            if inc.keep_alive and self.queue and not self.closed:
+                self._turn_away_queued()
             self.linger_close() if self.discard else self.close()
             return False
         if self.pending_continue and not self.queue:
             self.pending_continue = False
             self.write(_CONTINUE)
         return True
+
+    def _turn_away_queued(self) -> None:
+        """Shutting down: the requests queued behind the answer just given (pipelined,
+        read whole, never routed) each get a 503 in their API's shape, in order, the
+        last with ``Connection: close``, instead of a connection closed on them: the
+        client knows they reached no instance and may send them elsewhere."""
+        queue = self.queue
+        while queue:
+            nxt = queue.popleft()
+            if nxt.started is not None:  # (not reached: only an idle connection's request starts at once)
+                nxt.started.drop()
+                nxt.started = None
+            if nxt.refusal is not None:  # an answer of its own, the connection's last
+                self.write(nxt.refusal)
+                break
+            path = nxt.url.decode("latin-1").split("?", 1)[0]
+            resp = count_answer(self.front.state, "unknown", "", shutting_down_error(path), nxt.t0)
+            self.write(_serialize(resp, keep_alive=bool(queue) and nxt.keep_alive))
+            if not nxt.keep_alive:
+                break
+        queue.clear()
 
     def _arm_idle(self) -> None:
         """The connection is idle from now: closed after ``client_keepalive_s`` without
@@ -1916,6 +1940,18 @@ def _end_with_event(client: _Client, sse: bool, tail: bytes, framed: bool, frame
         return False
     client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
     return True
+
+
+def shutting_down_error(path: str) -> web.Response:
+    """The 503 for a request the router will not route because it is shutting down, in
+    the shape of the API of ``path`` (OpenAI: code ``router_shutting_down``; SageMaker
+    runtime: ``ServiceUnavailable``)."""
+    message = "the router is shutting down: the request was not sent to any instance"
+    if "/v1/" in path:
+        return openai_error(503, message, type_="server_error", code="router_shutting_down")
+    if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
+        return sagemaker_error("ServiceUnavailable", message)
+    return json_response(503, {"message": message})
 
 
 def _our_lines(request_id: str, decision: Any) -> bytes:
