@@ -154,6 +154,7 @@ def test_a_counter_lower_than_its_last_known_value_is_a_restart():
     for bad in (unknown, page("NaN", "NaN"), page("-1.0", "+Inf"), parse_engine_metrics("")):
         carried = bad.after(before)
         assert carried.marks == (1000.0, 900.0) and carried.restarts == 0
+        assert carried.hit_rate == 0.9  # the last known counters, not unknown until the next scrape
         gap = carried
     restarted = page("5.0", "0.0").after(gap)
     assert restarted.restarts == 1 and restarted.marks == (5.0, 0.0)
@@ -314,6 +315,10 @@ def test_restarts_are_read_series_by_series():
     assert not only_a.reset_since(both)
     carried = only_a.after(both)
     assert carried.restarts == 0 and carried.marks == (6100.0, 960.0)  # b's last values are kept
+    # ... and counted: the counters the router exports do not go back (a reset to
+    # Prometheus) because a label set stopped being exported.
+    assert (carried.prefix_cache_queries, carried.prefix_cache_hits) == (6100.0, 960.0)
+    assert carried.hit_rate == 960.0 / 6100.0
     # A series that is still there and went back is a restart, whatever the others do.
     assert page(("queries", "a", 3.0), ("hits", "a", 0.0), ("queries", "b", 9000.0)).reset_since(both)
     assert page(("queries", "a", 1100.0), ("hits", "a", 5.0)).reset_since(both)

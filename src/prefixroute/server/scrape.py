@@ -26,7 +26,10 @@ these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsin
 all would hold the event loop for milliseconds). The page is read whole, in as many reads
 as it arrives in (at most 16 MiB: a larger one is a failed scrape), asked for uncompressed
 (gzip or deflate is decoded if sent anyway); a page over 256 KB is parsed in a thread. A failed scrape keeps the last values,
-marks the instance's scrape as failed, and is not a health failure.
+marks the instance's scrape as failed, and is not a health failure. A counter series
+missing from a page, or not a count there, keeps its last known value, and the counters
+read are the sums of those (:meth:`BackendStats.after`): they go back only when the
+engine restarts.
 
 **Engine restarts.** An engine restarted on the same URL starts with an empty prefix
 cache, and its counters start again from zero. A scrape that finds a series of the
@@ -161,10 +164,14 @@ class BackendStats:
         """This scrape, carrying on from ``earlier`` (the instance's previous one): its
         restart count (plus one if :meth:`reset_since`) and the counter series' last
         known values (a series this scrape lacks keeps ``earlier``'s, unless the engine
-        restarted)."""
+        restarted), whose sums are its ``prefix_cache_queries`` and ``prefix_cache_hits``:
+        a label set that stops being exported, or a counter missing from one page, leaves
+        the counters as they were instead of lower (or unknown) until the next scrape."""
         if self.reset_since(earlier):
             return replace(self, restarts=earlier.restarts + 1, counter_marks=None)
-        return replace(self, restarts=earlier.restarts, counter_marks={**earlier.series_marks, **self.counter_series})
+        marks = {**earlier.series_marks, **self.counter_series}
+        return replace(self, restarts=earlier.restarts, counter_marks=marks,
+                       prefix_cache_queries=_total(marks, _QUERIES), prefix_cache_hits=_total(marks, _HITS))
 
 
 def _total(series: Mapping[Series, float], names: tuple[str, ...]) -> float | None:
