@@ -176,11 +176,15 @@ async def test_a_request_still_arriving_does_not_hold_up_the_shutdown(backend, f
 
 
 async def test_requests_pipelined_behind_a_stream_get_a_503_each_at_shutdown(backend, floor):
-    # Two requests sent whole, pipelined behind a stream, before the shutdown begins: the
+    # Requests sent whole, pipelined behind a stream, before the shutdown begins: the
     # stream finishes; they are not routed (nothing is sent to an instance once shutting
-    # down has begun), and each gets a 503 in its API's shape, in order, the last with
-    # Connection: close, instead of a connection closed on them (fast data plane).
+    # down has begun), and each gets an answer, in order, the last with Connection:
+    # close, instead of a connection closed on them (fast data plane): a 503 in its API's
+    # shape, counted as its endpoint's; one its head alone refuses (unknown endpoint,
+    # Expect: 100-continue) its own 404, counted once.
     from urllib.parse import urlsplit
+
+    from test_server_helpers import metric_value
 
     backend.default = Fault("ok", events=15, delay=0.1)  # 1.5 s
     handle = await _router(backend.url, shutdown_timeout_s=10.0)
@@ -192,8 +196,10 @@ async def test_requests_pipelined_behind_a_stream_get_a_503_each_at_shutdown(bac
         return b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
             path, len(body), body)
 
+    refused = b"POST /endpoints/nope/invocations HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\nContent-Length: 9\r\n\r\n"
     reader, writer = await asyncio.open_connection(u.hostname, u.port)
-    writer.write(post(b"/v1/chat/completions", CHAT) + post(b"/v1/chat/completions", plain) + post(b"/invocations", native))
+    writer.write(post(b"/v1/chat/completions", CHAT) + post(b"/v1/chat/completions", plain)
+                 + post(b"/invocations", native) + refused)
     assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
     first = await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)  # the stream's first event
     closing = asyncio.create_task(handle.close())
@@ -201,15 +207,52 @@ async def test_requests_pipelined_behind_a_stream_get_a_503_each_at_shutdown(bac
     await asyncio.wait_for(closing, 10)
     stream, sep, after = rest.partition(b"\r\n0\r\n\r\n")  # the end of the chunked stream
     assert sep and b"\r\ndata: " in first and b"data: [DONE]" in stream
-    answers = after.split(b"HTTP/1.1 ")[1:]
-    assert len(answers) == 2 and all(a.startswith(b"503 Service Unavailable\r\n") for a in answers)
-    chat_head, chat_body = answers[0].split(b"\r\n\r\n", 1)
-    assert orjson.loads(chat_body)["error"]["code"] == "router_shutting_down"
-    assert b"connection: close" not in chat_head.lower()
-    native_head, native_body = answers[1].split(b"\r\n\r\n", 1)
-    assert b"x-amzn-errortype: serviceunavailable" in native_head.lower()
-    assert b"connection: close" in native_head.lower() and "shutting down" in orjson.loads(native_body)["message"]
+    answers = [a.split(b"\r\n\r\n", 1) for a in after.split(b"HTTP/1.1 ")[1:]]
+    assert [h[:3] for h, _ in answers] == [b"503", b"503", b"404"]
+    assert [b"connection: close" in h.lower() for h, _ in answers] == [False, False, True]
+    assert orjson.loads(answers[0][1])["error"]["code"] == "router_shutting_down"
+    assert b"x-amzn-errortype: serviceunavailable" in answers[1][0].lower()
+    assert "shutting down" in orjson.loads(answers[1][1])["message"]
+    assert b"x-amzn-errortype: validationerror" in answers[2][0].lower()
     assert len(backend.received) == 1  # the stream alone reached the instance
+    text = handle.state.metrics.render().decode()
+    assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                        code="503") == 2
+    assert metric_value(text, "prefixroute_responses_total", endpoint="unknown", code="404") == 1
+    assert metric_value(text, "prefixroute_responses_total", endpoint="unknown", code="503") is None
+    writer.close()
+    await assert_invariants(handle, [backend], floor)
+
+
+async def test_a_long_pipeline_behind_a_stream_ends_without_a_reset_at_shutdown(backend, floor):
+    # More pipelined input than the router reads behind a queue (it stops reading until
+    # the queue drains): three 100 KB bodies. The requests read whole get their 503s,
+    # the last with Connection: close (the client then knows the ones after it were not
+    # processed); what is left unread is drained before the connection closes, since
+    # closing on unread input makes the kernel reset it and drop the answers not yet
+    # delivered (the end of the stream included).
+    from urllib.parse import urlsplit
+
+    backend.default = Fault("ok", events=10, delay=0.1)  # 1 s
+    handle = await _router(backend.url, shutdown_timeout_s=10.0)
+    u = urlsplit(handle.url)
+    big = orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 100_000}]})
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+    reader, writer = await asyncio.open_connection(u.hostname, u.port)
+    writer.write(head % len(CHAT) + CHAT + (head % len(big) + big) * 3)
+    assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)).startswith(b"HTTP/1.1 200")
+    await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)  # the stream's first event
+    closing = asyncio.create_task(handle.close())
+    await asyncio.sleep(1.5)  # the stream ends and the answers are written before the client reads on
+    rest = await asyncio.wait_for(reader.read(), 10)  # (a reset raises ConnectionResetError)
+    await asyncio.wait_for(closing, 10)
+    stream, sep, after = rest.partition(b"\r\n0\r\n\r\n")
+    assert sep and b"data: [DONE]" in stream
+    answers = [a.split(b"\r\n\r\n", 1) for a in after.split(b"HTTP/1.1 ")[1:]]
+    assert 1 <= len(answers) <= 3 and all(h.startswith(b"503 ") for h, _ in answers)
+    assert all(orjson.loads(b)["error"]["code"] == "router_shutting_down" for _, b in answers)
+    assert [b"connection: close" in h.lower() for h, _ in answers] == [False] * (len(answers) - 1) + [True]
+    assert len(backend.received) == 1
     writer.close()
     await assert_invariants(handle, [backend], floor)
 

@@ -706,6 +706,7 @@ class _Client(asyncio.Protocol):
         self.detached: _Started | None = None  # the request being answered by callbacks alone
         self.closed = False
         self.discard = False  # a body over the limit: read no further, close after the answer
+        self.lingering = False  # answered and half-closed: what the client still sends is dropped
         self.upstream: _Upstream | None = None  # the exchange being relayed to this client
         self.waiting: asyncio.Future[None] | None = None  # what the task awaits for this client
         self.write_paused = False
@@ -1006,34 +1007,20 @@ class _Client(asyncio.Protocol):
         ``100 Continue`` owed to the next request. False if the connection is closing."""
         if not inc.keep_alive or self.front.closing:
             if inc.keep_alive and self.queue and not self.closed:
-                self._turn_away_queued()
+                # Shutting down, requests read whole are queued behind this answer
+                # (pipelined): each is answered, not routed (FrontServer.handle), the
+                # last with Connection: close.
+                return True
+            if self.front.closing and self.read_paused:
+                # Input left unread (pipelined past the queue): closing on it would make
+                # the kernel reset the connection and drop the answers not yet delivered.
+                self.discard = True
             self.linger_close() if self.discard else self.close()
             return False
         if self.pending_continue and not self.queue:
             self.pending_continue = False
             self.write(_CONTINUE)
         return True
-
-    def _turn_away_queued(self) -> None:
-        """Shutting down: the requests queued behind the answer just given (pipelined,
-        read whole, never routed) each get a 503 in their API's shape, in order, the
-        last with ``Connection: close``, instead of a connection closed on them: the
-        client knows they reached no instance and may send them elsewhere."""
-        queue = self.queue
-        while queue:
-            nxt = queue.popleft()
-            if nxt.started is not None:  # (not reached: only an idle connection's request starts at once)
-                nxt.started.drop()
-                nxt.started = None
-            if nxt.refusal is not None:  # an answer of its own, the connection's last
-                self.write(nxt.refusal)
-                break
-            path = nxt.url.decode("latin-1").split("?", 1)[0]
-            resp = count_answer(self.front.state, "unknown", "", shutting_down_error(path), nxt.t0)
-            self.write(_serialize(resp, keep_alive=bool(queue) and nxt.keep_alive))
-            if not nxt.keep_alive:
-                break
-        queue.clear()
 
     def _arm_idle(self) -> None:
         """The connection is idle from now: closed after ``client_keepalive_s`` without
@@ -1123,6 +1110,7 @@ class _Client(asyncio.Protocol):
             transport.resume_reading()
         if transport.can_write_eof():
             transport.write_eof()
+            self.lingering = True
             self.front.loop.call_later(LINGER_S, transport.close)
         else:
             transport.close()
@@ -1192,9 +1180,12 @@ class FrontServer:
         deadline = self.loop.time() + timeout_s
         while True:
             for c in list(self.clients):
-                if not c.busy and not c.queue:
+                if not c.busy and not c.queue and not c.lingering:
                     c.close()  # idle, or a request still arriving (a busy one closes after its answer)
-            if self.hurried or not any(c.busy for c in self.clients) or self.loop.time() >= deadline:
+            # Waited for: answers being written, queued requests' answers (each a 503) to
+            # a client that reads them, and closes lingering (at most LINGER_S).
+            if self.hurried or self.loop.time() >= deadline or \
+                    not any(c.busy or c.lingering or (c.queue and not c.write_paused) for c in self.clients):
                 break
             await asyncio.sleep(0.05)
         cut = sum(1 for c in self.clients if c.busy)
@@ -1454,6 +1445,9 @@ class FrontServer:
                 client.write(_serialize(rr, inc.keep_alive))
             return
         path, route = self._route(inc)
+        if self.closing and self._cut(inc) is None:
+            self._turn_away(client, inc, path)
+            return
         if route is None:
             cut = self._cut(inc)
             inference = match_route(path) if cut is not None and inc.method == b"POST" else None
@@ -1473,6 +1467,30 @@ class FrontServer:
             client.write(_serialize(rr, inc.keep_alive))
             return
         await self._forward(client, rr, inc.keep_alive)
+
+    def _turn_away(self, client: _Client, inc: _Incoming, path: str) -> None:
+        """Shutting down: ``inc``, read whole before and queued behind another answer on
+        its connection (pipelined), is not routed. It gets a 503 in its API's shape
+        (:func:`shutting_down_error`; counted as its endpoint's and variant's, as the
+        router's other answers are), or the answer its head alone calls for (an unknown
+        endpoint...); ``Connection: close`` when it is the last one queued."""
+        keep = inc.keep_alive and bool(client.queue)
+        inference = match_route(path) if inc.method == b"POST" else None
+        if inference is None:
+            resp = shutting_down_error(path)
+        else:
+            api, chat, endpoint_name = inference
+            headers = H.RawHeaderView(inc.headers, inc.index)
+            rid = request_id(headers)
+            checked = prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, None, rid, inc.t0)
+            if isinstance(checked, RoutedRequest):
+                variant = checked.pool.name
+                resp = count_answer(self.state, checked.endpoint, variant,
+                                    shutting_down_error(path, {H.REQUEST_ID: rid, H.INVOKED_VARIANT: variant}), inc.t0)
+            else:
+                resp = checked  # (counted)
+        inc.keep_alive = keep
+        client.write(_serialize(resp, keep))
 
     async def _await(self, client: _Client, fut: asyncio.Future[None], timeout_s: float | None) -> None:
         """Wait for ``fut``; raises what it holds, :class:`_ClientGone` if the client
@@ -1942,16 +1960,16 @@ def _end_with_event(client: _Client, sse: bool, tail: bytes, framed: bool, frame
     return True
 
 
-def shutting_down_error(path: str) -> web.Response:
+def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web.Response:
     """The 503 for a request the router will not route because it is shutting down, in
     the shape of the API of ``path`` (OpenAI: code ``router_shutting_down``; SageMaker
-    runtime: ``ServiceUnavailable``)."""
+    runtime: ``ServiceUnavailable``), with ``headers``."""
     message = "the router is shutting down: the request was not sent to any instance"
     if "/v1/" in path:
-        return openai_error(503, message, type_="server_error", code="router_shutting_down")
+        return openai_error(503, message, type_="server_error", code="router_shutting_down", headers=headers)
     if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
-        return sagemaker_error("ServiceUnavailable", message)
-    return json_response(503, {"message": message})
+        return sagemaker_error("ServiceUnavailable", message, headers=headers)
+    return json_response(503, {"message": message}, headers)
 
 
 def _our_lines(request_id: str, decision: Any) -> bytes:
