@@ -546,6 +546,8 @@ def _reference_choose(strategy, candidates, blocks, rng):
     alt_match = unit(depth[alt.instance_id])
     if homes and best >= alt_match - w * max(alt.in_flight, alt.engine_load) - tie:
         return home(), DecisionKind.AFFINITY
+    if alt_kind is DecisionKind.ALL_BUSY:
+        return alt, alt_kind
     return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
 
 
@@ -685,5 +687,24 @@ def test_a_placement_beside_a_short_match_with_nothing_loaded_is_affinity():
     assert all(lease.instance is first for lease in busy) and first.in_flight == 2
     decision = pool.choose(None, blocks=blocks)
     assert decision.instance is not first and decision.kind is DecisionKind.OVERFLOW
+    for lease in busy:
+        lease.release()
+
+
+def test_every_instance_at_the_threshold_is_all_busy_whoever_holds_the_prefix():
+    # Rule 3: with every candidate at ConcurrencyThreshold the least outstanding one gets
+    # the request, labelled all_busy, also when a longer match than its own exists
+    # elsewhere (it was labelled overflow when the pick was not the holder).
+    urls = [f"http://10.7.0.{i}:8000" for i in range(6)]
+    pool = VariantPool("v", urls, ca(threshold=1))
+    doc = "document 7\n" + "z" * 8_181  # 8 KB: far more than LoadWeight blocks
+    routed = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
+    routed.release()
+    busy = [pool.acquire(None, blocks=text_block_hashes(f"filler {i}", 64, 131_072, "m"), learn=False)
+            for i in range(len(urls))]
+    assert all(i.in_flight == 1 for i in pool.instances)
+    kinds = {pool.choose(None, blocks=text_block_hashes(doc + f"question {q}?", 64, 131_072, "m")).kind
+             for q in range(20)}
+    assert kinds == {DecisionKind.ALL_BUSY}
     for lease in busy:
         lease.release()

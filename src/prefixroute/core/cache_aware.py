@@ -621,6 +621,8 @@ class CacheAwareStrategy(Strategy):
                 band = [inst for sc, inst in homes if sc >= best - tie]
                 home = band[0] if len(band) == 1 else band[self.rendezvous(anchor, band)]
                 return home, DecisionKind.AFFINITY
+        if alt_kind is DecisionKind.ALL_BUSY:  # every candidate at the threshold (rule 3)
+            return alt, alt_kind
         return alt, (DecisionKind.OVERFLOW if alt_match < top or alt_kind is DecisionKind.OVERFLOW else alt_kind)
 
     def _place(self, anchor: int, candidates: Sequence[InstanceState]) -> tuple[InstanceState, DecisionKind]:
