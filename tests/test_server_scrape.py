@@ -331,3 +331,27 @@ def test_restarts_are_read_series_by_series():
     # common, the sums decide.
     old_names = parse_engine_metrics("vllm:gpu_prefix_cache_queries_total 10.0\nvllm:gpu_prefix_cache_hits_total 1.0\n")
     assert old_names.marks == (10.0, 1.0) and old_names.reset_since(both)
+
+
+def test_restart_checks_compare_each_name_and_keep_few_vanished_series():
+    def page(**values: float) -> BackendStats:
+        return parse_engine_metrics("".join(f"{k.replace('__', ':')}{{model_name=\"{m}\"}} {v}\n"
+                                            for k, (m, v) in values.items()))
+
+    # Only an older release's names (gpu_), then a release exporting both names under a
+    # new model_name: 600 tokens against 1,000 is a restart, whichever names it sums.
+    before = parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="x"} 1000\n')
+    both_names = parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="y"} 600\n'
+                                      'vllm:prefix_cache_queries_total{model_name="y"} 600\n')
+    assert both_names.reset_since(before)
+    assert not parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="y"} 1600\n'
+                                    'vllm:prefix_cache_queries_total{model_name="y"} 600\n').reset_since(before)
+    # Label sets that churn (a new one every scrape, none coming back): at most 64 of the
+    # vanished ones are kept, the latest, and the counters still never go back.
+    stats = parse_engine_metrics('vllm:prefix_cache_queries_total{model_name="m0"} 10\n')
+    for i in range(1, 300):
+        got = parse_engine_metrics(f'vllm:prefix_cache_queries_total{{model_name="m{i}"}} 10\n').after(stats)
+        assert got.restarts == 0 and got.prefix_cache_queries >= stats.prefix_cache_queries
+        stats = got
+    kept = sorted(int(k[1][0][1][1:]) for k in stats.series_marks)
+    assert kept == list(range(299 - 64, 300))

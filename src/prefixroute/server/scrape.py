@@ -75,6 +75,9 @@ _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING)
 _COUNTERS = (_QUERIES, _HITS)
+#: Most counter series no longer exported whose last values are kept per instance (the
+#: earliest kept go first): an engine whose label sets churn cannot grow the marks.
+_MAX_VANISHED_SERIES = 64
 
 #: One series of a counter: its name (without ``_total``) and its sorted label pairs.
 Series = tuple[str, tuple[tuple[str, str], ...]]
@@ -144,20 +147,35 @@ class BackendStats:
 
     def reset_since(self, earlier: "BackendStats") -> bool:
         """Whether a counter went back between ``earlier`` and this scrape: the engine
-        restarted. For each counter (prompt tokens, cached tokens): a series in both
-        this scrape and ``earlier``'s last known values that is lower now; or, when no
-        series is in both (the engine came back with other labels), the sum of this
-        scrape's series lower than the sum of ``earlier``'s."""
-        old, new = earlier.series_marks, self.counter_series
+        restarted. For each counter (prompt tokens, cached tokens), under each of its
+        names in both this scrape and ``earlier``'s last known values: a series in both
+        that is lower now; or, when no series is in both (the engine came back with
+        other labels), the sum of this scrape's series lower than the sum of the series
+        ``earlier`` found (of its last known values if it found none). A counter under
+        no name in both (an engine now exporting another release's names) compares its
+        sums under the first name each side has."""
+        old, new, found = earlier.series_marks, self.counter_series, earlier.counter_series
         for names in _COUNTERS:
-            old_f = {k: v for k, v in old.items() if k[0] in names}
-            new_f = {k: v for k, v in new.items() if k[0] in names}
-            common = old_f.keys() & new_f.keys()
-            if common:
-                if any(new_f[k] < old_f[k] for k in common):
+            compared = False
+            for name in names:
+                old_n = {k: v for k, v in old.items() if k[0] == name}
+                new_n = {k: v for k, v in new.items() if k[0] == name}
+                if not old_n or not new_n:
+                    continue
+                compared = True
+                common = old_n.keys() & new_n.keys()
+                if common:
+                    if any(new_n[k] < old_n[k] for k in common):
+                        return True
+                else:  # other labels: the sums (not of the vanished label sets' kept values)
+                    found_n = [v for k, v in found.items() if k[0] == name]
+                    if sum(new_n.values()) < (sum(found_n) if found_n else sum(old_n.values())):
+                        return True
+            if not compared:
+                before, now = _total(found, names), _total(new, names)
+                before = _total(old, names) if before is None else before
+                if before is not None and now is not None and now < before:
                     return True
-            elif old_f and new_f and sum(new_f.values()) < sum(old_f.values()):
-                return True
         return False
 
     def after(self, earlier: "BackendStats") -> "BackendStats":
@@ -170,6 +188,10 @@ class BackendStats:
         if self.reset_since(earlier):
             return replace(self, restarts=earlier.restarts + 1, counter_marks=None)
         marks = {**earlier.series_marks, **self.counter_series}
+        if len(marks) > len(self.counter_series) + _MAX_VANISHED_SERIES:  # label sets churning: the oldest go
+            gone = [k for k in marks if k not in self.counter_series]
+            for k in gone[: len(gone) - _MAX_VANISHED_SERIES]:
+                del marks[k]
         return replace(self, restarts=earlier.restarts, counter_marks=marks,
                        prefix_cache_queries=_total(marks, _QUERIES), prefix_cache_hits=_total(marks, _HITS))
 
