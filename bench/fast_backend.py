@@ -529,10 +529,19 @@ async def serve(host: str, ports: Sequence[int], opts: BackendOptions) -> tuple[
     return servers, bound
 
 
+#: Exit code when a port cannot be bound (in use, or not allowed).
+EXIT_CANNOT_LISTEN = 3
+
+
 async def _run(args: argparse.Namespace) -> int:
     opts = BackendOptions(stream_chunks=args.stream_chunks, stream_delay_s=args.stream_delay_ms / 1000.0,
                           record_bodies=args.record_bodies)
-    servers, ports = await serve(args.host, args.port or [0], opts)
+    try:
+        servers, ports = await serve(args.host, args.port or [0], opts)
+    except OSError as exc:  # (a port taken: said in one line the bench reads, exit code 3)
+        print(f"fast-backend: cannot listen on {args.host} port(s) {', '.join(map(str, args.port)) or '0'}: "
+              f"{exc.strerror or exc}", file=sys.stderr, flush=True)
+        return EXIT_CANNOT_LISTEN
     for p in ports:
         print(f"fast-backend listening on http://{args.host}:{p}", flush=True)
     stop = asyncio.Event()

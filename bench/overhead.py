@@ -103,7 +103,7 @@ from typing import Any, Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from fast_backend import MODEL, raise_nofile_limit  # noqa: E402  (bench/ is a folder of scripts)
+from fast_backend import EXIT_CANNOT_LISTEN, MODEL, raise_nofile_limit  # noqa: E402  (bench/ is a folder of scripts)
 from peers import (  # noqa: E402
     DEFAULT_PEERS_VENV,
     HAProxySpec,
@@ -485,9 +485,14 @@ def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: i
     Raises:
         PeerError: it exited or did not listen in time.
     """
+    if not 0 <= first_port <= 65535:
+        raise ValueError(f"first_port must be within 0-65535, got {first_port}")
     moved = ("the fast backend listens on free ports, so the test bodies' placement over the instances differs "
              "from other runs")
-    if first_port and not (first_port + ports - 1 <= 65535 and ports_free(first_port, ports)):
+    if first_port and first_port + ports - 1 > 65535:
+        log(f"note: ports {first_port} to {first_port + ports - 1} run past 65535: {moved}")
+        first_port = 0
+    elif first_port and not ports_free(first_port, ports):
         log(f"note: ports {first_port}-{first_port + ports - 1} are not all free: {moved}")
         first_port = 0
     while True:
@@ -506,11 +511,10 @@ def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: i
         try:
             proc.wait_ready(ready, timeout_s, "listening")
         except PeerError:
-            if not first_port or proc.alive():  # (free ports failed too, or a timeout: nothing to retry)
-                raise
+            if not first_port or proc.alive() or proc.proc.returncode != EXIT_CANNOT_LISTEN:
+                raise  # (free ports failed too, a timeout, or another failure: nothing to retry)
             # A port was taken between the check and the start (another program's).
-            log(f"note: the fast backend could not listen on ports {first_port}-{first_port + ports - 1} "
-                f"(exit code {proc.proc.returncode}): {moved}")
+            log(f"note: the fast backend could not listen on ports {first_port}-{first_port + ports - 1}: {moved}")
             first_port = 0
             continue
         return FastBackend(proc, urls[:ports])
