@@ -346,12 +346,30 @@ def test_restart_checks_compare_each_name_and_keep_few_vanished_series():
     assert both_names.reset_since(before)
     assert not parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="y"} 1600\n'
                                     'vllm:prefix_cache_queries_total{model_name="y"} 600\n').reset_since(before)
-    # Label sets that churn (a new one every scrape, none coming back): at most 64 of the
-    # vanished ones are kept, the latest, and the counters still never go back.
-    stats = parse_engine_metrics('vllm:prefix_cache_queries_total{model_name="m0"} 10\n')
-    for i in range(1, 300):
-        got = parse_engine_metrics(f'vllm:prefix_cache_queries_total{{model_name="m{i}"}} 10\n').after(stats)
-        assert got.restarts == 0 and got.prefix_cache_queries >= stats.prefix_cache_queries
+    # Label sets that churn (a new one every scrape, none coming back), a scrape without
+    # the counter among them: no restart; at most 64 vanished series are kept apart, the
+    # latest, the earlier ones folded into one sum, so the counter never goes back.
+    def page(rows: dict[str, str]) -> BackendStats:
+        return parse_engine_metrics("".join(f'vllm:prefix_cache_queries_total{{model_name="{m}"}} {v}\n'
+                                            for m, v in rows.items()))
+
+    stats = page({"m0": "10"})
+    for i in range(1, 300):  # a new label set each scrape, one scrape without any
+        got = page({f"m{i}": "NaN" if i == 150 else "10"}).after(stats)
+        assert got.restarts == 0 and got.prefix_cache_queries >= stats.prefix_cache_queries, i
         stats = got
-    kept = sorted(int(k[1][0][1][1:]) for k in stats.series_marks)
-    assert kept == list(range(299 - 64, 300))
+    kept = sorted(int(k[1][0][1][1:]) for k in stats.series_marks if k[1][0][1].startswith("m"))
+    assert kept == [i for i in range(300) if i != 150][-65:]
+    assert stats.prefix_cache_queries == 10 * 299  # (m150 was NaN on its only page)
+    stats = page({"base": "10", "big": "1e6"})  # one big series vanishes, then is folded
+    for i in range(1, 100):
+        got = page({"base": str(10 + i), f"c{i}": "1"}).after(stats)
+        assert got.restarts == 0 and got.prefix_cache_queries >= stats.prefix_cache_queries, i
+        stats = got
+    assert stats.prefix_cache_queries == 1e6 + 109 + 99
+    # An engine back on an older release's names (new-name series kept from before):
+    # the counters follow the names it exports now.
+    new_first = parse_engine_metrics('vllm:prefix_cache_queries_total{model_name="x"} 500\n')
+    old_after = parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="x"} 600\n').after(new_first)
+    old_later = parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="x"} 900\n').after(old_after)
+    assert (old_after.restarts, old_after.prefix_cache_queries, old_later.prefix_cache_queries) == (0, 600, 900)

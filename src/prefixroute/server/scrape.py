@@ -104,9 +104,13 @@ class BackendStats:
             :func:`parse_engine_metrics`).
         counter_series: this scrape's value of each series of the prompt-token and
             cached-token counters (the valid ones), ``{}`` when there were none.
-        counter_marks: the latest known value of each such series, kept across scrapes
-            that found it missing or not a count (what the next scrape is compared
-            with to see a restart); ``None``: this scrape's own values.
+        counter_found: each counter's series as the latest scrape that had any of them
+            found them (carried across scrapes that lack the counter); ``None``: this
+            scrape's own.
+        counter_marks: the latest known value of each series seen since the engine
+            started, kept across scrapes that lack it (what the counters are summed
+            from); past :data:`_MAX_VANISHED_SERIES` series no longer exported, the
+            earliest are folded into one per name; ``None``: this scrape's own values.
     """
 
     prefix_cache_queries: float | None = None
@@ -117,6 +121,7 @@ class BackendStats:
     ok: bool = False
     restarts: int = 0
     counter_series: Mapping[Series, float] = field(default_factory=dict)
+    counter_found: Mapping[Series, float] | None = None
     counter_marks: Mapping[Series, float] | None = None
 
     @property
@@ -125,10 +130,16 @@ class BackendStats:
         return self.counter_series if self.counter_marks is None else self.counter_marks
 
     @property
+    def series_found(self) -> Mapping[Series, float]:
+        """Each counter's series as last found (see ``counter_found``)."""
+        return self.counter_series if self.counter_found is None else self.counter_found
+
+    @property
     def marks(self) -> tuple[float | None, float | None]:
         """``(queries, hits)`` as last known: each counter's series marks summed, under
-        the first of its names that has any (``None`` for a counter never seen)."""
-        return _total(self.series_marks, _QUERIES), _total(self.series_marks, _HITS)
+        the name the engine exported last (``None`` for a counter never seen)."""
+        return _total(self.series_marks, _QUERIES, self.series_found), \
+            _total(self.series_marks, _HITS, self.series_found)
 
     @property
     def hit_rate(self) -> float | None:
@@ -148,13 +159,13 @@ class BackendStats:
     def reset_since(self, earlier: "BackendStats") -> bool:
         """Whether a counter went back between ``earlier`` and this scrape: the engine
         restarted. For each counter (prompt tokens, cached tokens), under each of its
-        names in both this scrape and ``earlier``'s last known values: a series in both
-        that is lower now; or, when no series is in both (the engine came back with
-        other labels), the sum of this scrape's series lower than the sum of the series
-        ``earlier`` found (of its last known values if it found none). A counter under
-        no name in both (an engine now exporting another release's names) compares its
-        sums under the first name each side has."""
-        old, new, found = earlier.series_marks, self.counter_series, earlier.counter_series
+        names this scrape has and ``earlier`` knew: a series in both that is lower now
+        than its last known value; or, when no series is in both (the engine came back
+        with other labels), the sum of this scrape's series lower than the sum of the
+        counter's series last found under that name. A counter under no name in both (an engine
+        now exporting another release's names) compares the sums under the first name
+        each side has."""
+        old, new, found = earlier.series_marks, self.counter_series, earlier.series_found
         for names in _COUNTERS:
             compared = False
             for name in names:
@@ -167,38 +178,51 @@ class BackendStats:
                 if common:
                     if any(new_n[k] < old_n[k] for k in common):
                         return True
-                else:  # other labels: the sums (not of the vanished label sets' kept values)
-                    found_n = [v for k, v in found.items() if k[0] == name]
-                    if sum(new_n.values()) < (sum(found_n) if found_n else sum(old_n.values())):
-                        return True
+                elif sum(new_n.values()) < sum(v for k, v in found.items() if k[0] == name):
+                    return True  # (other labels: not against the kept values of vanished label sets)
             if not compared:
                 before, now = _total(found, names), _total(new, names)
-                before = _total(old, names) if before is None else before
                 if before is not None and now is not None and now < before:
                     return True
         return False
 
     def after(self, earlier: "BackendStats") -> "BackendStats":
         """This scrape, carrying on from ``earlier`` (the instance's previous one): its
-        restart count (plus one if :meth:`reset_since`) and the counter series' last
-        known values (a series this scrape lacks keeps ``earlier``'s, unless the engine
-        restarted), whose sums are its ``prefix_cache_queries`` and ``prefix_cache_hits``:
-        a label set that stops being exported, or a counter missing from one page, leaves
-        the counters as they were instead of lower (or unknown) until the next scrape."""
+        restart count (plus one if :meth:`reset_since`), each counter's series as last
+        found, and the counter series' last known values (a series this scrape
+        lacks keeps ``earlier``'s, unless the engine restarted), whose sums are its
+        ``prefix_cache_queries`` and ``prefix_cache_hits``: a label set that stops being
+        exported, or a counter missing from one page, leaves the counters as they were
+        instead of lower (or unknown)."""
         if self.reset_since(earlier):
-            return replace(self, restarts=earlier.restarts + 1, counter_marks=None)
-        marks = {**earlier.series_marks, **self.counter_series}
-        if len(marks) > len(self.counter_series) + _MAX_VANISHED_SERIES:  # label sets churning: the oldest go
-            gone = [k for k in marks if k not in self.counter_series]
-            for k in gone[: len(gone) - _MAX_VANISHED_SERIES]:
-                del marks[k]
-        return replace(self, restarts=earlier.restarts, counter_marks=marks,
-                       prefix_cache_queries=_total(marks, _QUERIES), prefix_cache_hits=_total(marks, _HITS))
+            return replace(self, restarts=earlier.restarts + 1, counter_marks=None, counter_found=None)
+        now = self.counter_series
+        found = dict(earlier.series_found)
+        for names in _COUNTERS:  # a counter found now replaces what was found of it, whatever its names
+            if any(k[0] in names for k in now):
+                found = {k: v for k, v in found.items() if k[0] not in names}
+        found.update(now)
+        marks = {**earlier.series_marks, **now}
+        gone = [k for k in marks if k not in now and k[1] != _FOLDED]
+        for k in gone[: max(0, len(gone) - _MAX_VANISHED_SERIES)]:  # label sets churning: fold the earliest
+            folded = (k[0], _FOLDED)
+            marks[folded] = marks.get(folded, 0.0) + marks.pop(k)
+        return replace(self, restarts=earlier.restarts, counter_found=found, counter_marks=marks,
+                       prefix_cache_queries=_total(marks, _QUERIES, found), prefix_cache_hits=_total(marks, _HITS, found))
 
 
-def _total(series: Mapping[Series, float], names: tuple[str, ...]) -> float | None:
-    """The sum of the series of the first of ``names`` that has any (``None`` if none has)."""
-    for name in names:
+#: The label set standing for the sum of the series folded together (no engine's).
+_FOLDED: tuple[tuple[str, str], ...] = (("", "folded"),)
+
+
+def _total(series: Mapping[Series, float], names: tuple[str, ...],
+           latest: Mapping[Series, float] | None = None) -> float | None:
+    """The sum of ``series`` under one of ``names``: the first of them in ``latest``
+    (the names the engine exported last), else the first that has any series; ``None``
+    if none has."""
+    present = {k[0] for k in latest} if latest else set()
+    order = [n for n in names if n in present] + [n for n in names if n not in present]
+    for name in order:
         values = [v for k, v in series.items() if k[0] == name]
         if values:
             return sum(values)
