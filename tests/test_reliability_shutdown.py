@@ -224,13 +224,15 @@ async def test_requests_pipelined_behind_a_stream_get_a_503_each_at_shutdown(bac
     await assert_invariants(handle, [backend], floor)
 
 
-async def test_a_long_pipeline_behind_a_stream_ends_without_a_reset_at_shutdown(backend, floor):
+@pytest.mark.parametrize("keeps_sending", [False, True])
+async def test_a_long_pipeline_behind_a_stream_ends_without_a_reset_at_shutdown(backend, floor, keeps_sending):
     # More pipelined input than the router reads behind a queue (it stops reading until
     # the queue drains): three 100 KB bodies. The requests read whole get their 503s,
     # the last with Connection: close (the client then knows the ones after it were not
     # processed); what is left unread is drained before the connection closes, since
     # closing on unread input makes the kernel reset it and drop the answers not yet
-    # delivered (the end of the stream included).
+    # delivered (the end of the stream included). A client that keeps sending meanwhile
+    # keeps the connection draining (until it has been silent for 2 s, at most 10 s).
     from urllib.parse import urlsplit
 
     backend.default = Fault("ok", events=10, delay=0.1)  # 1 s
@@ -244,6 +246,10 @@ async def test_a_long_pipeline_behind_a_stream_ends_without_a_reset_at_shutdown(
     await asyncio.wait_for(reader.readuntil(b"\n\n"), 5)  # the stream's first event
     closing = asyncio.create_task(handle.close())
     await asyncio.sleep(1.5)  # the stream ends and the answers are written before the client reads on
+    if keeps_sending:  # more input for 3.5 s, none of it read by the client's side yet
+        for _ in range(14):
+            writer.write(b"x" * 1000)
+            await asyncio.sleep(0.25)
     rest = await asyncio.wait_for(reader.read(), 10)  # (a reset raises ConnectionResetError)
     await asyncio.wait_for(closing, 10)
     stream, sep, after = rest.partition(b"\r\n0\r\n\r\n")

@@ -158,10 +158,14 @@ MAX_FIELD_BYTES = 8190
 #: whole. HAProxy's default (101 with the request line); below aiohttp's 128, with room
 #: for the fields the router adds to what it passes on (to the aiohttp app, to an engine).
 MAX_HEADERS = 100
-#: Seconds a connection refused mid-request (413, 431, 400) keeps reading and dropping
-#: what the client still sends before it closes: closing with unread bytes would reset
-#: the connection, and the client could lose the answer.
+#: Seconds of silence after which a connection refused mid-request (413, 431, 400), or
+#: closed at shutdown with pipelined input unread, closes; until then it reads and drops
+#: what the client still sends: closing with unread bytes would reset the connection,
+#: and the client could lose the answers not yet delivered.
 LINGER_S = 2.0
+#: Most seconds a connection lingers, however long the client keeps sending (nginx's
+#: ``lingering_time`` idea; its ``lingering_timeout`` is :data:`LINGER_S`'s).
+LINGER_MAX_S = 10.0
 _INVOKED_VARIANT = H.INVOKED_VARIANT.encode()
 _INSTANCE = H.INSTANCE.encode()
 _DECISION = H.DECISION.encode()
@@ -707,6 +711,8 @@ class _Client(asyncio.Protocol):
         self.closed = False
         self.discard = False  # a body over the limit: read no further, close after the answer
         self.lingering = False  # answered and half-closed: what the client still sends is dropped
+        self.heard = 0.0  # loop time of the last input while lingering
+        self.linger_until = 0.0
         self.upstream: _Upstream | None = None  # the exchange being relayed to this client
         self.waiting: asyncio.Future[None] | None = None  # what the task awaits for this client
         self.write_paused = False
@@ -731,6 +737,8 @@ class _Client(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.discard or self.closed:
+            if self.lingering:
+                self.heard = self.front.loop.time()
             return
         self.idle_since = self.front.loop.time()  # a request being sent is progress
         if self.raw_inc is not None:
@@ -1100,8 +1108,9 @@ class _Client(asyncio.Protocol):
 
     def linger_close(self) -> None:
         """Close after an answer to a request not read in full: half-close (our FIN
-        follows the answer), drop what the client still sends, close after
-        :data:`LINGER_S` or when the client closes."""
+        follows the answer), drop what the client still sends, close once it has sent
+        nothing for :data:`LINGER_S` (at most :data:`LINGER_MAX_S` after this) or when
+        it closes."""
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -1111,9 +1120,23 @@ class _Client(asyncio.Protocol):
         if transport.can_write_eof():
             transport.write_eof()
             self.lingering = True
-            self.front.loop.call_later(LINGER_S, transport.close)
+            loop = self.front.loop
+            self.heard = now = loop.time()
+            self.linger_until = now + LINGER_MAX_S
+            loop.call_later(LINGER_S, self._linger_check)
         else:
             transport.close()
+
+    def _linger_check(self) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        loop = self.front.loop
+        due = min(self.heard + LINGER_S, self.linger_until)
+        if loop.time() >= due:
+            transport.close()
+        else:
+            loop.call_later(due - loop.time(), self._linger_check)
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -1183,7 +1206,7 @@ class FrontServer:
                 if not c.busy and not c.queue and not c.lingering:
                     c.close()  # idle, or a request still arriving (a busy one closes after its answer)
             # Waited for: answers being written, queued requests' answers (each a 503) to
-            # a client that reads them, and closes lingering (at most LINGER_S).
+            # a client that reads them, and lingering closes (at most LINGER_MAX_S).
             if self.hurried or self.loop.time() >= deadline or \
                     not any(c.busy or c.lingering or (c.queue and not c.write_paused) for c in self.clients):
                 break
