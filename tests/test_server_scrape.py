@@ -373,3 +373,33 @@ def test_restart_checks_compare_each_name_and_keep_few_vanished_series():
     old_after = parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="x"} 600\n').after(new_first)
     old_later = parse_engine_metrics('vllm:gpu_prefix_cache_queries_total{model_name="x"} 900\n').after(old_after)
     assert (old_after.restarts, old_after.prefix_cache_queries, old_later.prefix_cache_queries) == (0, 600, 900)
+
+
+def test_series_missing_from_one_page_are_not_vanished_and_names_switched_back_are_compared_anew():
+    def page(rows: dict[str, str], name: str = "vllm:prefix_cache_queries_total") -> BackendStats:
+        return parse_engine_metrics("".join(f'{name}{{model_name="{m}"}} {v}\n' for m, v in rows.items()))
+
+    # Two live series, 64 churned ones beside them, then a page where the live ones are
+    # NaN: they are not folded away as vanished, and their return is no restart.
+    stats = page({"a": "1000", "b": "500"})
+    for i in range(64):
+        stats = page({"a": "1000", "b": "500", f"c{i}": "10"}).after(stats)
+    stats = page({"a": "NaN", "b": "NaN", "c63": "10"}).after(stats)
+    back = page({"a": "1001", "b": "501", "c63": "10"}).after(stats)
+    assert back.restarts == 0 and back.prefix_cache_queries == stats.prefix_cache_queries + 2
+    # 33 series of each counter, one page with neither, the same values again: the same
+    # counters (nothing counted twice).
+    both = "".join(f'vllm:prefix_cache_queries_total{{model_name="m{i}"}} 1000\n'
+                   f'vllm:prefix_cache_hits_total{{model_name="m{i}"}} 500\n' for i in range(33))
+    first = parse_engine_metrics(both)
+    again = parse_engine_metrics(both).after(parse_engine_metrics("vllm:num_requests_running 1\n").after(first))
+    assert (again.restarts, again.prefix_cache_queries, again.prefix_cache_hits) == (0, 33_000, 16_500)
+    # New names, then the older release's (no restart seen: more tokens), then the new
+    # names again with fewer than the last found: a restart, not a comparison with the
+    # values the new names had before the switch.
+    stats = page({"x": "5000"})
+    stats = page({"x": "6000"}, "vllm:gpu_prefix_cache_queries_total").after(stats)
+    stats = page({"x": "9000"}, "vllm:gpu_prefix_cache_queries_total").after(stats)
+    assert (stats.restarts, stats.prefix_cache_queries) == (0, 9000)
+    switched = page({"x": "5000"}).after(stats)
+    assert switched.restarts == 1 and switched.prefix_cache_queries == 5000

@@ -75,8 +75,9 @@ _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING)
 _COUNTERS = (_QUERIES, _HITS)
-#: Most counter series no longer exported whose last values are kept per instance (the
-#: earliest kept go first): an engine whose label sets churn cannot grow the marks.
+#: Most series of one counter no longer exported whose last values are kept apart, per
+#: instance (past it the earliest are folded into one sum): an engine whose label sets
+#: churn cannot grow the marks.
 _MAX_VANISHED_SERIES = 64
 
 #: One series of a counter: its name (without ``_total``) and its sorted label pairs.
@@ -104,13 +105,18 @@ class BackendStats:
             :func:`parse_engine_metrics`).
         counter_series: this scrape's value of each series of the prompt-token and
             cached-token counters (the valid ones), ``{}`` when there were none.
+        counter_unknown: the series of those counters on this page whose value is not
+            a count (NaN, negative, infinite): there, but their value unknown.
         counter_found: each counter's series as the latest scrape that had any of them
-            found them (carried across scrapes that lack the counter); ``None``: this
+            found them (a series there but unknown with its last known value) (carried across scrapes that lack the counter); ``None``: this
             scrape's own.
         counter_marks: the latest known value of each series seen since the engine
-            started, kept across scrapes that lack it (what the counters are summed
-            from); past :data:`_MAX_VANISHED_SERIES` series no longer exported, the
-            earliest are folded into one per name; ``None``: this scrape's own values.
+            started under the names it exports (as last found), kept across scrapes
+            that lack it (what the counters are summed from); past
+            :data:`_MAX_VANISHED_SERIES` series no longer among those last found, the
+            earliest are folded into one per name (one that comes back after that is
+            counted anew: label sets churning that much are not an engine's);
+            ``None``: this scrape's own values.
     """
 
     prefix_cache_queries: float | None = None
@@ -121,6 +127,7 @@ class BackendStats:
     ok: bool = False
     restarts: int = 0
     counter_series: Mapping[Series, float] = field(default_factory=dict)
+    counter_unknown: frozenset[Series] = frozenset()
     counter_found: Mapping[Series, float] | None = None
     counter_marks: Mapping[Series, float] | None = None
 
@@ -196,17 +203,25 @@ class BackendStats:
         instead of lower (or unknown)."""
         if self.reset_since(earlier):
             return replace(self, restarts=earlier.restarts + 1, counter_marks=None, counter_found=None)
-        now = self.counter_series
+        now, known = self.counter_series, earlier.series_marks
+        unknown = [k for k in self.counter_unknown if k in known]  # (one never known: as if absent)
         found = dict(earlier.series_found)
         for names in _COUNTERS:  # a counter found now replaces what was found of it, whatever its names
-            if any(k[0] in names for k in now):
+            if any(k[0] in names for k in now) or any(k[0] in names for k in unknown):
                 found = {k: v for k, v in found.items() if k[0] not in names}
+        found.update({k: known[k] for k in unknown})
         found.update(now)
-        marks = {**earlier.series_marks, **now}
-        gone = [k for k in marks if k not in now and k[1] != _FOLDED]
-        for k in gone[: max(0, len(gone) - _MAX_VANISHED_SERIES)]:  # label sets churning: fold the earliest
-            folded = (k[0], _FOLDED)
-            marks[folded] = marks.get(folded, 0.0) + marks.pop(k)
+        marks = {**known, **now}
+        names: set[str] = set()  # the names the engine exports (a name it no longer does: its values go)
+        for family in _COUNTERS:
+            names |= {k[0] for k in found if k[0] in family} or {k[0] for k in marks if k[0] in family}
+        marks = {k: v for k, v in marks.items() if k[0] in names}
+        # Vanished: not among the series as last found (one missing from a page is not).
+        for family in _COUNTERS:
+            gone = [k for k in marks if k[0] in family and k not in found and k[1] != _FOLDED]
+            for k in gone[: max(0, len(gone) - _MAX_VANISHED_SERIES)]:  # label sets churning: fold the earliest
+                folded = (k[0], _FOLDED)
+                marks[folded] = marks.get(folded, 0.0) + marks.pop(k)
         return replace(self, restarts=earlier.restarts, counter_found=found, counter_marks=marks,
                        prefix_cache_queries=_total(marks, _QUERIES, found), prefix_cache_hits=_total(marks, _HITS, found))
 
@@ -247,12 +262,15 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
     sums: dict[str, float] = {}
     bad: set[str] = set()
     series: dict[Series, float] = {}
+    unknown: set[Series] = set()
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
             name = sample.name.removesuffix("_total")
             value = float(sample.value)
             if not 0.0 <= value < math.inf:  # NaN, infinite or negative: not a count, the figure stays unknown
                 bad.add(name)
+                if (name in _QUERIES or name in _HITS) and not sample.name.endswith("_created"):
+                    unknown.add((name, tuple(sorted(sample.labels.items()))))
             elif name in _FAMILIES and not sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
                 sums[name] = sums.get(name, 0.0) + value
                 if name in _QUERIES or name in _HITS:
@@ -264,7 +282,7 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
         return next((sums[n] for n in names if n in sums), None)
 
     return BackendStats(first(_QUERIES), first(_HITS), first(_RUNNING), first(_WAITING), scraped_at, True,
-                        counter_series=series)
+                        counter_series=series, counter_unknown=frozenset(unknown))
 
 
 async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:
