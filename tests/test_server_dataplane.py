@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import gzip
 import logging
+import time
 
 import aiohttp
 import orjson
@@ -527,6 +528,38 @@ async def test_413_reaches_a_client_still_sending(router, backend):
         status, headers, _ = await _read_response(reader)
         writer.close()
         assert status == 413 and headers["connection"] == "close"
+
+
+async def test_a_lingering_connection_drains_while_the_client_sends_then_closes(backend):
+    # After a 413 the connection reads and drops what the client still sends, and closes
+    # once it has been silent for LINGER_S (at most LINGER_MAX_S), not on a fixed clock,
+    # nor on the keep-alive timer (1 s here): closing on unread input would reset it.
+    from prefixroute.server.dataplane import LINGER_S
+
+    handle = await start_router(
+        FleetConfig.single([backend.url], RoutingConfig.build("random")),
+        ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                       shutdown_timeout_s=1.0, max_body_bytes=LIMIT, client_keepalive_timeout_s=1.0))
+    try:
+        reader, writer = await _connect(handle)
+        writer.write(b"POST /invocations HTTP/1.1\r\nHost: r\r\nContent-Length: %d\r\n\r\n" % (LIMIT + 1))
+        status, headers, _ = await _read_response(reader)
+        assert status == 413 and headers["connection"] == "close"
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3.5:  # longer than LINGER_S and than the keep-alive timeout
+            writer.write(b"y" * 4096)
+            await writer.drain()  # (a reset raises ConnectionResetError or BrokenPipeError)
+            await asyncio.sleep(0.2)
+        silent = time.monotonic()
+        assert await asyncio.wait_for(reader.read(), 2 * LINGER_S + 2) == b""  # our FIN came after the answer
+        for _ in range(100):  # the router closes its side once the client has been silent for LINGER_S
+            if not handle._front.clients:
+                break
+            await asyncio.sleep(0.05)
+        assert not handle._front.clients and LINGER_S - 0.2 < time.monotonic() - silent < LINGER_S + 1.5
+        writer.close()
+    finally:
+        await handle.close()
 
 
 async def test_http10_client_gets_no_chunks(router, backend):

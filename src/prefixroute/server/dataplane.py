@@ -1062,7 +1062,7 @@ class _Client(asyncio.Protocol):
 
     def _idle_timeout(self) -> None:
         self._idle = None
-        if self.closed:
+        if self.closed or self.lingering:  # (a lingering connection closes on its own terms)
             return
         loop = self.front.loop
         due = self.idle_since + self.front.client_keepalive_s
