@@ -569,13 +569,17 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
-def error_for_path(path: str, status: int, message: str, code: str) -> web.Response:
-    """An error in the shape the API of ``path`` uses."""
+def error_for_path(path: str, status: int, message: str, code: str, *, sagemaker_type: str = "ValidationError",
+                   headers: Mapping[str, str] | None = None) -> web.Response:
+    """An error in the shape the API of ``path`` uses: OpenAI's (``code``; type
+    ``server_error`` for a 5xx, else ``invalid_request_error``), the SageMaker runtime's
+    (``sagemaker_type``), or ``{"message": ...}``; with ``headers``."""
     if "/v1/" in path:
-        return openai_error(status, message, code=code)
+        return openai_error(status, message, type_="server_error" if status >= 500 else "invalid_request_error",
+                            code=code, headers=headers)
     if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
-        return sagemaker_error("ValidationError", message, status=status)
-    return json_response(status, {"message": message})
+        return sagemaker_error(sagemaker_type, message, status=status, headers=headers)
+    return json_response(status, {"message": message}, headers)
 
 
 def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:

@@ -77,7 +77,6 @@ from prefixroute.server.app import (
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, ends_with_done, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
-from prefixroute.server.errors import json_response, openai_error, sagemaker_error
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
@@ -713,6 +712,7 @@ class _Client(asyncio.Protocol):
         self.lingering = False  # answered and half-closed: what the client still sends is dropped
         self.heard = 0.0  # loop time of the last input while lingering
         self.linger_until = 0.0
+        self._linger: asyncio.TimerHandle | None = None
         self.upstream: _Upstream | None = None  # the exchange being relayed to this client
         self.waiting: asyncio.Future[None] | None = None  # what the task awaits for this client
         self.write_paused = False
@@ -791,6 +791,9 @@ class _Client(asyncio.Protocol):
         self.front.clients.discard(self)
         if self._idle is not None:
             self._idle.cancel()
+        if self._linger is not None:
+            self._linger.cancel()
+            self._linger = None
         if self._headers_timer is not None:
             self._headers_timer.cancel()
             self._headers_timer = None
@@ -1123,11 +1126,12 @@ class _Client(asyncio.Protocol):
             loop = self.front.loop
             self.heard = now = loop.time()
             self.linger_until = now + LINGER_MAX_S
-            loop.call_later(LINGER_S, self._linger_check)
+            self._linger = loop.call_later(LINGER_S, self._linger_check)
         else:
             transport.close()
 
     def _linger_check(self) -> None:
+        self._linger = None
         transport = self.transport
         if transport is None or transport.is_closing():
             return
@@ -1136,7 +1140,7 @@ class _Client(asyncio.Protocol):
         if loop.time() >= due:
             transport.close()
         else:
-            loop.call_later(due - loop.time(), self._linger_check)
+            self._linger = loop.call_later(due - loop.time(), self._linger_check)
 
     def write(self, data: bytes) -> None:
         if self.transport is not None and not self.closed:
@@ -1987,12 +1991,8 @@ def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web
     """The 503 for a request the router will not route because it is shutting down, in
     the shape of the API of ``path`` (OpenAI: code ``router_shutting_down``; SageMaker
     runtime: ``ServiceUnavailable``), with ``headers``."""
-    message = "the router is shutting down: the request was not sent to any instance"
-    if "/v1/" in path:
-        return openai_error(503, message, type_="server_error", code="router_shutting_down", headers=headers)
-    if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
-        return sagemaker_error("ServiceUnavailable", message, headers=headers)
-    return json_response(503, {"message": message}, headers)
+    return error_for_path(path, 503, "the router is shutting down: the request was not sent to any instance",
+                          "router_shutting_down", sagemaker_type="ServiceUnavailable", headers=headers)
 
 
 def _our_lines(request_id: str, decision: Any) -> bytes:

@@ -316,7 +316,6 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
 # -- the supervisor ---------------------------------------------------------------
 
 
-
 async def _close_admin(runner: web.AppRunner) -> None:
     """Stop the supervisor's admin API: its port and idle connections at once (a body
     still arriving is cut), the requests in it within ``ADMIN_SHUTDOWN_S``."""
