@@ -122,10 +122,16 @@ def main(argv: list[str] | None = None) -> int:
                 out = tracker.path(f"strace-{slug}", ".txt")
                 st = subprocess.Popen(["strace", "-c", "-f", "-p", str(pid), "-o", str(out)],
                                       stderr=subprocess.DEVNULL)
-                time.sleep(0.3)
-                traced = O.run_wrk(tracker, url, files, 1, args.duration, wrk=wrk, script=script)
-                st.send_signal(2)
-                st.wait(30)
+                try:
+                    time.sleep(0.3)
+                    traced = O.run_wrk(tracker, url, files, 1, args.duration, wrk=wrk, script=script)
+                finally:  # (strace detaches and writes its summary on SIGINT)
+                    st.send_signal(2)
+                    try:
+                        st.wait(30)
+                    except subprocess.TimeoutExpired:
+                        st.kill()
+                        st.wait()
                 calls = parse_strace_summary(out.read_text())
                 row["syscalls"] = {k: v / max(1, traced.requests) for k, v in sorted(calls.items())
                                    if v / max(1, traced.requests) >= 0.05}
