@@ -33,7 +33,11 @@ Cells: concurrency 1, 8, 64, 256 x body 1 KB, 32 KB, 256 KB x non-streaming and
 streaming (``"stream": true``: the backend answers 8 SSE events and ``data: [DONE]``,
 each its own HTTP chunk). For each cell and each of ``--rounds`` rounds, direct is
 measured first, then every router in turn (``--duration`` seconds each, after a
-``--warmup`` run), so slow drifts of a shared machine hit every target alike. Reported
+``--warmup`` run), so slow drifts of a shared machine hit every target alike; the
+routers' order turns by one place each round. At concurrency 1 (``--paired-direct-up-to``)
+direct is measured again right before every router, and each router's added latency is
+taken against the direct run right before it: that difference is about a tenth of a
+millisecond there, less than this machine's speed drifts over a round. Reported
 per (cell, target), as the median over rounds:
 
 * p50 / p99 latency (wrk ``--latency``: request sent to whole response received);
@@ -167,6 +171,11 @@ class OverheadSettings:
             250 ms apart: each stream lasts about 5 s, longer than opening 2,000 takes
             here, so all are open at once).
         seed: seed of the request bodies.
+        paired_direct_up_to: in cells of at most this concurrency, direct is measured
+            again right before every router, and that router's added latency is taken
+            against it (0: direct once per round, first). At concurrency 1 the added
+            latency is a tenth of a millisecond, less than this machine drifts between
+            the start and the end of a round.
     """
 
     concurrency: tuple[int, ...] = (1, 8, 64, 256)
@@ -187,6 +196,7 @@ class OverheadSettings:
     streams_events: int = 20
     streams_delay_ms: float = 1000.0
     seed: int = 0
+    paired_direct_up_to: int = 1
 
 
 FULL = OverheadSettings()
@@ -731,6 +741,9 @@ class Measurement:
     instance_requests: list[int]
     backend_requests: int
     backend_unknown: dict[str, int]
+    #: For a direct measurement taken right before one router's (paired direct), that
+    #: router's label; None for the round's own direct measurement and for routers.
+    paired_with: str | None = None
 
     @property
     def router_cpu_us_per_request(self) -> float | None:
@@ -755,7 +768,24 @@ class Measurement:
                 "this measurement" if self.peak_rss_reset else "since the router started",
                 "backend_cpu_s": self.backend_cpu_s, "backend_cpu_us_per_request": self.backend_cpu_us_per_request,
                 "backend_requests": self.backend_requests, "instance_requests": self.instance_requests,
-                "backend_unknown_requests": self.backend_unknown}
+                "backend_unknown_requests": self.backend_unknown, "paired_with": self.paired_with}
+
+
+def run_order(targets: Sequence[Target], round_index: int, paired: bool) -> list[tuple[Target, str | None]]:
+    """The measurements of one round of one cell, in order: ``(target, paired_with)``.
+
+    ``targets[0]`` is direct. The routers come in their list order turned by one place
+    each round (round 2 starts with the second router...), so no router is always the
+    one measured furthest from direct. With ``paired``, direct is measured right before
+    every router (``paired_with`` is that router's label); without it, once, first.
+    """
+    direct, routers = targets[0], list(targets[1:])
+    if routers:
+        k = (round_index - 1) % len(routers)
+        routers = routers[k:] + routers[:k]
+    if not paired:
+        return [(direct, None), *((t, None) for t in routers)]
+    return [pair for t in routers for pair in ((direct, t.label), (t, None))] or [(direct, None)]
 
 
 def measure(tracker: ProcessTracker, target: Target, cell: Cell, body_files: Sequence[Path], duration_s: int, *,
@@ -892,7 +922,8 @@ class CellResult:
 
 def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) -> list[CellResult]:
     """Group measurements by (cell, target) and compute added latency (median over rounds
-    of router minus direct in the same round) and the ratios to the reference routers:
+    of router minus direct in the same round: the direct run right before the router's
+    when there is one, see ``paired_direct_up_to``) and the ratios to the reference routers:
     of the medians, and round by round (each round's figure against the reference's
     figure of the same round)."""
     by_target = {t.label: t for t in targets}
@@ -904,10 +935,12 @@ def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) ->
         if label not in by_target:
             continue
         cr = CellResult(by_target[label], cell, sorted(ms, key=lambda m: m.round))
-        direct = {m.round: m for m in groups.get((cell, DIRECT), [])}
+        direct = {(m.round, m.paired_with): m for m in groups.get((cell, DIRECT), [])}
         if label != DIRECT and direct:
-            paired = [(m, direct[m.round]) for m in ms
-                      if m.round in direct and m.wrk.requests and direct[m.round].wrk.requests]
+            # Each router against the direct run right before it (paired), else its round's.
+            base = {m.round: direct.get((m.round, label)) or direct.get((m.round, None)) for m in ms}
+            paired = [(m, base[m.round]) for m in ms
+                      if base[m.round] is not None and m.wrk.requests and base[m.round].wrk.requests]
             cr.added_p50_by_round = {m.round: m.wrk.p50_ms - d.wrk.p50_ms for m, d in paired}
             d99 = [m.wrk.p99_ms - d.wrk.p99_ms for m, d in paired]
             cr.added_p50_ms, cr.added_p99_ms = _median(list(cr.added_p50_by_round.values())), _median(d99)
@@ -1247,7 +1280,9 @@ def write_json(path: Path, results: Sequence[CellResult], measurements: Sequence
         "versions": versions(statuses),
         "skipped": skipped,
         "machine": machine_facts(),
-        "notes": {"added_latency": "median over rounds of (router - direct) in the same round, ms",
+        "notes": {"added_latency": "median over rounds of (router - direct) in the same round, ms; in cells of "
+                                   "concurrency <= settings.paired_direct_up_to, direct is the run right before "
+                                   "the router's (its paired_with)",
                   "ttft": "not measured: wrk times whole responses",
                   "cpu": "utime+stime of the router's process tree / requests completed"},
     }
@@ -1292,6 +1327,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None,
                    help=f"seconds of load per router before each cell (default: {FULL.warmup_s}, --quick "
                         f"{QUICK.warmup_s}); every router also gets one 2 s warm-up at start")
+    p.add_argument("--paired-direct-up-to", type=int, default=None, metavar="N",
+                   help="in cells of concurrency <= N, measure direct again right before every router and take "
+                        "that router's added latency against it (default: "
+                        f"{FULL.paired_direct_up_to}; 0: direct once per round, first)")
     p.add_argument("--streams", type=int, default=None,
                    help=f"concurrent streaming requests of the streams phase (default: {FULL.streams}); 0 skips it")
     p.add_argument("--streams-delay-ms", type=float, default=None,
@@ -1328,15 +1367,16 @@ def settings_from(args: argparse.Namespace) -> OverheadSettings:
             raise SystemExit("error: --modes takes plain and/or stream")
         upd["streaming"] = tuple(m == "stream" for m in dict.fromkeys(modes))
     for flag, name in (("duration", "duration_s"), ("rounds", "rounds"), ("warmup", "warmup_s"),
+                       ("paired_direct_up_to", "paired_direct_up_to"),
                        ("streams", "streams"), ("streams_delay_ms", "streams_delay_ms"),
                        ("backend_port", "backend_port")):
         if getattr(args, flag) is not None:
             upd[name] = getattr(args, flag)
     s = replace(s, **upd)
     if (not s.concurrency or min(s.concurrency) < 1 or not s.body_sizes or s.duration_s < 1 or s.rounds < 1
-            or s.warmup_s < 0 or s.streams < 0 or not s.streams_delay_ms >= 0):
+            or s.warmup_s < 0 or s.streams < 0 or not s.streams_delay_ms >= 0 or s.paired_direct_up_to < 0):
         raise SystemExit("error: --concurrency, --body-sizes, --duration and --rounds must be positive; "
-                         "--warmup, --streams and --streams-delay-ms >= 0")
+                         "--warmup, --paired-direct-up-to, --streams and --streams-delay-ms >= 0")
     if not 0 <= s.backend_port <= 65536 - s.instances:
         raise SystemExit(f"error: --backend-port must be 0 (free ports) or 1-{65536 - s.instances}, "
                          f"got {s.backend_port}")
@@ -1421,7 +1461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets.append(Target(spec.label, spec.router, spec.strategy, rr.url, rr.process.proc.pid,
                                   getattr(spec, "workers", 1)))
         procs = {t.label: next((p for p in tracker.processes if p.proc.pid == t.pid), None) for t in targets}
-        total = len(cells) * s.rounds * len(targets)
+        total = sum(s.rounds * len(run_order(targets, 1, c.concurrency <= s.paired_direct_up_to)) for c in cells)
         est = total * (s.duration_s + 0.5) + len(cells) * len(targets) * s.warmup_s + 2 * len(targets)
         console.print(f"[bold]overhead[/bold]: {len(targets)} targets x {len(cells)} cells x {s.rounds} rounds = "
                       f"{total} measurements of {s.duration_s} s (about {est / 60:.0f} min), then "
@@ -1463,8 +1503,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         except PeerError as exc:
                             console.print(f"[red]warm-up of {t.label} failed:[/red] {escape(str(exc))}")
                 _settled_stats(backend)
+            paired = cell.concurrency <= s.paired_direct_up_to
             for rnd in range(1, s.rounds + 1):  # 1-based, in the JSON as in the progress lines
-                for t in targets:
+                for t, pair in run_order(targets, rnd, paired):
                     n += 1
                     if not alive(t):
                         continue
@@ -1474,11 +1515,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                     except (PeerError, OSError, ValueError) as exc:
                         console.print(f"[red][{n}/{total}] {cell.name} {t.label}: {escape(str(exc))}[/red]")
                         continue
+                    m.paired_with = pair
                     measurements.append(m)
                     w = m.wrk
                     cpu = m.router_cpu_us_per_request
                     console.print(
-                        f"[{n}/{total}] {cell.name:<28} round {rnd}  {t.label:<36} p50 {w.p50_ms:7.2f} ms  "
+                        f"[{n}/{total}] {cell.name:<28} round {rnd}  "
+                        f"{t.label if pair is None else 'direct, paired':<36} p50 {w.p50_ms:7.2f} ms  "
                         f"p99 {w.p99_ms:7.2f} ms  {w.rps:8,.0f} req/s  "
                         + (f"CPU {cpu:6,.0f} us/req  " if cpu is not None else "")
                         + f"{w.error_count} err" + (f"  [dim]backend saw {m.backend_unknown}[/dim]"
@@ -1503,8 +1546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rs = [r for r in results if r.cell == cell]
         if rs:
             console.print(render_cell_table(cell, rs, s))
-    console.print("added = router minus direct in the same round (ms); x HAProxy = added p50 / HAProxy's added "
-                  "p50; x sglang = req/s / sglang-router's req/s (both of the medians); in brackets, the lowest "
+    paired_note = (f" (at concurrency <= {s.paired_direct_up_to}: the direct run right before the router's; "
+                   "direct's row is the median of all its runs)" if s.paired_direct_up_to and
+                   any(c.concurrency <= s.paired_direct_up_to for c in cells) else "")
+    console.print(f"added = router minus direct in the same round{paired_note} (ms); x HAProxy = added p50 / "
+                  "HAProxy's added p50; x sglang = req/s / sglang-router's req/s (both of the medians); in brackets, the lowest "
                   "and highest of the same ratio round by round (a round in which HAProxy added nothing gives "
                   "none); CPU and peak RSS: the router's process tree")
     unknown: dict[str, dict[str, int]] = {}

@@ -354,6 +354,42 @@ def test_ratios_are_given_of_the_medians_and_round_by_round():
     assert overhead._ratio(1.2, [None, None], ".1f") == "1.2"
 
 
+def test_each_round_turns_the_routers_order_and_pairs_direct_with_each_at_low_concurrency():
+    targets = [overhead.Target(label, label, "", "", None) for label in (overhead.DIRECT, "a", "b", "c")]
+    order = lambda rnd, paired: [(t.label, pair) for t, pair in overhead.run_order(targets, rnd, paired)]  # noqa: E731
+    assert order(1, False) == [("direct", None), ("a", None), ("b", None), ("c", None)]
+    assert order(2, False) == [("direct", None), ("b", None), ("c", None), ("a", None)]
+    assert order(4, False) == order(1, False)
+    assert order(3, True) == [("direct", "c"), ("c", None), ("direct", "a"), ("a", None), ("direct", "b"),
+                              ("b", None)]
+    assert order(1, True)[:2] == [("direct", "a"), ("a", None)]
+    assert overhead.run_order(targets[:1], 1, True) == [(targets[0], None)]  # direct alone: measured once
+
+
+def test_a_router_is_measured_against_the_direct_run_right_before_it():
+    targets = [overhead.Target(label, label, "", "", None) for label in
+               (overhead.DIRECT, "router", overhead.LATENCY_REFERENCE)]
+    ms = []
+    # One round: the machine slows down between the two pairs (direct 0.20 -> 0.30).
+    for label, p50, pair in ((overhead.DIRECT, 0.20, "router"), ("router", 0.45, None),
+                             (overhead.DIRECT, 0.30, overhead.LATENCY_REFERENCE),
+                             (overhead.LATENCY_REFERENCE, 0.42, None)):
+        ms.append(_measured(label, 1, p50, 1000))
+        ms[-1].paired_with = pair
+    results = {r.target.label: r for r in overhead.aggregate(ms, targets)}
+    assert results["router"].added_p50_ms == pytest.approx(0.25)
+    assert results[overhead.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.12)
+    assert results["router"].added_vs_haproxy == pytest.approx(0.25 / 0.12)
+    assert results[overhead.DIRECT].p50_ms == pytest.approx(0.25)  # both direct runs, their median
+    assert ms[0].to_json()["paired_with"] == "router" and ms[1].to_json()["paired_with"] is None
+    # Without pairs (a cell of higher concurrency), every router against its round's direct.
+    for m in ms:
+        m.paired_with = None
+    unpaired = [ms[0], ms[1], ms[3]]
+    results = {r.target.label: r for r in overhead.aggregate(unpaired, targets)}
+    assert results[overhead.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.22)
+
+
 def test_settings_from_flags():
     q = overhead.settings_from(overhead.parse_args(["--quick"]))
     assert q == overhead.QUICK and q.concurrency == (1, 64) and q.body_sizes == (32768,)
@@ -362,6 +398,10 @@ def test_settings_from_flags():
     assert (s.concurrency, s.body_sizes, s.streaming, s.duration_s, s.rounds, s.streams) == (
         (2, 4), (1024, 2048), (True,), 3, 2, 0)
     assert overhead.settings_from(overhead.parse_args([])) == overhead.FULL
+    assert overhead.FULL.paired_direct_up_to == 1
+    assert overhead.settings_from(overhead.parse_args(["--paired-direct-up-to", "8"])).paired_direct_up_to == 8
+    with pytest.raises(SystemExit):
+        overhead.settings_from(overhead.parse_args(["--paired-direct-up-to", "-1"]))
     with pytest.raises(SystemExit):
         overhead.select_routers(overhead.router_specs(overhead.FULL), "no-such-router")
     with pytest.raises(SystemExit, match="cannot hold a chat request"):  # a clean error, not a traceback
