@@ -958,10 +958,13 @@ def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) ->
         ref = next((r for r in out if r.cell == cr.cell and r.target.label == THROUGHPUT_REFERENCE), None)
         if ref is not None and ref.rps > 0:
             cr.rps_vs_sglang = cr.rps / ref.rps
-        if ref is not None:
+        if ref is not None:  # one entry per round (direct, measured several times a round: their median)
             theirs = {m.round: m.wrk.rps for m in ref.rounds}
-            cr.rps_vs_sglang_rounds = [m.wrk.rps / theirs[m.round] if theirs.get(m.round, 0) > 0 else None
-                                       for m in cr.rounds]
+            ours: dict[int, list[float]] = {}
+            for m in cr.rounds:
+                ours.setdefault(m.round, []).append(m.wrk.rps)
+            cr.rps_vs_sglang_rounds = [statistics.median(v) / theirs[r] if theirs.get(r, 0) > 0 else None
+                                       for r, v in ours.items()]
     order = {t.label: i for i, t in enumerate(targets)}
     out.sort(key=lambda r: (r.cell.stream, r.cell.body_bytes, r.cell.concurrency, order[r.target.label]))
     return out

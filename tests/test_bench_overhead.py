@@ -381,6 +381,11 @@ def test_a_router_is_measured_against_the_direct_run_right_before_it():
     assert results[overhead.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.12)
     assert results["router"].added_vs_haproxy == pytest.approx(0.25 / 0.12)
     assert results[overhead.DIRECT].p50_ms == pytest.approx(0.25)  # both direct runs, their median
+    sglang = overhead.Target(overhead.THROUGHPUT_REFERENCE, "", "", "", None)
+    with_sglang = [*ms, _measured(overhead.THROUGHPUT_REFERENCE, 1, 0.5, 500)]
+    # Both direct runs did 1,000 req/s: one ratio for their round, not one per run.
+    direct = {r.target.label: r for r in overhead.aggregate(with_sglang, [*targets, sglang])}[overhead.DIRECT]
+    assert direct.rps_vs_sglang_rounds == pytest.approx([2.0])
     assert ms[0].to_json()["paired_with"] == "router" and ms[1].to_json()["paired_with"] is None
     # Without pairs (a cell of higher concurrency), every router against its round's direct.
     for m in ms:
