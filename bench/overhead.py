@@ -41,7 +41,9 @@ millisecond there, less than this machine's speed drifts over a round. Reported
 per (cell, target), as the median over rounds:
 
 * p50 / p99 latency (wrk ``--latency``: request sent to whole response received);
-* **added latency**: router p50 (p99) minus direct p50 (p99) of the same round, ms; at
+* **added latency**: router p50 (p99) minus direct p50 (p99) of the same round (at
+  concurrency 1, of the direct run right before the router's; direct's own row there is
+  the median of all its runs), ms; at
   concurrency 64 and 256 the loop is saturated and this is mostly queueing (Little's
   law: connections / requests per second);
 * requests/s (at 64 and 256 connections: the saturation throughput, on this machine,
@@ -77,8 +79,8 @@ skipped with the reason. Every process is started through ``bench/peers.py``'s
 
 Usage::
 
-    python bench/overhead.py --quick                   # about 3 minutes on 2 cores
-    python bench/overhead.py --json overhead.json      # the full grid (about 70 minutes)
+    python bench/overhead.py --quick                   # about 4 minutes on 2 cores
+    python bench/overhead.py --json overhead.json      # the full grid (about 90 minutes)
 
 ``--json PATH`` writes SPEC §7's object (one run per cell and target; TTFT and cache-hit
 fields are null, wrk times whole responses and the backend has no cache) plus every
@@ -873,8 +875,18 @@ class CellResult:
     @property
     def rounds_without_reply(self) -> int:
         """Rounds in which not one response completed (wrk counts those still in flight
-        at the end neither as requests nor as errors)."""
-        return sum(1 for m in self.rounds if m.wrk.requests == 0)
+        at the end neither as requests nor as errors; direct, measured several times a
+        round at low concurrency: rounds in which none of its runs completed one)."""
+        replied: dict[int, bool] = {}
+        for m in self.rounds:
+            replied[m.round] = replied.get(m.round, False) or m.wrk.requests > 0
+        return sum(1 for ok in replied.values() if not ok)
+
+    @property
+    def round_count(self) -> int:
+        """Rounds measured (``len(self.rounds)`` counts runs: direct has several a round
+        in cells with paired direct runs)."""
+        return len({m.round for m in self.rounds})
 
     @property
     def rps(self) -> float:
@@ -909,7 +921,8 @@ class CellResult:
             "throughput_rps": self.rps,
             "instance_share": [n / total for n in inst] if total and self.target.pid is not None else [],
             "label": self.target.label, "workers": self.target.workers, "concurrency": self.cell.concurrency,
-            "body_bytes": self.cell.body_bytes, "stream": self.cell.stream, "rounds": len(self.rounds),
+            "body_bytes": self.cell.body_bytes, "stream": self.cell.stream, "rounds": self.round_count,
+            "runs": len(self.rounds),
             "p99_latency_s": None if self.p99_ms is None else self.p99_ms / 1000,
             "rounds_without_reply": self.rounds_without_reply,
             "added_p50_ms": self.added_p50_ms, "added_p99_ms": self.added_p99_ms,
@@ -918,6 +931,13 @@ class CellResult:
             "throughput_vs_sglang_router_rounds": self.rps_vs_sglang_rounds,
             "router_cpu_us_per_request": self.cpu_us_per_request, "router_peak_rss_bytes": self.peak_rss_bytes,
         }
+
+
+def _median_run(runs: Sequence[Measurement]) -> Measurement | None:
+    """The run of median p50 (the lower middle one of an even count), or None if none."""
+    if not runs:
+        return None
+    return sorted(runs, key=lambda m: m.wrk.p50_ms)[(len(runs) - 1) // 2]
 
 
 def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) -> list[CellResult]:
@@ -937,8 +957,11 @@ def aggregate(measurements: Sequence[Measurement], targets: Sequence[Target]) ->
         cr = CellResult(by_target[label], cell, sorted(ms, key=lambda m: m.round))
         direct = {(m.round, m.paired_with): m for m in groups.get((cell, DIRECT), [])}
         if label != DIRECT and direct:
-            # Each router against the direct run right before it (paired), else its round's.
-            base = {m.round: direct.get((m.round, label)) or direct.get((m.round, None)) for m in ms}
+            # Each router against the direct run right before it (paired), else its round's
+            # (unpaired cells), else, its paired run having failed, the round's median one.
+            base = {m.round: direct.get((m.round, label)) or direct.get((m.round, None))
+                    or _median_run([d for (r, _), d in direct.items() if r == m.round and d.wrk.requests])
+                    for m in ms}
             paired = [(m, base[m.round]) for m in ms
                       if base[m.round] is not None and m.wrk.requests and base[m.round].wrk.requests]
             cr.added_p50_by_round = {m.round: m.wrk.p50_ms - d.wrk.p50_ms for m, d in paired}
@@ -1464,9 +1487,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             targets.append(Target(spec.label, spec.router, spec.strategy, rr.url, rr.process.proc.pid,
                                   getattr(spec, "workers", 1)))
         procs = {t.label: next((p for p in tracker.processes if p.proc.pid == t.pid), None) for t in targets}
+        by_label = {t.label: t for t in targets}
         total = sum(s.rounds * len(run_order(targets, 1, c.concurrency <= s.paired_direct_up_to)) for c in cells)
         est = total * (s.duration_s + 0.5) + len(cells) * len(targets) * s.warmup_s + 2 * len(targets)
-        console.print(f"[bold]overhead[/bold]: {len(targets)} targets x {len(cells)} cells x {s.rounds} rounds = "
+        pairs = (f", direct again before every router at concurrency <= {s.paired_direct_up_to}"
+                 if any(c.concurrency <= s.paired_direct_up_to for c in cells) and len(targets) > 1 else "")
+        console.print(f"[bold]overhead[/bold]: {len(targets)} targets x {len(cells)} cells x {s.rounds} rounds{pairs}: "
                       f"{total} measurements of {s.duration_s} s (about {est / 60:.0f} min), then "
                       + (f"{s.streams:,} concurrent streams" if s.streams else "no streams phase")
                       + f"; RLIMIT_NOFILE {nofile}; scratch {tracker.workdir}")
@@ -1510,8 +1536,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             for rnd in range(1, s.rounds + 1):  # 1-based, in the JSON as in the progress lines
                 for t, pair in run_order(targets, rnd, paired):
                     n += 1
-                    if not alive(t):
-                        continue
+                    if not alive(t) or (pair is not None and not alive(by_label[pair])):
+                        continue  # (a router gone: no direct run paired with it either)
                     try:
                         m = measure(tracker, t, cell, body_files, s.duration_s, backend=backend,
                                     wrk=statuses["wrk"].executable, script=script, round_index=rnd)

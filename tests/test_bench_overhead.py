@@ -387,6 +387,14 @@ def test_a_router_is_measured_against_the_direct_run_right_before_it():
     direct = {r.target.label: r for r in overhead.aggregate(with_sglang, [*targets, sglang])}[overhead.DIRECT]
     assert direct.rps_vs_sglang_rounds == pytest.approx([2.0])
     assert ms[0].to_json()["paired_with"] == "router" and ms[1].to_json()["paired_with"] is None
+    run = results[overhead.DIRECT].to_json()
+    assert (run["rounds"], run["runs"], run["rounds_without_reply"]) == (1, 2, 0)
+    # A paired direct run that failed (never recorded): the router is taken against the
+    # round's other direct run rather than losing its round.
+    lost = {r.target.label: r for r in overhead.aggregate([ms[1], ms[2], ms[3]], targets)}
+    assert lost["router"].added_p50_by_round == pytest.approx({1: 0.15})
+    assert overhead._median_run([]) is None
+    assert overhead._median_run([ms[2], ms[0]]) is ms[0]  # of two, the lower
     # Without pairs (a cell of higher concurrency), every router against its round's direct.
     for m in ms:
         m.paired_with = None
