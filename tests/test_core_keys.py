@@ -118,8 +118,31 @@ def test_chat_prompt_cache_key_is_the_tenant():
     a = chat(("user", "same"))
     b = dict(a, prompt_cache_key="tenant-b")
     assert openai_routing_key(a, True, 1024) != openai_routing_key(b, True, 1024)
-    with pytest.raises(InvalidRequest):
-        openai_routing_key(dict(a, prompt_cache_key="x" * 65), True, 1024)
+    # OpenAI takes any string: long and non-ASCII values are hashed in, not refused
+    long_a, long_b = dict(a, prompt_cache_key="x" * 65), dict(a, prompt_cache_key="x" * 64 + "y")
+    accented = dict(a, prompt_cache_key="café-tenant")
+    keys = {openai_routing_key(p, True, 1024) for p in (a, b, long_a, long_b, accented)}
+    assert len(keys) == 5
+    assert openai_routing_key(dict(a, prompt_cache_key=""), True, 1024) == openai_routing_key(a, True, 1024)
+    with pytest.raises(InvalidRequest, match="'prompt_cache_key' must be a string"):
+        openai_routing_key(dict(a, prompt_cache_key=7), True, 1024)
+
+
+def test_cache_salt_takes_part_in_the_key_and_the_blocks():
+    a = chat(("system", "s" * 300), ("user", "same prompt"))
+    salted = [dict(a, cache_salt=s) for s in ("salt-1", "salt-2")]
+    keys = [openai_routing_key(p, True, 1024) for p in (a, *salted)]
+    assert len(set(keys)) == 3
+    chains = [openai_block_hashes(p, True, 64, 4096) for p in (a, *salted)]
+    assert len({c[0] for c in chains}) == 3  # no block shared, from the first one on
+    # a salt is not the same tenant as an equal prompt_cache_key, nor as the SageMaker header
+    assert openai_routing_key(dict(a, prompt_cache_key="salt-1"), True, 1024) != keys[1]
+    assert openai_routing_key(a, True, 1024, header_tenant="salt-1") != keys[1]
+    assert openai_routing_key(a, True, 1024, header_tenant="salt-1") == \
+        openai_routing_key(dict(a, prompt_cache_key="salt-1"), True, 1024)  # one tenant field alone keys as itself
+    for bad in ("", 5):
+        with pytest.raises(InvalidRequest, match="'cache_salt' must be a non-empty string"):
+            openai_routing_key(dict(a, cache_salt=bad), True, 1024)
 
 
 def test_chat_model_is_part_of_the_key():
@@ -287,7 +310,8 @@ def test_strategies_without_a_key_validate_like_the_key():
     from prefixroute.core.keys import openai_route
 
     bad = [({"messages": "x"}, True), ({"model": 3, "messages": []}, True),
-           ({"messages": [{"role": "user", "content": "q"}], "prompt_cache_key": ""}, True),
+           ({"messages": [{"role": "user", "content": "q"}], "prompt_cache_key": 3}, True),
+           ({"messages": [{"role": "user", "content": "q"}], "cache_salt": ""}, True),
            ({"messages": [{"content": "q"}]}, True), ({"prompt": [1, "a"]}, False)]
     for payload, chat_ in bad:
         for routing in (RoutingConfig(), RoutingConfig.build("least-outstanding-requests")):

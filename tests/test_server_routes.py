@@ -177,7 +177,8 @@ async def test_tenant_separates_identical_prompts(backends, http):
     (b'{"model": 5, "messages": []}', "'model'"),
     (b'{"model": "m", "messages": "hi"}', "'messages'"),
     (b'{"model": "m", "messages": [], "stream": "yes"}', "'stream'"),
-    (b'{"model": "m", "messages": [], "prompt_cache_key": ""}', "'prompt_cache_key' must be 1-64"),
+    (b'{"model": "m", "messages": [], "prompt_cache_key": [1]}', "'prompt_cache_key' must be a string"),
+    (b'{"model": "m", "messages": [], "cache_salt": ""}', "'cache_salt' must be a non-empty string"),
 ])
 async def test_openai_400_shape(router, http, raw, needle):
     async with http.post(router.url + "/v1/chat/completions", data=raw) as r:

@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 __all__ = [
     "ConfigError",
     "RoutingStrategy",
+    "NativeKey",
     "PrefixAwareRoutingConfig",
     "CacheAwareRoutingConfig",
     "RoutingConfig",
@@ -135,8 +136,16 @@ class CacheAwareRoutingConfig(BaseModel):
             approximate view remembers per instance (LRU); set it near the engine's KV
             capacity (vLLM Llama-3.1-70B on 8xH100: ~1.2M tokens). Converted to blocks at
             4 units per token. Memory is about 100 bytes per block.
-        load_weight: ``LoadWeight``, blocks of matched prefix that one extra request in
-            flight is worth. Higher values spread load more, lower values chase hits.
+        load_weight: ``LoadWeight``, blocks of prefill (``BlockSize`` units each) that one
+            more request in flight on an instance costs a new request there: the decode
+            share of the cost model. 0.5 (32 characters, about 8 tokens) is the
+            reference engine's: 0.1 ms per decoding sequence per step against 35 µs per
+            prefilled token (docs/ENGINE.md). Higher values spread load more, lower values
+            chase hits.
+        media_tokens: ``MediaTokens``, 0-100,000: prompt tokens an image, audio or file
+            part of a chat request stands for. The routing text weighs each such part as
+            this many tokens (x 4 characters), so a repeated image keeps its instance as
+            a repeated document does. 576 is LLaVA-1.5's 24 x 24 image patches.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -145,7 +154,8 @@ class CacheAwareRoutingConfig(BaseModel):
     block_size: int = Field(default=64, alias="BlockSize")
     max_prefix_length: int = Field(default=131_072, alias="MaxPrefixLength")
     instance_cache_tokens: int = Field(default=1_200_000, alias="InstanceCacheTokens", ge=1_024, le=100_000_000)
-    load_weight: float = Field(default=16.0, alias="LoadWeight", ge=0.0, le=1e6)
+    load_weight: float = Field(default=0.5, alias="LoadWeight", ge=0.0, le=1e6)
+    media_tokens: int = Field(default=576, alias="MediaTokens", ge=0, le=100_000)
 
     @field_validator("concurrency_threshold", mode="before")
     @classmethod
@@ -171,13 +181,27 @@ class CacheAwareRoutingConfig(BaseModel):
         """SageMaker-style dict of every setting."""
         return {"ConcurrencyThreshold": self.concurrency_threshold, "BlockSize": self.block_size,
                 "MaxPrefixLength": self.max_prefix_length, "InstanceCacheTokens": self.instance_cache_tokens,
-                "LoadWeight": self.load_weight}
+                "LoadWeight": self.load_weight, "MediaTokens": self.media_tokens}
+
+
+class NativeKey(str, enum.Enum):
+    """What a native (``/invocations``) request is keyed on."""
+
+    #: The first PrefixLength bytes of the raw body, as SageMaker does (the default).
+    RAW_BYTES = "RAW_BYTES"
+    #: A JSON object body re-serialized canonically (sorted keys, no insignificant
+    #: whitespace, sampling settings left out: :func:`prefixroute.core.keys.canonical_prompt_json`),
+    #: so clients that serialize the same prompt differently share an instance. Any
+    #: other body is keyed on its raw bytes.
+    CANONICAL_JSON = "CANONICAL_JSON"
 
 
 class RoutingConfig(BaseModel):
     """A production variant's routing (SageMaker ``RoutingConfig``).
 
     ``prefix_aware`` is required with ``PREFIX_AWARE`` and ignored (kept) otherwise.
+    ``native_key`` (``NativeKey``, prefixroute's own) chooses what native requests
+    are keyed on; ``RAW_BYTES`` by default, for SageMaker parity.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -185,6 +209,23 @@ class RoutingConfig(BaseModel):
     strategy: RoutingStrategy = Field(default=RoutingStrategy.RANDOM, alias="RoutingStrategy")
     prefix_aware: PrefixAwareRoutingConfig | None = Field(default=None, alias="PrefixAwareRoutingConfig")
     cache_aware: CacheAwareRoutingConfig | None = Field(default=None, alias="CacheAwareRoutingConfig")
+    native_key: NativeKey = Field(default=NativeKey.RAW_BYTES, alias="NativeKey")
+
+    @field_validator("native_key", mode="before")
+    @classmethod
+    def _v_native_key(cls, v: Any) -> NativeKey:
+        if isinstance(v, NativeKey):
+            return v
+        norm = str(v).strip().upper().replace("-", "_")
+        try:
+            return NativeKey(norm)
+        except ValueError:
+            raise ValueError(f"NativeKey: unknown value {v!r} (known: RAW_BYTES, CANONICAL_JSON)") from None
+
+    @property
+    def canonical_native_key(self) -> bool:
+        """Whether native JSON bodies are keyed canonically (``NativeKey: CANONICAL_JSON``)."""
+        return self.native_key is NativeKey.CANONICAL_JSON
 
     @field_validator("strategy", mode="before")
     @classmethod
@@ -213,19 +254,24 @@ class RoutingConfig(BaseModel):
         strategy: "str | RoutingStrategy" = RoutingStrategy.RANDOM,
         prefix_length: int | None = None,
         concurrency_threshold: int | None = None,
+        native_key: "str | NativeKey | None" = None,
         **cache_aware: Any,
     ) -> "RoutingConfig":
         """Validate a config from plain values (CLI flags).
 
         For ``CACHE_AWARE``, ``concurrency_threshold`` and the keyword arguments
-        (``block_size``, ``max_prefix_length``, ``instance_cache_tokens``, ``load_weight``;
-        ``None`` = default) fill ``CacheAwareRoutingConfig``; ``prefix_length`` is unused.
+        (``block_size``, ``max_prefix_length``, ``instance_cache_tokens``, ``load_weight``,
+        ``media_tokens``; ``None`` = default) fill ``CacheAwareRoutingConfig``;
+        ``prefix_length`` is unused. ``native_key``: ``RAW_BYTES`` (default) or
+        ``CANONICAL_JSON``.
 
         Raises:
             ConfigError: a value is out of range or a required one is missing.
         """
         parsed = RoutingStrategy.parse(strategy)
         data: dict[str, Any] = {"RoutingStrategy": parsed}
+        if native_key is not None:
+            data["NativeKey"] = native_key
         if parsed is RoutingStrategy.CACHE_AWARE:
             fields = CacheAwareRoutingConfig.model_fields
             unknown = set(cache_aware) - set(fields)
@@ -254,12 +300,14 @@ class RoutingConfig(BaseModel):
         return None
 
     def to_api(self) -> dict[str, Any]:
-        """SageMaker-shaped dict."""
+        """SageMaker-shaped dict (``NativeKey`` only when not the default)."""
         out: dict[str, Any] = {"RoutingStrategy": self.strategy.value}
         if self.prefix_aware is not None:
             out["PrefixAwareRoutingConfig"] = self.prefix_aware.to_api()
         if self.cache_aware is not None:
             out["CacheAwareRoutingConfig"] = self.cache_aware.to_api()
+        if self.native_key is not NativeKey.RAW_BYTES:
+            out["NativeKey"] = self.native_key.value
         return out
 
 

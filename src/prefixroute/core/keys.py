@@ -62,6 +62,10 @@ __all__ = [
     "openai_block_hashes",
     "openai_route",
     "native_route",
+    "openai_tenant",
+    "combine_tenants",
+    "GENERATION_FIELDS",
+    "canonical_prompt_json",
 ]
 
 #: Seed of every routing-key hash. Changing it reassigns every key, so it is fixed.
@@ -150,23 +154,32 @@ def _digest(data: bytes) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def _media_stand_in(kind: str, ref: str) -> str:
-    """A stable, short stand-in for a non-text part: URLs verbatim, inline data digested."""
+def _media_stand_in(kind: str, ref: str, media_chars: int = 0) -> str:
+    """A stable stand-in for a non-text part: URLs verbatim, inline data digested.
+
+    With ``media_chars`` > 0 the stand-in is repeated and cut to exactly that many
+    characters (at least the stand-in itself), so that a part an engine turns into
+    hundreds of prompt tokens (an image: 576 for LLaVA-1.5's 24 x 24 patches) weighs
+    as much in the routing text as it does in the engine's prefill."""
     if ref.startswith("data:"):
         header, _, payload = ref.partition(",")
         try:
             raw = base64.b64decode(payload, validate=False) if ";base64" in header else payload.encode()
         except (ValueError, TypeError):
             raw = payload.encode()
-        return f"<{kind}:xxh3-{_digest(raw)}>"
-    return f"<{kind}:{ref}>"
+        out = f"<{kind}:xxh3-{_digest(raw)}>"
+    else:
+        out = f"<{kind}:{ref}>"
+    if media_chars > len(out):
+        out = (out * (media_chars // len(out) + 1))[:media_chars]
+    return out
 
 
 def _canonical_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _content_text(content: Any) -> str:
+def _content_text(content: Any, media_chars: int = 0) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
@@ -188,22 +201,22 @@ def _content_text(content: Any) -> str:
             elif ptype == "image_url":
                 image = part.get("image_url")
                 url = image.get("url", "") if isinstance(image, Mapping) else image
-                out.append(_media_stand_in("image", str(url or "")))
+                out.append(_media_stand_in("image", str(url or ""), media_chars))
             elif ptype == "input_audio":
                 audio = part.get("input_audio") or {}
                 data = audio.get("data", "") if isinstance(audio, Mapping) else ""
-                out.append(f"<audio:xxh3-{_digest(str(data).encode())}>")
+                out.append(_media_stand_in("audio", f"xxh3-{_digest(str(data).encode())}", media_chars))
             elif ptype == "file":
                 f = part.get("file") or {}
                 ref = (f.get("file_id") or f.get("file_data") or "") if isinstance(f, Mapping) else ""
-                out.append(_media_stand_in("file", str(ref)))
+                out.append(_media_stand_in("file", str(ref), media_chars))
             else:
                 out.append(f"<{ptype}:xxh3-{_digest(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))}>")
         return "".join(out)
     raise InvalidRequest("message 'content' must be a string, a list of parts or null")
 
 
-def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> str:
+def render_chat_text(payload: Mapping[str, Any], limit: int | None = None, media_chars: int = 0) -> str:
     """Render an OpenAI chat request into the text whose prefix is routed on.
 
     The rule (documented in docs/ROUTING_KEYS.md), chosen so that two requests whose
@@ -227,6 +240,10 @@ def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> st
             result's first ``limit`` characters are the same as without a limit). The
             router passes PrefixLength, so a huge conversation costs no more than its
             first messages; messages after that point are not validated.
+        media_chars: characters each image, audio or file part stands for (0: its
+            short stand-in only, as ``PREFIX_AWARE`` keys it; ``CACHE_AWARE`` passes
+            ``MediaTokens x 4`` and the emulated engine its image tokens x 4, see
+            :func:`_media_stand_in`).
 
     Returns:
         The rendered text (``str``; PrefixLength counts its characters).
@@ -234,10 +251,10 @@ def render_chat_text(payload: Mapping[str, Any], limit: int | None = None) -> st
     Raises:
         InvalidRequest: ``messages`` is missing, not a list, or holds a malformed message.
     """
-    return "".join(_chat_pieces(payload, limit))
+    return "".join(_chat_pieces(payload, limit, media_chars))
 
 
-def _chat_pieces(payload: Mapping[str, Any], limit: int | None) -> list[str]:
+def _chat_pieces(payload: Mapping[str, Any], limit: int | None, media_chars: int = 0) -> list[str]:
     """The pieces of :func:`render_chat_text`'s text, in order, not joined: a long message
     content is its own piece (the very string of the payload), so the key can be hashed
     without copying it into a joined text. Same validation and ``limit`` rule."""
@@ -259,7 +276,7 @@ def _chat_pieces(payload: Mapping[str, Any], limit: int | None) -> list[str]:
         if not isinstance(role, str):
             raise InvalidRequest("each message must have a string 'role'")
         content = msg.get("content")
-        text = content if type(content) is str else _content_text(content)
+        text = content if type(content) is str else _content_text(content, media_chars)
         name = msg.get("name")
         calls = msg.get("tool_calls")
         head = f"<|{role}|>\nname={name}\n" if isinstance(name, str) and name else f"<|{role}|>\n"
@@ -390,28 +407,79 @@ def token_routing_key(tokens: Sequence[int], prefix_length: int, model: str, ten
     return _key(model, tenant, b"\1" + data)  # \1 marks token ids: never equal to text
 
 
-def _model_and_tenant(payload: Mapping[str, Any]) -> tuple[str, str]:
-    """``model`` and the validated tenant (``prompt_cache_key``) of an OpenAI body.
+def combine_tenants(*parts: tuple[str, str | None]) -> str:
+    """One tenant string from every field that separates caches, for the key's root.
+
+    Args:
+        parts: ``(label, value)`` pairs; ``None`` or ``""`` values are absent.
+
+    Returns:
+        ``""`` when none is present; the value itself when it is the only one and its
+        label is in :data:`PLAIN_TENANT_FIELDS` (so a ``prompt_cache_key`` or an
+        ``X-Amzn-SageMaker-Prefix-Aware-Id`` alone keys as it always has); else
+        ``label=value`` pairs joined by NUL, so ``cache_salt`` "a" and
+        ``prompt_cache_key`` "a" are different tenants.
+    """
+    present = [(label, value) for label, value in parts if value]
+    if not present:
+        return ""
+    if len(present) == 1 and present[0][0] in PLAIN_TENANT_FIELDS:
+        return present[0][1]  # type: ignore[return-value]
+    return "\0".join(f"{label}={value}" for label, value in present)
+
+
+#: Tenant fields that, alone, key as their bare value (:func:`combine_tenants`).
+PLAIN_TENANT_FIELDS = frozenset({"prompt_cache_key", "prefix_aware_id"})
+
+
+def openai_tenant(payload: Mapping[str, Any], header_tenant: str = "") -> str:
+    """The tenant of an OpenAI request: every field that makes an engine keep a separate
+    cache, so identical prompts of different tenants never share an assignment.
+
+    * ``prompt_cache_key`` (OpenAI): any string; long or non-ASCII values are hashed
+      into the key like any other (``""`` is no tenant).
+    * ``cache_salt`` (vLLM): a non-empty string; vLLM mixes it into the first KV block's
+      hash, so salted requests never hit another salt's blocks.
+    * ``header_tenant``: a validated ``X-Amzn-SageMaker-Prefix-Aware-Id`` sent on the
+      OpenAI path, if any.
 
     Raises:
-        InvalidRequest: ``model`` is not a string, or the tenant id is invalid.
+        InvalidRequest: ``prompt_cache_key`` is not a string, or ``cache_salt`` is not a
+            non-empty string (vLLM refuses an empty one too).
+    """
+    pck = payload.get("prompt_cache_key")
+    if pck is not None and not isinstance(pck, str):
+        raise InvalidRequest("'prompt_cache_key' must be a string")
+    salt = payload.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise InvalidRequest("'cache_salt' must be a non-empty string")
+    if salt is None and not header_tenant:
+        return pck or ""
+    return combine_tenants(("prompt_cache_key", pck), ("cache_salt", salt), ("prefix_aware_id", header_tenant))
+
+
+def _model_and_tenant(payload: Mapping[str, Any], header_tenant: str = "") -> tuple[str, str]:
+    """``model`` and the tenant (:func:`openai_tenant`) of an OpenAI body.
+
+    Raises:
+        InvalidRequest: ``model`` is not a string, or a tenant field is invalid.
     """
     model = payload.get("model", "")
     if not isinstance(model, str):
         raise InvalidRequest("'model' must be a string")
-    tenant = payload.get("prompt_cache_key")
-    return model, "" if tenant is None else validate_tenant_id(tenant)
+    return model, openai_tenant(payload, header_tenant)
 
 
-def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: int) -> int:
+def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: int, header_tenant: str = "") -> int:
     """Key of an OpenAI request body (already parsed to a JSON object).
 
-    Uses ``model`` and ``prompt_cache_key`` (the tenant) from the body.
+    Uses ``model`` and the tenant (:func:`openai_tenant`: ``prompt_cache_key``,
+    ``cache_salt``, ``header_tenant``).
 
     Raises:
-        InvalidRequest: a malformed ``messages``/``prompt``/``model``/``prompt_cache_key``.
+        InvalidRequest: a malformed ``messages``/``prompt``/``model``/tenant field.
     """
-    model, tenant = _model_and_tenant(payload)
+    model, tenant = _model_and_tenant(payload, header_tenant)
     if chat:  # text_routing_key of the rendered text, hashed piece by piece
         return _pieces_key(_chat_pieces(payload, prefix_length), prefix_length, _root(model, tenant))
     prompt = completion_prompt(payload)
@@ -477,17 +545,21 @@ class BlockChain(Sequence[int]):
             a final partial block).
         unit_shift: block sizes in routing-text units are byte counts ``>> unit_shift``
             (0 for text and raw bodies; 1 for token ids: 8 bytes = 4 characters' worth).
+        full: how many of the blocks are full (on the schedule of :func:`block_ends`);
+            default all. The rest (at most one) is the final partial block.
     """
 
-    __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift")
+    __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift", "full")
 
-    def __init__(self, data: bytes | memoryview, root: int, ends: Sequence[int], unit_shift: int = 0) -> None:
+    def __init__(self, data: bytes | memoryview, root: int, ends: Sequence[int], unit_shift: int = 0,
+                 full: int | None = None) -> None:
         self._mv = memoryview(data)
         self.root = root
         self.ends = ends
         self._memo: dict[int, int] = {}
         self._all: list[int] | None = None
         self.unit_shift = unit_shift
+        self.full = len(ends) if full is None else full
 
     def __len__(self) -> int:
         return len(self.ends)
@@ -517,6 +589,13 @@ class BlockChain(Sequence[int]):
 
     def __repr__(self) -> str:
         return f"BlockChain({len(self.ends)} blocks, {self.ends[-1] if self.ends else 0} bytes)"
+
+    def prefix_hash(self, end: int, k: int) -> int:
+        """The hash a block ``k`` ending ``end`` units into the routing text has (the
+        hash of the text up to there, as :meth:`hash` gives for a block ending there):
+        a partial block another chain ended with, compared with this chain's text.
+        ``end`` must not pass the chain's last end."""
+        return _xxh3(self._mv[: end << self.unit_shift], self.root)
 
     def hash(self, k: int) -> int:
         """Block ``k``'s hash, ``0 <= k < len(self)`` (``self[k]`` without the checks)."""
@@ -593,7 +672,7 @@ def _chain(data: bytes | memoryview, root: int, block_size: int, max_length: int
     ends = list(ends_all[:full])
     if n and (not ends or ends[-1] < n):
         ends.append(n)
-    return BlockChain(data, root, ends, unit_shift)
+    return BlockChain(data, root, ends, unit_shift, full)
 
 
 def text_block_hashes(text: str, block_size: int, max_length: int, model: str, tenant: str = "") -> BlockChain:
@@ -625,36 +704,43 @@ def token_block_hashes(tokens: Sequence[int], block_size: int, max_length: int, 
     return _chain(data, _xxh3(b"\1", _root(model, tenant)), per * 8, max(1, max_length // 4) * 8, unit_shift=1)
 
 
-def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int, max_length: int) -> BlockChain:
-    """Chained block hashes of an OpenAI request body (see :func:`text_block_hashes`).
+def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int, max_length: int,
+                        header_tenant: str = "", media_chars: int = 0) -> BlockChain:
+    """Chained block hashes of an OpenAI request body (see :func:`text_block_hashes`);
+    image, audio and file parts weigh ``media_chars`` characters each
+    (:func:`render_chat_text`).
 
     Raises:
         InvalidRequest: as :func:`openai_routing_key`.
     """
-    model, tenant = _model_and_tenant(payload)
+    model, tenant = _model_and_tenant(payload, header_tenant)
     if chat:
-        return text_block_hashes("".join(_chat_pieces(payload, max_length)), block_size, max_length, model, tenant)
+        return text_block_hashes("".join(_chat_pieces(payload, max_length, media_chars)), block_size, max_length,
+                                 model, tenant)
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
         return text_block_hashes(prompt, block_size, max_length, model, tenant)
     return token_block_hashes(prompt, block_size, max_length, model, tenant)
 
 
-def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig") -> tuple[int | None, Sequence[int]]:
+def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig",
+                 header_tenant: str = "") -> tuple[int | None, Sequence[int]]:
     """What the variant's strategy needs from an OpenAI request: ``(key, blocks)``.
 
     ``PREFIX_AWARE`` gets a key, ``CACHE_AWARE`` chained block hashes, the others
-    neither (the body's routing fields are still validated).
+    neither (the body's routing fields are still validated). ``header_tenant`` is a
+    validated ``X-Amzn-SageMaker-Prefix-Aware-Id`` sent on the OpenAI path, if any.
 
     Raises:
         InvalidRequest: a malformed field.
     """
     if routing.strategy is _PREFIX_AWARE and routing.prefix_aware is not None:
-        return openai_routing_key(payload, chat, routing.prefix_aware.prefix_length), []
+        return openai_routing_key(payload, chat, routing.prefix_aware.prefix_length, header_tenant), []
     if routing.strategy is _CACHE_AWARE and routing.cache_aware is not None:
         ca = routing.cache_aware
-        return None, openai_block_hashes(payload, chat, ca.block_size, ca.max_prefix_length)
-    _model_and_tenant(payload)  # validation only, as for a key (at most one message rendered)
+        return None, openai_block_hashes(payload, chat, ca.block_size, ca.max_prefix_length, header_tenant,
+                                         ca.media_tokens * 4)
+    _model_and_tenant(payload, header_tenant)  # validation only, as for a key (at most one message rendered)
     if chat:
         _chat_pieces(payload, 1)
     else:
@@ -662,8 +748,56 @@ def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig
     return None, []
 
 
+#: Fields of a JSON request body that never reach the engine's prompt (sampling,
+#: output and bookkeeping settings of the OpenAI, vLLM, TGI and SageMaker container
+#: APIs): a canonical native key (:func:`canonical_prompt_json`) leaves them out, so
+#: two requests that differ only in them share an instance.
+GENERATION_FIELDS = frozenset({
+    "stream", "stream_options", "temperature", "top_p", "top_k", "min_p", "typical_p", "max_tokens",
+    "max_completion_tokens", "max_new_tokens", "min_tokens", "n", "best_of", "seed", "stop", "stop_token_ids",
+    "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty", "logprobs", "top_logprobs",
+    "prompt_logprobs", "logit_bias", "user", "parameters", "response_format", "ignore_eos", "skip_special_tokens",
+    "spaces_between_special_tokens", "include_stop_str_in_output", "metadata", "store", "service_tier",
+    "parallel_tool_calls", "priority", "request_id", "details", "decoder_input_details", "return_full_text",
+    "do_sample", "watermark",
+})
+
+
+def canonical_prompt_json(body: bytes) -> bytes | None:
+    """The canonical serialization of a JSON request body's prompt fields: the body
+    parsed, :data:`GENERATION_FIELDS` dropped (at the top level), and the rest
+    serialized with sorted keys and no insignificant whitespace (``orjson``'s
+    ``OPT_SORT_KEYS``). Two bodies that hold the same prompt however their clients
+    serialize them (key order, spaces, escapes) give the same
+    bytes.
+
+    Returns:
+        The canonical bytes, or ``None`` when the body is not a JSON object (it is then
+        keyed on its raw bytes).
+    """
+    try:
+        payload = loads_body(body)
+    except (orjson.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(payload, dict):
+        return None
+    kept = {k: v for k, v in payload.items() if k not in GENERATION_FIELDS}
+    try:
+        return orjson.dumps(kept, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # an integer beyond 64 bits (orjson read it, cannot write it back)
+        return None
+
+
 def native_route(body: bytes, scope: str, tenant: str, routing: "RoutingConfig") -> tuple[int | None, Sequence[int]]:
-    """``(key, blocks)`` of a native request for the variant's strategy (never raises)."""
+    """``(key, blocks)`` of a native request for the variant's strategy (never raises).
+
+    With ``NativeKey: CANONICAL_JSON`` a JSON object body is keyed on
+    :func:`canonical_prompt_json` instead of its raw bytes (PrefixLength then counts
+    bytes of that serialization)."""
+    if routing.canonical_native_key and (routing.strategy is _PREFIX_AWARE or routing.strategy is _CACHE_AWARE):
+        canonical = canonical_prompt_json(body)
+        if canonical is not None:
+            body = canonical
     if routing.strategy is _PREFIX_AWARE and routing.prefix_aware is not None:
         return native_routing_key(body, routing.prefix_aware.prefix_length, scope, tenant), []
     if routing.strategy is _CACHE_AWARE and routing.cache_aware is not None:

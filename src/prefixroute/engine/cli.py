@@ -37,6 +37,7 @@ _ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--decode-s-per-seq", float, "modelled seconds per sequence decoding one token in a step"),
     ("--step-overhead-s", float, "modelled fixed seconds per step"),
     ("--max-model-len", int, "most tokens (prompt + output) per request; longer ones get 400"),
+    ("--image-tokens", int, "prompt tokens each image (audio, file) part of a chat request is prefilled as"),
 )
 
 

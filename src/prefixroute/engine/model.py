@@ -27,6 +27,11 @@ tensor parallelism 8**, vLLM with prefix caching (the SPEC's reference benchmark
 * **KV capacity**: ``8 × 80 GB × 0.9`` (vLLM's default ``gpu_memory_utilization``)
   − 141 GB weights − ~40 GB activations, CUDA graphs and NCCL buffers ≈ 395 GB,
   / 320 KiB per token ≈ **1.2 million tokens** (75,000 blocks of 16).
+* **Images**: each image, audio or file part of a chat request is prefilled as
+  ``image_tokens`` tokens (576: LLaVA-1.5's 24 x 24 patches of a 336 px image; vLLM
+  caches them like text, by the media's hash). Its text in the prompt is its stand-in
+  (:func:`prefixroute.core.keys.render_chat_text`) repeated to ``image_tokens x 4``
+  characters.
 * **Scheduler limits**: ``max_num_seqs = 256`` (vLLM's long-standing default; recent
   releases raise it to 1024 on ≥70 GiB GPUs, but with 8k-token prompts the KV cache,
   ~146 such sequences, binds first) and ``max_num_batched_tokens = 8192`` (vLLM V1's
@@ -60,6 +65,7 @@ class EngineConfig:
         step_overhead_s: fixed seconds per step (weights read, scheduling).
         prefill_s_per_token: seconds per prompt token prefilled.
         decode_s_per_seq: seconds per sequence decoding one token in a step.
+        image_tokens: prompt tokens one image (audio, file) part of a chat request costs.
 
     Raises:
         ValueError: on construction, for a non-positive size, a negative time, a KV
@@ -76,8 +82,11 @@ class EngineConfig:
     step_overhead_s: float = 0.009
     prefill_s_per_token: float = 35e-6
     decode_s_per_seq: float = 1e-4
+    image_tokens: int = 576
 
     def __post_init__(self) -> None:
+        if not isinstance(self.image_tokens, int) or isinstance(self.image_tokens, bool) or self.image_tokens < 0:
+            raise ValueError(f"image_tokens must be an integer >= 0, got {self.image_tokens!r}")
         for name in ("block_size", "kv_capacity_tokens", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -39,6 +39,7 @@ from prefixroute.engine.tokenizer import TokenizedPrompt, decode, tokenize
 
 __all__ = [
     "GENERATION_PROMPT",
+    "chat_prompt_text",
     "DEFAULT_MAX_TOKENS",
     "MAX_LAG_S",
     "ENGINE_KEY",
@@ -52,6 +53,19 @@ log = logging.getLogger(__name__)
 #: how :func:`render_chat_text` renders the start of an assistant message, so the
 #: next turn of a conversation begins with this turn's prompt plus its answer.
 GENERATION_PROMPT = "<|assistant|>\n"
+
+
+def chat_prompt_text(payload: Any, image_tokens: int) -> str:
+    """The prompt the emulated engine prefills for a chat body: the rendered messages
+    (:func:`render_chat_text`, each image part ``image_tokens x 4`` characters) and
+    :data:`GENERATION_PROMPT`.
+
+    Raises:
+        InvalidRequest: a malformed ``messages``.
+    """
+    return render_chat_text(payload, media_chars=image_tokens * 4) + GENERATION_PROMPT
+
+
 #: Output tokens when a request sets neither ``max_completion_tokens`` nor ``max_tokens``.
 DEFAULT_MAX_TOKENS = 16
 #: Most wall seconds the step loop may run behind its schedule before it resets to
@@ -304,7 +318,7 @@ class EngineServer:
             raise _ClientError(404, f"The model `{model}` does not exist.")
         try:
             if chat:
-                prompt: str | list[int] = render_chat_text(payload) + GENERATION_PROMPT
+                prompt: str | list[int] = chat_prompt_text(payload, self.config.image_tokens)
             else:
                 raw = payload.get("prompt")
                 if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[0], (str, list)):

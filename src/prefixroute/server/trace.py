@@ -24,7 +24,7 @@ from typing import IO, Any, AsyncIterator, Awaitable, Callable, Mapping
 import orjson
 from aiohttp import web
 
-from prefixroute.core.keys import InvalidRequest, completion_prompt, render_chat_text
+from prefixroute.core.keys import InvalidRequest, completion_prompt, openai_tenant, render_chat_text
 from prefixroute.workloads.traces import make_trace_record
 
 __all__ = ["TRACE_RECORDER", "TraceRecorder", "recorder_context"]
@@ -91,10 +91,13 @@ class TraceRecorder:
 
         def describe() -> dict[str, Any]:
             data: Any = render_chat_text(payload) if chat else completion_prompt(payload)
-            tenant = payload.get("prompt_cache_key")
+            try:
+                tenant = openai_tenant(payload)
+            except InvalidRequest:
+                tenant = ""
             max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
             return {"api": "openai-chat" if chat else "openai-completions", "scope": str(payload.get("model", "")),
-                    "tenant": tenant if isinstance(tenant, str) else "", "routing_data": data,
+                    "tenant": tenant, "routing_data": data,
                     "max_tokens": max_tokens if isinstance(max_tokens, int) else None}
 
         return await self._forward(response, describe, endpoint, variant)

@@ -38,14 +38,18 @@ class PromptBlockChain(BlockChain):
 
     __slots__ = ("_key", "_scale")
 
-    def __init__(self, key: Callable[[int], int], ends: Sequence[int], unit_shift: int = 0, scale: int = 1) -> None:
-        super().__init__(b"", 0, ends, unit_shift)
+    def __init__(self, key: Callable[[int], int], ends: Sequence[int], unit_shift: int = 0, scale: int = 1,
+                 full: int | None = None) -> None:
+        super().__init__(b"", 0, ends, unit_shift, full)
         self._key = key
         self._scale = scale
 
     def _read(self, k: int) -> int:
         h = self._memo[k] = (self._key(self.ends[k] // self._scale) ^ ((k + 1) * _MIX)) & _MASK
         return h
+
+    def prefix_hash(self, end: int, k: int) -> int:
+        return (self._key((end << self.unit_shift) // self._scale) ^ ((k + 1) * _MIX)) & _MASK
 
     def hashes(self) -> list[int]:
         if self._all is None:
@@ -56,32 +60,37 @@ class PromptBlockChain(BlockChain):
         return self.hashes()[max(start, 0):]
 
 
-def _ends(length: int, block_size: int, max_length: int) -> list[int]:
+def _ends(length: int, block_size: int, max_length: int) -> tuple[list[int], int]:
     """The block ends of a routing text of ``length`` units cut at ``max_length``: full
-    blocks on :func:`block_ends`' schedule, then a partial one for what is left."""
+    blocks on :func:`block_ends`' schedule, then a partial one for what is left; and how
+    many are full."""
     n = min(length, max_length)
     all_ends = block_ends(block_size, max_length)
-    ends = list(all_ends[: bisect_right(all_ends, n)])
+    full = bisect_right(all_ends, n)
+    ends = list(all_ends[:full])
     if n and (not ends or ends[-1] < n):
         ends.append(n)
-    return ends
+    return ends, full
 
 
-def prompt_blocks(prompt: object, block_size: int, max_length: int) -> BlockChain:
+def prompt_blocks(prompt: object, block_size: int, max_length: int, media_chars: int = 0) -> BlockChain:
     """The chained blocks the router would compute for ``prompt`` (a ``SimPrompt``) with
     ``BlockSize`` and ``MaxPrefixLength``.
 
     A prompt with a ``body`` (the exact path) is hashed as the router hashes it; any other
     gives its routing length through ``routing_units`` (characters or bytes) and
     ``token_ids`` (the units are token ids: ``block_size // 4`` of them per block, at most
-    ``max_length // 4``, as the router counts a token-id prompt).
+    ``max_length // 4``, as the router counts a token-id prompt). ``media_chars`` is
+    ``MediaTokens x 4`` (for the exact path's image parts).
     """
     body = getattr(prompt, "body", None)
     if body is not None:
-        return openai_block_hashes(body, True, block_size, max_length)
+        return openai_block_hashes(body, True, block_size, max_length, media_chars=media_chars)
     key = prompt.routing_key  # type: ignore[attr-defined]
     length: int = prompt.routing_units  # type: ignore[attr-defined]
     if getattr(prompt, "token_ids", False):
         per, most = max(1, block_size // 4), max(1, max_length // 4)
-        return PromptBlockChain(key, [8 * e for e in _ends(length, per, most)], unit_shift=1, scale=8)
-    return PromptBlockChain(key, _ends(length, block_size, max_length))
+        ends, full = _ends(length, per, most)
+        return PromptBlockChain(key, [8 * e for e in ends], unit_shift=1, scale=8, full=full)
+    ends, full = _ends(length, block_size, max_length)
+    return PromptBlockChain(key, ends, full=full)

@@ -91,20 +91,21 @@ class ChainPrompt:
 class TextChatPrompt:
     """The exact (slow) path: a chat body rendered and tokenized as the HTTP drivers do.
 
-    The engine prompt is ``render_chat_text(body) + GENERATION_PROMPT`` (what the
-    emulated server builds) and the key is :func:`prefixroute.core.keys.openai_routing_key`
-    (what the router computes). Used to check the fast path against the real one.
+    The engine prompt is :func:`prefixroute.engine.server.chat_prompt_text` with the
+    default engine's image tokens (what the emulated server builds) and the key is
+    :func:`prefixroute.core.keys.openai_routing_key` (what the router computes). Used to
+    check the fast path against the real one.
     """
 
     __slots__ = ("body", "text", "num_tokens")
 
     def __init__(self, body: Mapping[str, Any]) -> None:
-        from prefixroute.core.keys import render_chat_text
-        from prefixroute.engine.server import GENERATION_PROMPT
+        from prefixroute.engine.model import EngineConfig
+        from prefixroute.engine.server import chat_prompt_text
         from prefixroute.engine.tokenizer import count_tokens
 
         self.body = body
-        self.text = render_chat_text(body) + GENERATION_PROMPT
+        self.text = chat_prompt_text(body, EngineConfig().image_tokens)
         self.num_tokens = count_tokens(self.text)
 
     def engine_prompt(self, block_tokens: int) -> str:
