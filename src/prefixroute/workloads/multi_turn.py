@@ -89,6 +89,12 @@ class MultiTurnWorkload:
             would exceed this many tokens.
         model: the ``model`` field of every request.
         seed: seeds everything.
+        first_user_tokens: mean length of the first message (log-normal), tokens; None
+            = ``mean_user_tokens``. An agent's task is short, its tool outputs long.
+        turn_role: the role of the messages of turns after the first: ``"user"`` (a
+            chat) or ``"tool"`` (an agent loop: the model's answer is a tool call and the
+            next message the tool's output, sent back after ``think_time_s`` — the
+            tool's run time). ``<|tool|>`` renders in as many characters as ``<|user|>``.
 
     Raises:
         ValueError: on construction, for non-positive rates, counts or lengths.
@@ -107,6 +113,8 @@ class MultiTurnWorkload:
     max_context_tokens: int = 32_768
     model: str = "meta-llama/Llama-3.1-70B-Instruct"
     seed: int = 0
+    first_user_tokens: float | None = None
+    turn_role: str = "user"
     _system_chains: dict[int, PromptChain] = field(default_factory=dict, init=False, repr=False, compare=False)
     _system_texts: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -122,13 +130,20 @@ class MultiTurnWorkload:
             raise ValueError("mean_user_tokens and mean_output_tokens must be >= 1")
         if self.length_sigma < 0 or self.think_time_s < 0:
             raise ValueError("length_sigma and think_time_s must be >= 0")
+        if self.first_user_tokens is not None and not self.first_user_tokens >= 1:
+            raise ValueError(f"first_user_tokens must be >= 1 or None, got {self.first_user_tokens}")
+        if self.turn_role not in ("user", "tool"):
+            raise ValueError(f"turn_role must be 'user' or 'tool', got {self.turn_role!r}")
 
     def describe(self) -> str:
         """One line naming the workload and its parameters (the ``workload`` JSON field)."""
         return (
-            f"multi-turn conversation_rate={self.conversation_rate:g}/s system_prompts={self.system_prompts} "
+            f"{'agentic' if self.turn_role == 'tool' else 'multi-turn'} conversation_rate={self.conversation_rate:g}/s "
+            f"system_prompts={self.system_prompts} "
             f"system_tokens={self.system_tokens} mean_turns={self.mean_turns:g} max_turns={self.max_turns} "
-            f"mean_user_tokens={self.mean_user_tokens:g} mean_output_tokens={self.mean_output_tokens:g} "
+            + (f"first_user_tokens={self.first_user_tokens:g} " if self.first_user_tokens is not None else "")
+            + f"mean_{'tool' if self.turn_role == 'tool' else 'user'}_tokens={self.mean_user_tokens:g} "
+            f"mean_output_tokens={self.mean_output_tokens:g} "
             f"sigma={self.length_sigma:g} think_time_s={self.think_time_s:g} seed={self.seed}"
         )
 
@@ -165,8 +180,10 @@ class MultiTurnWorkload:
         outputs: list[int] = []
         thinks: list[float] = []
         context = self.system_tokens
+        first_mean = self.mean_user_tokens if self.first_user_tokens is None else self.first_user_tokens
         for t in range(turns):
-            u = _lognormal_tokens(rng, self.mean_user_tokens, self.length_sigma, 1, self.max_message_tokens)
+            u = _lognormal_tokens(rng, first_mean if t == 0 else self.mean_user_tokens, self.length_sigma, 1,
+                                  self.max_message_tokens)
             o = _lognormal_tokens(rng, self.mean_output_tokens, self.length_sigma, 1, self.max_message_tokens)
             think = rng.expovariate(1.0 / self.think_time_s) if self.think_time_s > 0 else 0.0
             if t > 0 and context + u + o + 10 > self.max_context_tokens:
@@ -260,7 +277,14 @@ class Conversation(Session):
         wl = self.workload
         messages: list[dict[str, str]] = [{"role": "system", "content": wl.system_text(self.system)}]
         for j in range(k):
-            messages.append({"role": "user", "content": self.user_text(j)})
+            messages.append(self._message(j))
             messages.append({"role": "assistant", "content": answers[j]})
-        messages.append({"role": "user", "content": self.user_text(k)})
+        messages.append(self._message(k))
         return {"model": wl.model, "messages": messages, "max_tokens": self.output_tokens[k]}
+
+    def _message(self, k: int) -> dict[str, str]:
+        """Turn ``k``'s message: the user's, or (an agent loop, ``k >= 1``) the output of
+        the tool the previous answer called."""
+        if k and self.workload.turn_role == "tool":
+            return {"role": "tool", "tool_call_id": f"call-{self.index}-{k}", "content": self.user_text(k)}
+        return {"role": "user", "content": self.user_text(k)}

@@ -17,6 +17,7 @@ each group's document; the text of each question.
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
@@ -79,8 +80,10 @@ class SharedPrefixWorkload:
         prefix_tokens: length of each group's prefix, tokens (the reference case is 8,000).
         question_tokens: length of each request's question, tokens.
         output_tokens: ``max_tokens`` of each request.
-        popularity: ``"uniform"`` or ``"zipf"`` choice of group per request.
+        popularity: ``"uniform"``, ``"zipf"`` or ``"hot"`` choice of group per request.
         zipf_s: Zipf exponent when ``popularity == "zipf"`` (group k has weight 1/(k+1)^s).
+        hot_fraction: when ``popularity == "hot"``, the share of requests (0-1) that go
+            to group 0 (one very hot document); the others share the rest uniformly.
         model: the ``model`` field of every request.
         seed: seeds the texts, the group sequence and the arrival times.
         prompts_per_group: requests each document serves before it is replaced by a new
@@ -90,6 +93,10 @@ class SharedPrefixWorkload:
             group keeps one document forever.
         arrival_rate: mean requests per model second of the open-loop Poisson arrivals
             (:meth:`sessions`); closed-loop drivers ignore it.
+        ramp_s: the open-loop arrival rate rises linearly from 0 to ``arrival_rate`` over
+            the first ``ramp_s`` model seconds (0: constant from the start). A fleet that
+            starts cold at a rate near its capacity builds a queue of first requests
+            (every document misses) that it takes the rest of a short run to drain.
         instruction_tokens: length of an instruction block every group shares, placed
             before the documents (a templated assistant's system prompt), tokens; 0 = none.
             A PrefixLength that ends inside it gives every request the same key.
@@ -105,11 +112,13 @@ class SharedPrefixWorkload:
     output_tokens: int = 16
     popularity: str = "uniform"
     zipf_s: float = 1.0
+    hot_fraction: float = 0.6
     model: str = "meta-llama/Llama-3.1-70B-Instruct"
     seed: int = 0
     prompts_per_group: int | None = None
     arrival_rate: float = 1.0
     instruction_tokens: int = 0
+    ramp_s: float = 0.0
     _chains: dict[int, PromptChain] = field(default_factory=dict, init=False, repr=False, compare=False)
     _texts: dict[int, str] = field(default_factory=dict, init=False, repr=False, compare=False)
 
@@ -118,24 +127,32 @@ class SharedPrefixWorkload:
             raise ValueError(f"groups must be >= 1, got {self.groups}")
         if self.prefix_tokens < 1 or self.question_tokens < 1 or self.output_tokens < 1:
             raise ValueError("prefix_tokens, question_tokens and output_tokens must be >= 1")
-        if self.popularity not in ("uniform", "zipf"):
-            raise ValueError(f"popularity must be 'uniform' or 'zipf', got {self.popularity!r}")
+        if self.popularity not in ("uniform", "zipf", "hot"):
+            raise ValueError(f"popularity must be 'uniform', 'zipf' or 'hot', got {self.popularity!r}")
+        if not 0.0 < self.hot_fraction < 1.0:
+            raise ValueError(f"hot_fraction must be between 0 and 1 (exclusive), got {self.hot_fraction}")
+        if self.popularity == "hot" and self.groups < 2:
+            raise ValueError("popularity 'hot' needs at least 2 groups")
         if self.prompts_per_group is not None and self.prompts_per_group < 1:
             raise ValueError(f"prompts_per_group must be >= 1 or None, got {self.prompts_per_group}")
         if self.instruction_tokens < 0:
             raise ValueError(f"instruction_tokens must be >= 0, got {self.instruction_tokens}")
         if not self.arrival_rate > 0:
             raise ValueError(f"arrival_rate must be > 0 requests/s, got {self.arrival_rate}")
+        if not self.ramp_s >= 0:
+            raise ValueError(f"ramp_s must be >= 0 seconds, got {self.ramp_s}")
 
     def describe(self) -> str:
         """One line naming the workload and its parameters (the ``workload`` JSON field)."""
-        pop = self.popularity if self.popularity == "uniform" else f"zipf(s={self.zipf_s})"
+        pop = {"uniform": "uniform", "zipf": f"zipf(s={self.zipf_s})",
+               "hot": f"hot(group 0: {self.hot_fraction:.0%})"}[self.popularity]
         ppg = "unique" if self.prompts_per_group is None else str(self.prompts_per_group)
         return (
             f"shared-prefix groups={self.groups} prefix_tokens={self.prefix_tokens} "
             f"question_tokens={self.question_tokens} output_tokens={self.output_tokens} "
             f"popularity={pop} seed={self.seed} prompts_per_group={ppg} arrival_rate={self.arrival_rate:g}/s"
             + (f" instruction_tokens={self.instruction_tokens}" if self.instruction_tokens else "")
+            + (f" ramp_s={self.ramp_s:g}" if self.ramp_s else "")
         )
 
     def _instruction(self) -> str:
@@ -191,6 +208,9 @@ class SharedPrefixWorkload:
         cum = None
         if self.popularity == "zipf":
             cum = list(itertools.accumulate(1.0 / (k + 1) ** self.zipf_s for k in range(self.groups)))
+        elif self.popularity == "hot":
+            rest = (1.0 - self.hot_fraction) / (self.groups - 1)
+            cum = list(itertools.accumulate([self.hot_fraction] + [rest] * (self.groups - 1)))
         ppg = self.prompts_per_group
         served = [0] * self.groups
         for i in itertools.count():
@@ -208,11 +228,21 @@ class SharedPrefixWorkload:
 
     def sessions(self) -> Iterator["SharedPrefixSession"]:
         """Endless one-turn sessions, the same requests as :meth:`requests`, arriving as a
-        Poisson process of rate ``arrival_rate`` per model second (first at ``t > 0``)."""
+        Poisson process of rate ``arrival_rate`` per model second (first at ``t > 0``),
+        rising linearly over the first ``ramp_s`` seconds when set.
+
+        The ramp maps the points of a unit-rate Poisson process through the inverse of the
+        cumulative rate ``Λ(t) = λ t² / (2 ramp)`` (``t < ramp``), ``λ (t - ramp / 2)`` after:
+        a Poisson process of rate ``λ min(1, t / ramp)``."""
         arrivals = random.Random(f"arrivals-{self.seed}")
-        t = 0.0
+        rate, ramp = self.arrival_rate, self.ramp_s
+        area = 0.0  # cumulative rate so far
         for i, g, doc in self._draws():
-            t += arrivals.expovariate(self.arrival_rate)
+            area += arrivals.expovariate(1.0)
+            if ramp and area < rate * ramp / 2:
+                t = math.sqrt(2 * ramp * area / rate)
+            else:
+                t = area / rate + ramp / 2
             yield SharedPrefixSession(self, t, i, g, doc)
 
     # -- segments ----------------------------------------------------------------------
