@@ -308,3 +308,54 @@ def test_least_outstanding_breaks_ties_with_the_k_th_tied_candidate():
         got_rng = random.Random(trial)
         assert least_outstanding(cands, got_rng) is want
         assert got_rng.getstate() == expect.getstate()  # the same draws as before
+
+
+def test_first_token_ends_a_requests_pending_prefill_once() -> None:
+    from prefixroute.core.keys import text_block_hashes
+
+    pool = VariantPool("v", ["a", "b"], RoutingConfig.build("cache-aware", None, 8))
+    blocks = text_block_hashes("x" * 5000, 64, 131072, "m")
+    lease = pool.acquire(None, blocks=blocks)
+    inst = lease.instance
+    assert lease.decision.prefill_units == 5000 and inst.pending_prefill == 5000  # nothing cached yet
+    second = pool.acquire(None, blocks=blocks)
+    assert second.instance is inst and second.decision.prefill_units < 100  # the view holds it now
+    lease.first_token()
+    lease.first_token()
+    assert inst.pending_prefill == second.decision.prefill_units
+    lease.release()
+    assert inst.pending_prefill == second.decision.prefill_units and inst.in_flight == 1
+    second.release()  # released before its first token: its prefill leaves too
+    second.first_token()
+    assert inst.pending_prefill == 0 and inst.in_flight == 0
+
+
+def test_strategies_without_a_view_of_the_caches_add_no_pending_prefill() -> None:
+    for routing in (RoutingConfig(), RoutingConfig.build("prefix-aware", 1024, 4)):
+        pool = VariantPool("v", ["a", "b"], routing)
+        lease = pool.acquire(7)
+        assert lease.decision.prefill_units == 0 and lease.instance.pending_prefill == 0
+
+
+def test_the_same_routing_again_keeps_what_cache_aware_learned() -> None:
+    # A reload or a membership change re-applies the variant's routing: that must not
+    # forget the view of every instance's cache (a cold start of the whole fleet's view).
+    from prefixroute.core.keys import text_block_hashes
+
+    routing = RoutingConfig.build("cache-aware", None, 8)
+    pool = VariantPool("v", ["a", "b", "c"], routing)
+    docs = [text_block_hashes(f"document {i} " * 400, 64, 131072, "m") for i in range(12)]
+    homes = {}
+    for i, d in enumerate(docs):
+        with pool.acquire(None, blocks=d) as lease:  # routed, answered, learned
+            homes[i] = lease.instance.instance_id
+    strategy = pool.strategy
+    pool.set_instances(["a", "b", "c", "d"])
+    pool.set_routing(RoutingConfig.build("cache-aware", None, 8))  # equal, not the same object
+    assert pool.strategy is strategy
+    assert {i: pool.choose(None, blocks=d).instance.instance_id for i, d in enumerate(docs)} == homes
+    pool.set_routing(RoutingConfig.build("cache-aware", None, 12))  # a new threshold: taken in place
+    assert pool.strategy is strategy and pool.strategy.threshold == 12
+    assert {i: pool.choose(None, blocks=d).instance.instance_id for i, d in enumerate(docs)} == homes
+    pool.set_routing(RoutingConfig.build("cache-aware", None, 12, block_size=128))  # new blocks: a new view
+    assert pool.strategy is not strategy and sum(len(c) for c in pool.strategy.caches.values()) == 0

@@ -43,6 +43,7 @@ class FakeInstance:
         self.gate = asyncio.Event()
         self.sent: list[float] = []  # perf_counter of each streamed chunk write
         self.health_status = 200
+        self.extra_headers: dict[str, str] = {}  # more response headers in echo mode
         self.received: list[tuple[str, CIMultiDict[str], bytes]] = []
         self.active = 0
         self.cancelled = 0
@@ -61,7 +62,8 @@ class FakeInstance:
                     body=orjson.dumps({"path": request.path, "headers": {str(k): v for k, v in request.headers.items()},
                                        "body": body.decode("utf-8", "replace"), "instance": self.url}),
                     content_type="application/json", headers={"X-Amzn-SageMaker-Custom-Attributes": "attr=1",
-                                                              "Connection": "keep-alive", "Keep-Alive": "timeout=5"})
+                                                              "Connection": "keep-alive", "Keep-Alive": "timeout=5",
+                                                              **self.extra_headers})
             if self.mode == "status":
                 return web.Response(status=self.status, body=self.body, content_type="application/json")
             resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})

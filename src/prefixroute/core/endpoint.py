@@ -14,6 +14,7 @@ from prefixroute.core.config import EndpointConfig, FleetConfig, RoutingConfig
 from prefixroute.core.pool import VariantPool
 
 if TYPE_CHECKING:
+    from prefixroute.core.approx_cache import ViewBudget
     from prefixroute.core.counters import InFlightTable
 
 __all__ = ["UnknownEndpoint", "UnknownVariant", "Endpoint", "Fleet"]
@@ -35,13 +36,16 @@ class Endpoint:
         seed: seeds variant choice and the pools' random choices (``None`` = OS entropy).
         counters: the shared in-flight table of ``serve --workers N``, or ``None``
             (counts local to this process).
+        view_budget: the router-wide memory ceiling of what strategies learn
+            (:class:`prefixroute.core.approx_cache.ViewBudget`), or ``None``.
     """
 
     def __init__(self, config: EndpointConfig, seed: int | None = None,
-                 counters: "InFlightTable | None" = None) -> None:
+                 counters: "InFlightTable | None" = None, view_budget: "ViewBudget | None" = None) -> None:
         self.name = config.name
         self._rng = random.Random(seed)
         self._counters = counters
+        self._view_budget = view_budget
         self.pools: dict[str, VariantPool] = {}
         self._weights: dict[str, float] = {}
         self._only: VariantPool | None = None  # the one variant, if there is one
@@ -55,6 +59,7 @@ class Endpoint:
             pool = self.pools.get(v.name)
             if pool is None:
                 pool = VariantPool(v.name, v.instances, v.routing, None if seed is None else seed + i,
+                                   view_budget=self._view_budget,
                                    **({} if self._counters is None
                                       else {"make_state": self._counters.states(self.name, v.name)}))
             else:
@@ -101,12 +106,15 @@ class Fleet:
 
     ``counters``: the shared in-flight table of ``serve --workers N`` (every pool's
     instances count there), or ``None`` for counts local to this process.
+    ``view_budget``: one memory ceiling for what every pool's strategy learns
+    (:class:`prefixroute.core.approx_cache.ViewBudget`), or ``None``.
     """
 
     def __init__(self, config: FleetConfig, seed: int | None = None,
-                 counters: "InFlightTable | None" = None) -> None:
+                 counters: "InFlightTable | None" = None, view_budget: "ViewBudget | None" = None) -> None:
         self.endpoints: dict[str, Endpoint] = {}
         self._counters = counters
+        self.view_budget = view_budget
         self.default_name = config.endpoints[0].name
         self.config = config
         self.apply(config, seed)
@@ -118,7 +126,7 @@ class Fleet:
             ep = self.endpoints.get(e.name)
             sub_seed = None if seed is None else seed + 1000 * j
             if ep is None:
-                ep = Endpoint(e, sub_seed, self._counters)
+                ep = Endpoint(e, sub_seed, self._counters, self.view_budget)
             else:
                 ep.apply(e, sub_seed)
             endpoints[e.name] = ep

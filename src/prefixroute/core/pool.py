@@ -17,10 +17,12 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
-from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, make_strategy
+from prefixroute.core.hashing import rendezvous_order
+from prefixroute.core.sessions import SessionPin, instance_tag
+from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, make_strategy
 
 __all__ = ["NoHealthyInstance", "Decision", "Lease", "VariantPool"]
 
@@ -39,6 +41,9 @@ class Decision:
         strategy: the strategy that decided.
         variant: the production variant's name.
         decision_s: time the decision took, in seconds (``time.perf_counter``).
+        prefill_units: units of the request's routing text the strategy estimated the
+            instance must prefill (:attr:`prefixroute.core.strategies.Strategy.uncached_units`;
+            0 for strategies without a view of the caches).
     """
 
     instance: InstanceState
@@ -46,16 +51,19 @@ class Decision:
     strategy: RoutingStrategy
     variant: str
     decision_s: float
+    prefill_units: int = 0
 
 
 class Lease:
-    """One request's claim on an instance's in-flight count; release exactly once."""
+    """One request's claim on an instance's in-flight count (and its share of the
+    instance's pending prefill); release exactly once."""
 
-    __slots__ = ("decision", "_released")
+    __slots__ = ("decision", "_released", "_prefill")
 
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
         self._released = False
+        self._prefill = decision.prefill_units
 
     @property
     def instance(self) -> InstanceState:
@@ -65,10 +73,22 @@ class Lease:
     def released(self) -> bool:
         return self._released
 
+    def first_token(self) -> None:
+        """The request's first token (or first response byte) came back: its prefill is
+        done, so its units leave the instance's ``pending_prefill``. Idempotent, and
+        implied by :meth:`release`."""
+        if self._prefill:
+            self.decision.instance.pending_prefill -= self._prefill
+            self._prefill = 0
+
     def release(self) -> None:
-        """Return the in-flight slot. Idempotent: later calls do nothing."""
+        """Return the in-flight slot (and the pending prefill, if the first token never
+        came). Idempotent: later calls do nothing."""
         if not self._released:
             self._released = True
+            if self._prefill:
+                self.decision.instance.pending_prefill -= self._prefill
+                self._prefill = 0
             self.decision.instance.add_in_flight(-1)
 
     def __enter__(self) -> "Lease":
@@ -88,6 +108,9 @@ class VariantPool:
         seed: seed of the random choices (RANDOM, tie breaks); ``None`` = from the OS.
         make_state: makes the state of an instance from its id; default
             :class:`InstanceState` (counts local to this process).
+        view_budget: a router-wide memory ceiling for what strategies learn
+            (:class:`prefixroute.core.approx_cache.ViewBudget`), shared by every pool of
+            the router; ``None``: each view only has its own bound.
 
     Raises:
         ValueError: duplicate instance ids.
@@ -102,8 +125,10 @@ class VariantPool:
         routing: RoutingConfig,
         seed: int | None = None,
         make_state: Callable[[str], InstanceState] = InstanceState,
+        view_budget: Any = None,
     ) -> None:
         self.name = name
+        self._view_budget = view_budget
         self._make_state = make_state
         self._rng = random.Random(seed)
         self._instances: list[InstanceState] = []
@@ -116,6 +141,7 @@ class VariantPool:
         self._healthy: tuple[InstanceState, ...] | None = None
         self._routing = routing
         self._strategy: Strategy = make_strategy(routing, self._rng)
+        self._strategy.attach_budget(view_budget)
         self._closed = False
         self.set_instances(instance_ids)
 
@@ -130,8 +156,20 @@ class VariantPool:
         return self._strategy
 
     def set_routing(self, routing: RoutingConfig) -> None:
-        """Switch strategy or settings; in-flight counts and leases are unaffected."""
+        """Switch strategy or settings; in-flight counts and leases are unaffected.
+
+        The same configuration again (a reload or a membership change that leaves the
+        variant's routing as it was) keeps the strategy and what it learned, as does a
+        change the strategy can take in place (:meth:`Strategy.reconfigure`, e.g. a
+        ``CACHE_AWARE`` threshold); any other change starts a new strategy."""
+        if routing == self._routing:
+            return
+        if self._strategy.name is routing.strategy and self._strategy.reconfigure(routing):
+            self._routing = routing
+            return
+        self._strategy.attach_budget(None)  # its views leave the router-wide budget
         self._strategy = make_strategy(routing, self._rng)
+        self._strategy.attach_budget(self._view_budget)
         self._routing = routing
         self._strategy.on_membership_change(self._instances)
 
@@ -160,8 +198,10 @@ class VariantPool:
         """The variant was removed from the configuration: no decision is made on it
         any more (:meth:`choose` raises), so a request still on it that retries does not
         claim one of its instances again (with ``--workers N`` their shared slots may
-        count another instance by then). Leases already taken still release."""
+        count another instance by then). Leases already taken still release. What its
+        strategy learned leaves the router-wide memory budget."""
         self._closed = True
+        self._strategy.attach_budget(None)
 
     def set_instances(self, instance_ids: Iterable[str]) -> None:
         """Replace the membership. Instances kept keep their state; removed ones stop
@@ -206,7 +246,8 @@ class VariantPool:
     # -- decisions ----------------------------------------------------------------
 
     def choose(
-        self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = ()
+        self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = (),
+        session: SessionPin | None = None,
     ) -> Decision:
         """Decide without claiming anything (for dry runs and tests).
 
@@ -214,6 +255,10 @@ class VariantPool:
             key: the routing key (``PREFIX_AWARE``), or ``None``.
             exclude: instance ids not to use (e.g. one that just refused a connection).
             blocks: chained block hashes (``CACHE_AWARE``), or empty.
+            session: the request's session (:mod:`prefixroute.core.sessions`): it goes
+                to the session's instance, whatever the strategy, while that one is
+                healthy and below the threshold, else along the session's rendezvous
+                order (``overflow``; ``all_busy`` when every one is at the threshold).
 
         Raises:
             NoHealthyInstance: no healthy, non-excluded instance, or the pool is
@@ -230,12 +275,31 @@ class VariantPool:
                 candidates = self._healthy = tuple(s for s in self._instances if s.healthy)
         if not candidates:
             raise NoHealthyInstance(f"production variant {self.name!r} has no healthy instance")
-        inst, kind = self._strategy.choose(key, candidates, blocks)
-        return Decision(inst, kind, self._routing.strategy, self.name, time.perf_counter() - t0)
+        strategy = self._strategy
+        if session is not None:
+            inst, kind = self._session_choice(session, candidates)
+            return Decision(inst, kind, self._routing.strategy, self.name, time.perf_counter() - t0)
+        inst, kind = strategy.choose(key, candidates, blocks)
+        return Decision(inst, kind, self._routing.strategy, self.name, time.perf_counter() - t0,
+                        strategy.uncached_units)
+
+    def _session_choice(self, session: SessionPin, candidates: Sequence[InstanceState]
+                        ) -> tuple[InstanceState, DecisionKind]:
+        order = rendezvous_order(session.key, [c.token for c in candidates])
+        if session.tag is not None:  # an id the router pinned: its instance first, if still a candidate
+            pinned = next((i for i, c in enumerate(candidates) if instance_tag(c.instance_id) == session.tag), None)
+            if pinned is not None:
+                order.remove(pinned)
+                order.insert(0, pinned)
+        threshold = self._routing.concurrency_threshold
+        for rank, i in enumerate(order):
+            if threshold is None or candidates[i].in_flight < threshold:
+                return candidates[i], DecisionKind.SESSION if rank == 0 else DecisionKind.OVERFLOW
+        return least_outstanding(candidates, self._rng), DecisionKind.ALL_BUSY
 
     def acquire(
         self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = (),
-        learn: bool = True,
+        learn: bool = True, session: SessionPin | None = None,
     ) -> Lease:
         """Decide, tell the strategy, and claim one in-flight slot on the chosen instance.
 
@@ -243,16 +307,18 @@ class VariantPool:
             learn: tell the strategy now (``on_routed``). A driver that wants the
                 learning off the request's latency path passes ``False`` and calls
                 :meth:`learn` once the request is on its way.
+            session: as :meth:`choose`.
 
         Raises:
             NoHealthyInstance: no healthy, non-excluded instance.
         """
-        decision = self.choose(key, exclude, blocks)
+        decision = self.choose(key, exclude, blocks, session)
         if learn:
             self._strategy.on_routed(decision.instance, blocks)
         inst = decision.instance
         inst.add_in_flight(1)
         inst.served += 1
+        inst.pending_prefill += decision.prefill_units
         return Lease(decision)
 
     def learn(self, instance: InstanceState, blocks: Sequence[int]) -> None:

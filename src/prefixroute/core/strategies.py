@@ -17,7 +17,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import compress, islice
 from operator import attrgetter
-from typing import ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.hashing import instance_token, rendezvous_best, rendezvous_order
@@ -58,6 +58,8 @@ class DecisionKind(str, enum.Enum):
     RANDOM = "random"
     #: LEAST_OUTSTANDING_REQUESTS: fewest in flight, ties broken randomly.
     LEAST_OUTSTANDING = "least_outstanding"
+    #: Any strategy: the request named a session, and went to its instance.
+    SESSION = "session"
 
 
 @dataclass(eq=False, slots=True)
@@ -76,6 +78,13 @@ class InstanceState:
         served: requests ever routed to it (for instance share).
         engine_load: requests the engine itself reports running plus waiting (scraped
             from its ``/metrics``; 0 when unknown). Includes other router replicas' load.
+        pending_prefill: units of routing text (characters; bytes on the native API)
+            that this router sent to the instance and estimates it has not prefilled
+            yet: for each request in flight whose first token has not come back, the
+            part of its prompt the strategy estimated the instance did not hold
+            (:attr:`Strategy.uncached_units`). Its queue of prefill work, the term of
+            NVIDIA Dynamo's cost model that "updates when the first output token signals
+            prefill completion". Local to the router process.
     """
 
     instance_id: str
@@ -83,6 +92,7 @@ class InstanceState:
     healthy: bool = True
     served: int = 0
     engine_load: int = 0
+    pending_prefill: int = 0
     token: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
@@ -98,6 +108,12 @@ class Strategy(ABC):
     """A routing policy. Subclasses set ``name`` and implement :meth:`choose`."""
 
     name: ClassVar[RoutingStrategy]
+
+    #: Units of the last chosen request's routing text that the chosen instance is
+    #: estimated not to hold (what it must prefill), set by :meth:`choose`; strategies
+    #: that keep no view of the caches leave it 0. The pool adds it to the instance's
+    #: :attr:`InstanceState.pending_prefill` until the request's first token.
+    uncached_units: int = 0
 
     def __init__(self, config: RoutingConfig, rng: random.Random) -> None:
         self.config = config
@@ -137,6 +153,17 @@ class Strategy(ABC):
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         """Called when instances are added or removed; stateless strategies ignore it."""
+
+    def attach_budget(self, budget: Any) -> None:
+        """Put what the strategy learns under ``budget``, a router-wide memory ceiling
+        (a :class:`prefixroute.core.approx_cache.ViewBudget`, or ``None``); strategies
+        that learn nothing ignore it."""
+
+    def reconfigure(self, config: RoutingConfig) -> bool:
+        """Take a new configuration of the same strategy in place, keeping what was
+        learned; ``False`` (the default) when it cannot, and the pool then starts a new
+        strategy. Stateless strategies take any: nothing is lost by a new one either."""
+        return False
 
     def on_cache_lost(self, instance: InstanceState) -> None:
         """Called when ``instance``'s engine lost its prefix cache (it restarted):

@@ -38,8 +38,9 @@ from aiohttp import HttpVersion11, web
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
 from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, native_route, openai_route,
-                                   validate_tenant_id)
+                                   openai_tenant, validate_tenant_id)
 from prefixroute.core.pool import VariantPool
+from prefixroute.core.sessions import SessionPin, parse_session_id
 from prefixroute.server import headers as H
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
 from prefixroute.server.health import health_check_loop
@@ -62,14 +63,6 @@ STATE = web.AppKey("prefixroute_state", RouterState)
 _PROMPT_LOG_BYTES = 512  # with --log-prompts: how much of a body a DEBUG line shows
 
 
-def _tenant(value: Any, field: str) -> str:
-    """``validate_tenant_id`` with the message naming the field the caller used."""
-    try:
-        return validate_tenant_id(value)
-    except InvalidRequest as exc:
-        raise InvalidRequest(str(exc).replace("prefix-aware id", field, 1)) from None
-
-
 def validate_openai_body(payload: dict[str, Any], chat: bool) -> None:
     """The checks a request gets when its variant computes no routing key.
 
@@ -78,7 +71,7 @@ def validate_openai_body(payload: dict[str, Any], chat: bool) -> None:
     """
     if not isinstance(payload.get("model", ""), str):
         raise InvalidRequest("'model' must be a string")
-    _tenant(payload.get("prompt_cache_key"), "'prompt_cache_key'")
+    openai_tenant(payload)
     if chat:
         messages = payload.get("messages")
         if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
@@ -96,14 +89,15 @@ def _json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), "an object" if isinstance(value, dict) else type(value).__name__)
 
 
-def parse_openai_request(body: bytes, chat: bool,
-                         routing: RoutingConfig) -> tuple[dict[str, Any], int | None, list[int]]:
+def parse_openai_request(body: bytes, chat: bool, routing: RoutingConfig,
+                         header_tenant: str = "") -> tuple[dict[str, Any], int | None, list[int]]:
     """Parse and validate an OpenAI request body; compute what its variant routes on.
 
     Args:
         body: the raw request body.
         chat: ``/v1/chat/completions`` (else ``/v1/completions``).
         routing: the variant's routing configuration.
+        header_tenant: a validated ``X-Amzn-SageMaker-Prefix-Aware-Id``, or ``""``.
 
     Returns:
         ``(payload, key, blocks)``: the parsed JSON object, the 64-bit key
@@ -122,10 +116,7 @@ def parse_openai_request(body: bytes, chat: bool,
         raise InvalidRequest(f"request body must be a JSON object, got {_json_type(payload)}")
     if not isinstance(payload.get("stream", False), bool):
         raise InvalidRequest("'stream' must be a boolean")
-    tenant = payload.get("prompt_cache_key")
-    if tenant is not None:
-        _tenant(tenant, "'prompt_cache_key'")
-    key, blocks = openai_route(payload, chat, routing)
+    key, blocks = openai_route(payload, chat, routing, header_tenant)
     if key is None and not blocks:
         validate_openai_body(payload, chat)  # the whole body, as no key rendered it
     return payload, key, blocks
@@ -426,13 +417,25 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             sagemaker_error("ValidationError", str(exc), headers=hdrs)
         return count_answer(state, _endpoint_label(state, endpoint_name), "", resp, t0)
     hdrs[H.INVOKED_VARIANT] = pool.name
-    tenant = ""
-    if not openai:
+    try:
+        tenant = validate_tenant_id(headers.get(H.PREFIX_AWARE_ID))
+    except InvalidRequest as exc:
+        msg = f"{H.PREFIX_AWARE_ID}: {exc}"
+        return count_answer(state, endpoint.name, pool.name, openai_error(400, msg, headers=hdrs) if openai
+                            else sagemaker_error("ValidationError", msg, headers=hdrs), t0)
+    session: SessionPin | None = None
+    new_session = False
+    sid_header = H.SESSION_ID if H.SESSION_ID in headers else state.settings.session_header
+    if sid_header is not None and sid_header in headers:
         try:
-            tenant = validate_tenant_id(headers.get(H.PREFIX_AWARE_ID))
+            session = parse_session_id(headers[sid_header], sagemaker=sid_header == H.SESSION_ID)
         except InvalidRequest as exc:
-            return count_answer(state, endpoint.name, pool.name,
-                          sagemaker_error("ValidationError", f"{H.PREFIX_AWARE_ID}: {exc}", headers=hdrs), t0)
+            msg = f"{sid_header}: {exc}"
+            return count_answer(state, endpoint.name, pool.name, openai_error(400, msg, headers=hdrs) if openai
+                                else sagemaker_error("ValidationError", msg, headers=hdrs), t0)
+        new_session = session is None
+        if session is not None and session.tag is not None:  # the container sees its own id
+            raw_headers = H.replace_header(raw_headers, sid_header, session.upstream_id)
     if isinstance(body, BodyTooLarge):
         resp = openai_error(413, str(body), code="request_too_large", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(body), status=413, headers=hdrs)
@@ -457,10 +460,11 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
             resp = openai_error(415, msg, code="unsupported_content_encoding", headers=hdrs) if openai else \
                 sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
             return count_answer(state, endpoint.name, pool.name, resp, t0)
-        return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0)
+        return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0,
+                             session=session, new_session=new_session)
     if openai:
         try:
-            _, key, blocks = parse_openai_request(body, chat, pool.routing)
+            _, key, blocks = parse_openai_request(body, chat, pool.routing, tenant)
         except InvalidRequest as exc:
             return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
         path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -475,7 +479,7 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     if state.settings.log_prompts:
         _log_prompt(rid, body)
     return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
-                         decoded)
+                         decoded, session=session, new_session=new_session)
 
 
 async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.StreamResponse:

@@ -192,6 +192,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     o.add_argument("--log-prompts", action="store_true",
                    help="allow prompt text (the first 512 bytes of a request body, every API) in DEBUG logs "
                         "(default: off, prompts never reach the logs)")
+    o.add_argument("--session-header", metavar="NAME",
+                   help="a request header whose value pins a session to one instance, e.g. X-Session-ID for "
+                        "OpenAI clients (X-Amzn-SageMaker-Session-Id is always honoured): the session's requests go "
+                        "to its instance while it is healthy and below ConcurrencyThreshold, and every router "
+                        "replica agrees (default: none)")
+    o.add_argument("--cache-aware-memory-mib", type=float, default=None, metavar="MIB",
+                   help="ceiling on the memory of all CACHE_AWARE views of cached prefixes in this router process, "
+                        "MiB: each view holds at most an equal share, as well as its own InstanceCacheTokens "
+                        "(default: 512; per worker with --workers)")
     o.add_argument("--record-trace", metavar="PATH",
                    help="append one JSONL line per routed request to PATH (time, instance, decision, length and "
                         "digests of 64-character blocks of the routing text, never the text) for "
@@ -276,6 +285,13 @@ def admin_token(args: argparse.Namespace) -> str | None:
     return args.admin_token or os.environ.get("PREFIXROUTE_ADMIN_TOKEN") or None
 
 
+def _mib(value: float, flag: str) -> int:
+    """``value`` MiB as bytes. Raises ``ConfigError`` for a value that is not positive and finite."""
+    if not (value == value and 0 < value < float("inf")):
+        raise ConfigError(f"{flag}: {value!r} must be a positive number of MiB")
+    return int(value * 1024 * 1024)
+
+
 def build_settings(args: argparse.Namespace) -> ServerSettings:
     """The process settings from the flags. Raises ``ConfigError``."""
     return ServerSettings(
@@ -289,6 +305,9 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         metrics_scrape_timeout_s=getattr(args, "metrics_scrape_timeout", 2.0),
         client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
+        session_header=getattr(args, "session_header", None),
+        **({} if getattr(args, "cache_aware_memory_mib", None) is None
+           else {"cache_aware_memory_bytes": _mib(args.cache_aware_memory_mib, "--cache-aware-memory-mib")}),
         config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
         worker_timeout_s=getattr(args, "worker_timeout", 60.0), data_plane=getattr(args, "data_plane", "fast"),
     )

@@ -224,7 +224,7 @@ class _Reply:
     body chunk was framed (0.0 until then), ``tail`` the last bytes of an SSE stream,
     ``overhead_s`` the router's time on the request (``X-Prefixroute-Overhead-Ms``)."""
 
-    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s")
+    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s", "lease")
 
     def __init__(self) -> None:
         self.status = 0
@@ -233,11 +233,18 @@ class _Reply:
         self.tail = b""
         self.first_s = 0.0
         self.overhead_s = 0.0
+        self.lease: Any = None  # told of the first body byte (Lease.first_token)
+
+    def first(self) -> None:
+        """The first body byte is relayed now: ``first_s`` and the lease's prefill end."""
+        self.first_s = time.perf_counter()
+        if self.lease is not None:
+            self.lease.first_token()
 
     def encode(self, chunk: bytes) -> tuple[bytes, ...]:
         """``chunk`` of the instance's body as written to the client."""
         if not self.first_s:
-            self.first_s = time.perf_counter()
+            self.first()
         if self.sse:
             self.tail = (self.tail + chunk)[-_TAIL:]
         if self.bodyless:
@@ -1343,7 +1350,7 @@ class FrontServer:
             return False  # the task sends the error answer
         pool = rr.pool
         try:
-            lease = started.lease = pool.acquire(rr.key, (), rr.blocks, learn=False)
+            lease = started.lease = rr.lease = pool.acquire(rr.key, (), rr.blocks, learn=False, session=rr.session)
         except NoHealthyInstance:
             return False  # the task answers 503
         target = self._target(lease.decision.instance.instance_id)
@@ -1582,7 +1589,8 @@ class FrontServer:
             for _attempt in range(1 + settings.max_retries):
                 if lease is None:
                     try:
-                        lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
+                        lease = rr.lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False,
+                                                        session=rr.session)
                     except NoHealthyInstance as exc:
                         code = 503
                         msg = (f"no instance of production variant {variant!r} could take the request (tried "
@@ -1797,12 +1805,16 @@ class FrontServer:
         status = up.status
         framed = rr.api is Api.NATIVE_STREAM
         content_length = up.content_length
+        resp_headers: H.RawHeaders = up.resp_headers
+        if rr.new_session and rr.lease is not None:
+            resp_headers = H.pin_new_session(resp_headers, rr.lease.decision.instance.instance_id)
         if rr.api is Api.OPENAI:
-            theirs = H.openai_response_lines(up.resp_headers)
+            theirs = H.openai_response_lines(resp_headers)
         else:
-            theirs = H.header_lines(H.native_response_headers(up.resp_headers, stream=framed))
+            theirs = H.header_lines(H.native_response_headers(resp_headers, stream=framed))
         sse = not framed and up.content_type.startswith(b"text/event-stream")
         reply = _Reply()
+        reply.lease = rr.lease
         reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
         # An event-stream answer always has a body (the events, maybe none), framed chunked.
         reply.bodyless = bodyless = status in (204, 304) and not framed
@@ -1846,7 +1858,7 @@ class FrontServer:
         else:  # the body as it came (what encode() would give for each chunk)
             parts = [reply.head, *up.chunks]
         if not reply.first_s:
-            reply.first_s = time.perf_counter()
+            reply.first()
         up.chunks = []
         up.reply = reply
         transport = client.transport  # client.write(), inline (the client is there: checked above)

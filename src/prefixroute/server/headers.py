@@ -18,7 +18,8 @@ from multidict import CIMultiDict
 from prefixroute.server import eventstream
 
 __all__ = [
-    "TARGET_VARIANT", "INFERENCE_COMPONENT", "CUSTOM_ATTRIBUTES", "PREFIX_AWARE_ID",
+    "TARGET_VARIANT", "INFERENCE_COMPONENT", "CUSTOM_ATTRIBUTES", "PREFIX_AWARE_ID", "SESSION_ID", "NEW_SESSION_ID",
+    "pin_new_session", "replace_header",
     "SAGEMAKER_ACCEPT", "SAGEMAKER_CONTENT_TYPE",
     "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "valid_request_id",
     "openai_upstream_headers", "openai_upstream_lines", "native_upstream_headers", "header_lines", "openai_response_headers", "openai_response_lines",
@@ -33,6 +34,10 @@ TARGET_VARIANT = "X-Amzn-SageMaker-Target-Variant"
 INFERENCE_COMPONENT = "X-Amzn-SageMaker-Inference-Component"
 CUSTOM_ATTRIBUTES = "X-Amzn-SageMaker-Custom-Attributes"
 PREFIX_AWARE_ID = "X-Amzn-SageMaker-Prefix-Aware-Id"
+#: SageMaker's stateful sessions: ``NEW_SESSION`` or an id (:mod:`prefixroute.core.sessions`).
+SESSION_ID = "X-Amzn-SageMaker-Session-Id"
+#: The answer to ``NEW_SESSION``: ``ID; Expires=...`` (the router appends its pin tag to the id).
+NEW_SESSION_ID = "X-Amzn-SageMaker-New-Session-Id"
 #: ``InvokeEndpointWithResponseStream``'s ``Accept`` (sent to the container as ``Accept``).
 SAGEMAKER_ACCEPT = "X-Amzn-SageMaker-Accept"
 
@@ -300,3 +305,24 @@ def native_response_headers(upstream: RawHeaders, stream: bool = False) -> list[
             out.append((SAGEMAKER_CONTENT_TYPE.encode(), content_type))
         out.append((b"Content-Type", EVENTSTREAM_CONTENT_TYPE))
     return out
+
+
+def pin_new_session(upstream: RawHeaders, instance_id: str) -> list[tuple[bytes, bytes]]:
+    """An answer's headers for a ``NEW_SESSION`` request served by ``instance_id``: the
+    container's ``X-Amzn-SageMaker-New-Session-Id`` (if it made a session) replaced by
+    the same id with the instance's pin tag, or one the router made
+    (:func:`prefixroute.core.sessions.pin_session_id`)."""
+    from prefixroute.core.sessions import pin_session_id
+
+    name = NEW_SESSION_ID.lower().encode()
+    theirs = next((v for k, v in upstream if k.lower() == name), None)
+    out = [(k, v) for k, v in upstream if k.lower() != name]
+    value = pin_session_id(theirs.decode("latin-1") if theirs is not None else None, instance_id)
+    out.append((NEW_SESSION_ID.encode(), value.encode("latin-1")))
+    return out
+
+
+def replace_header(headers: RawHeaders, name: str, value: str) -> list[tuple[bytes, bytes]]:
+    """``headers`` with every ``name`` header's value replaced by ``value``."""
+    low = name.lower().encode()
+    return [(k, value.encode("latin-1") if k.lower() == low else v) for k, v in headers]

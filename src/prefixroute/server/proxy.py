@@ -124,6 +124,13 @@ class RoutedRequest:
             then; :func:`ends_with_done`). A client that closes after it (the ``openai``
             client does, before the instance ends its body) had the whole answer: its
             ``responses_total`` code is this status, not 499.
+        lease: the current attempt's :class:`prefixroute.core.pool.Lease` (``None``
+            before the first decision); its :meth:`~prefixroute.core.pool.Lease.first_token`
+            is called when the first byte of the answer's body is relayed.
+        session: the session the request is pinned to
+            (:class:`prefixroute.core.sessions.SessionPin`), or ``None``.
+        new_session: the request asked for a session (``NEW_SESSION``): the answer
+            names it (:func:`prefixroute.server.headers.pin_new_session`).
     """
 
     request: web.Request | None
@@ -140,6 +147,9 @@ class RoutedRequest:
     blocks: Sequence[int] = ()
     decoded: bool = False
     completed_status: int = 0
+    lease: Any = None
+    session: Any = None
+    new_session: bool = False
 
 
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
@@ -302,7 +312,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
-                lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
+                lease = rr.lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session)
             except NoHealthyInstance as exc:
                 code = 503
                 if exclude:
@@ -379,9 +389,16 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
 
 
 def _response_headers(rr: RoutedRequest, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
+    raw = upstream.raw_headers
+    if rr.new_session and rr.lease is not None:
+        raw = H.pin_new_session(raw, rr.lease.decision.instance.instance_id)
+    return _relayed_headers(rr, raw)
+
+
+def _relayed_headers(rr: RoutedRequest, raw: H.RawHeaders) -> CIMultiDict[str]:
     if rr.api is Api.OPENAI:
-        return H.to_multidict(H.openai_response_headers(upstream.raw_headers))
-    return H.to_multidict(H.native_response_headers(upstream.raw_headers, stream=rr.api is Api.NATIVE_STREAM))
+        return H.to_multidict(H.openai_response_headers(raw))
+    return H.to_multidict(H.native_response_headers(raw, stream=rr.api is Api.NATIVE_STREAM))
 
 
 def sse_error_event(message: str, code: str) -> bytes:
@@ -456,6 +473,8 @@ async def _relay(
         if first:
             first = False
             ttft.observe(time.perf_counter() - rr.t0)
+            if rr.lease is not None:
+                rr.lease.first_token()
         if sse:
             tail = (tail + chunk)[-_TAIL:]
         try:

@@ -14,6 +14,7 @@ import ipaddress
 import math
 from dataclasses import dataclass, field
 
+from prefixroute.core.approx_cache import BYTES_PER_BLOCK_ENTRY, DEFAULT_ROUTER_VIEW_BYTES
 from prefixroute.core.config import ConfigError
 from prefixroute.core.counters import MAX_WORKERS
 
@@ -124,6 +125,12 @@ class ServerSettings:
             event loop a bug blocks, or that is stopped (SIGSTOP), would otherwise keep
             its share of the port's new connections, which would hang. 0: never;
             else at least 1 s.
+        session_header: a request header whose value pins a session to one instance
+            (e.g. ``X-Session-ID``), on every route, as SageMaker's
+            ``X-Amzn-SageMaker-Session-Id`` (always honoured) does; ``None``: none.
+        cache_aware_memory_bytes: ceiling on the memory of every ``CACHE_AWARE`` view of
+            this router process together, bytes (each view also keeps its own bound;
+            with ``workers`` > 1, per worker).
         data_plane: ``"fast"`` (default): the public port runs on raw asyncio
             protocols with httptools, inference requests relayed there and everything
             else passed to the aiohttp app (:mod:`prefixroute.server.dataplane`);
@@ -160,6 +167,8 @@ class ServerSettings:
     workers: int = 1
     worker_timeout_s: float = 60.0
     data_plane: str = "fast"
+    session_header: str | None = None
+    cache_aware_memory_bytes: int = DEFAULT_ROUTER_VIEW_BYTES
 
     def __post_init__(self) -> None:
         _count("port", self.port, 0, 65535)
@@ -190,6 +199,10 @@ class ServerSettings:
         if 0 < self.worker_timeout_s < 1:
             raise ConfigError(f"worker timeout: {self.worker_timeout_s:g} s is too short for a probe to come back "
                               "(at least 1 s, or 0 to disable)")
+        if self.session_header is not None and (not self.session_header or not all(
+                c.isalnum() or c in "-_" for c in self.session_header)):
+            raise ConfigError(f"session header: {self.session_header!r} is not a header name (letters, digits, - and _)")
+        _count("CACHE_AWARE memory", self.cache_aware_memory_bytes, BYTES_PER_BLOCK_ENTRY)
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.admin_token is not None and not self.admin_token:

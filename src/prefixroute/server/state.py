@@ -14,6 +14,7 @@ from pathlib import Path
 
 import aiohttp
 
+from prefixroute.core.approx_cache import ViewBudget
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
@@ -54,7 +55,7 @@ class RouterState:
         self.counters = counters
         if counters is not None:
             counters.reserve(config_slot_keys(config))
-        self.fleet = Fleet(config, settings.seed, counters)
+        self.fleet = Fleet(config, settings.seed, counters, ViewBudget(settings.cache_aware_memory_bytes))
         self.backend_stats: dict[str, BackendStats] = {}
         self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats, multiprocess_dir=metrics_dir)
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,

@@ -72,8 +72,11 @@ class SimConfig:
         instances: ids of the instances present at the start (rendezvous scores use them).
         routing: the production variant's validated routing configuration.
         engine: every instance's engine configuration.
-        replicas: router replicas; each request goes to one drawn uniformly at random,
-            and each replica counts only its own requests in flight.
+        replicas: router replicas; each counts only its own requests in flight.
+        replica_per: ``"request"``: each request goes to a replica drawn uniformly at
+            random (clients behind a plain load balancer); ``"session"``: every turn of a
+            session goes to the replica drawn when it starts (clients that keep their
+            connection, as ``bench/policy_vs_peers.py``'s users do).
         duration_s: model seconds during which new turns may start (open loop: arrivals
             after it are dropped; closed loop: users stop). Requests in flight finish.
         users: closed loop with this many users, each running sessions back to back
@@ -87,6 +90,12 @@ class SimConfig:
         exact_text: build the prompts' text and route on the HTTP router's keys (slow;
             for checking the fast path).
         max_requests: stop starting turns after this many requests (None = no limit).
+        engine_load_interval_s: every this many model seconds, each replica reads every
+            engine's requests running plus waiting into
+            :attr:`~prefixroute.core.strategies.InstanceState.engine_load`, as
+            ``prefixroute serve`` scrapes the engines' ``/metrics``
+            (``--metrics-scrape-interval``); replica ``r`` reads at offset
+            ``r / replicas`` of the interval. None: never (``engine_load`` stays 0).
 
     Raises:
         ValueError: on construction, for no instances, duplicate ids, replicas < 1,
@@ -105,6 +114,8 @@ class SimConfig:
     fast_forward: bool = True
     exact_text: bool = False
     max_requests: int | None = None
+    engine_load_interval_s: float | None = None
+    replica_per: str = "request"
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -117,6 +128,10 @@ class SimConfig:
             raise ValueError(f"users must be >= 1 (or None for open loop), got {self.users}")
         if self.duration_s < 0 or self.overhead_s < 0:
             raise ValueError("duration_s and overhead_s must be >= 0 seconds")
+        if self.replica_per not in ("request", "session"):
+            raise ValueError(f"replica_per must be 'request' or 'session', got {self.replica_per!r}")
+        if self.engine_load_interval_s is not None and not self.engine_load_interval_s > 0:
+            raise ValueError(f"engine_load_interval_s must be > 0 seconds or None, got {self.engine_load_interval_s}")
 
 
 @dataclass(slots=True)
@@ -211,7 +226,7 @@ class SimResult:
 
 # -- the event loop -----------------------------------------------------------------------
 
-_NEW_SESSION, _ARRIVE, _ENGINE_IN, _STEP_END, _CHANGE = range(5)
+_NEW_SESSION, _ARRIVE, _ENGINE_IN, _STEP_END, _CHANGE, _SCRAPE = range(6)
 _IDLE, _STEP, _RUN = range(3)
 
 
@@ -273,12 +288,13 @@ class Simulator:
                                and pa is not None else None)
         # CACHE_AWARE routes on chained blocks of the routing text (sim.blocks: from the
         # prompts' routing keys, the router's own hashes for exact text).
-        self._blocks = ((ca.block_size, ca.max_prefix_length) if config.routing.strategy is
+        self._blocks = ((ca.block_size, ca.max_prefix_length, ca.media_tokens * 4) if config.routing.strategy is
                         RoutingStrategy.CACHE_AWARE and ca is not None else None)
         self._flights: dict[str, _Flight] = {}
         self._records: list[RequestRecord] = []
         self._sessions: Iterator[Session] = iter(workload.sessions())
         self._session_index: dict[int, int] = {}
+        self._session_replica: dict[int, int] = {}
         self._started_sessions = 0
         self._parked = 0  # closed-loop users whose request found no instance, until one is added
         self._stopped = False
@@ -304,6 +320,9 @@ class Simulator:
         cfg = self.config
         for ch in sorted(cfg.changes, key=lambda c: c.at_s):
             self._push(ch.at_s, _CHANGE, ch)
+        if cfg.engine_load_interval_s is not None:
+            for r in range(cfg.replicas):
+                self._push(cfg.engine_load_interval_s * r / cfg.replicas, _SCRAPE, r)
         if cfg.users is None:
             self._next_open_session()
         else:
@@ -327,6 +346,9 @@ class Simulator:
             elif kind == _NEW_SESSION:
                 self._begin_session(a, t)
                 self._next_open_session()
+            elif kind == _SCRAPE:
+                if self._scrape(a, t):
+                    self._push(t + cfg.engine_load_interval_s, _SCRAPE, a)
             else:
                 self._change(a, t)
             if progress is not None and events >= next_report:
@@ -369,12 +391,16 @@ class Simulator:
         self._begin_session(s, t)
 
     def _begin_session(self, s: Session, t: float) -> None:
+        cfg = self.config
+        if cfg.replica_per == "session" and cfg.replicas > 1:
+            self._session_replica[id(s)] = self._rng.randrange(cfg.replicas)
         self._session_index[id(s)] = self._started_sessions
         self._started_sessions += 1
         self._arrive(s, (0, [] if self.config.exact_text else None), t)
 
     def _session_done(self, s: Session, t: float) -> None:
         self._session_index.pop(id(s), None)
+        self._session_replica.pop(id(s), None)
         if self.config.users is not None:
             self._start_closed_session(t)
 
@@ -387,7 +413,9 @@ class Simulator:
             return
         cfg = self.config
         turn = s.turn(k, answers)
-        replica = self._rng.randrange(cfg.replicas) if cfg.replicas > 1 else 0
+        replica = self._session_replica.get(id(s)) if cfg.replica_per == "session" else None
+        if replica is None:
+            replica = self._rng.randrange(cfg.replicas) if cfg.replicas > 1 else 0
         rec = RequestRecord(len(self._records), self._session_index.get(id(s), -1), k, s.group, t, replica,
                             prompt_tokens=turn.prompt.num_tokens)
         self._records.append(rec)
@@ -493,6 +521,7 @@ class Simulator:
             rec = flight.record
             if o.first_token:
                 rec.ttft_s = t - rec.arrival_s
+                flight.lease.first_token()
             if o.finished:
                 del flights[o.request_id]
                 rec.latency_s = t - rec.arrival_s
@@ -507,6 +536,17 @@ class Simulator:
                     self._push(t + s.think_s(k), _ARRIVE, s, (k, answers))
                 else:
                     self._session_done(s, t)
+
+    def _scrape(self, replica: int, t: float) -> bool:
+        """Replica ``replica`` reads every engine's running + waiting; ``False`` once
+        nothing is left to happen (no request in flight and no session may start)."""
+        pool = self._pools[replica]
+        for iid, inst in self._instances.items():
+            state = pool.get(iid)
+            if state is not None:
+                st = inst.core.stats()
+                state.engine_load = st.num_running + st.num_waiting
+        return bool(self._flights) or (not self._stopped and t <= self.config.duration_s)
 
     def _change(self, ch: MembershipChange, t: float) -> None:
         if ch.action == "add":
