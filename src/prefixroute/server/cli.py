@@ -34,7 +34,8 @@ from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import RouterHandle, reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
-__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers"]
+__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers",
+           "add_routing_flags"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -70,6 +71,14 @@ def parse_workers(text: str) -> int:
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add the ``serve`` flags to ``p``."""
+    add_routing_flags(p)
+    configure_discovery_flags(p)
+    add_listener_flags(p)
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """The routing configuration flags (``--config``, ``--backend``, ``--strategy``...)
+    that :func:`build_config` reads; ``prefixroute epp`` takes the same."""
     g = p.add_argument_group("routing configuration (either --config or --backend)")
     g.add_argument("--config", metavar="PATH",
                    help="YAML fleet configuration ({Endpoints: [{EndpointName, ProductionVariants: [...]}]}); "
@@ -107,8 +116,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="production variant name, returned in X-Amzn-Invoked-Production-Variant "
                         "(default: AllTraffic)")
 
-    configure_discovery_flags(p)
 
+
+def add_listener_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s listener, health, timeout, limit and logging flags."""
     n = p.add_argument_group("listeners")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     n.add_argument("--port", type=int, default=8080,
