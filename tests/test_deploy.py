@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import aiohttp
@@ -27,7 +28,7 @@ DEPLOY = ROOT / "deploy"
 #: The Kubernetes versions the manifests must be valid for: an older supported one and the newest schemas.
 K8S_VERSIONS = ("1.30.0", "1.37.0")
 #: Kinds defined by CRDs (no schema in kubernetes-validate): checked field by field below.
-CRD_KINDS = {"ServiceMonitor", "InferencePool"}
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "HTTPRoute"}
 
 
 def render(directory: Path) -> list[dict]:
@@ -119,6 +120,66 @@ def test_fleet_configmap_is_a_valid_fleet_on_the_vllm_service(rendered):
     vllm = docs[("Deployment", "vllm")]["spec"]["template"]["spec"]["containers"][0]
     assert "--enable-prefix-caching" in vllm["args"]
     assert vllm["readinessProbe"]["httpGet"]["path"] == "/health"
+
+
+# -- the endpoint picker: InferencePool, picker Deployment, Envoy example -----------------
+
+
+def test_gateway_manifests_render_validate_and_fit_together(rendered):
+    docs = render(DEPLOY / "kubernetes" / "gateway")
+    assert sorted(d["kind"] for d in docs) == ["Deployment", "HTTPRoute", "InferencePool", "PodDisruptionBudget",
+                                               "Role", "RoleBinding", "Service", "ServiceAccount"]
+    for doc in docs:
+        if doc["kind"] not in CRD_KINDS:
+            for version in K8S_VERSIONS:
+                kubernetes_validate.validate(doc, version, strict=True)
+    g, base = by_kind(docs), by_kind(rendered)
+    pool = g[("InferencePool", "vllm")]
+    assert pool["apiVersion"] == "inference.networking.k8s.io/v1"
+    vllm_pod = base[("Deployment", "vllm")]["spec"]["template"]
+    assert pool["spec"]["selector"]["matchLabels"] == vllm_pod["metadata"]["labels"]
+    assert pool["spec"]["targetPorts"] == [{"number": vllm_pod["spec"]["containers"][0]["ports"][0]["containerPort"]}]
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["failureMode"] in ("FailOpen", "FailClose")
+    svc = g[("Service", ref["name"])]
+    grpc_port = next(p for p in svc["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    assert grpc_port["appProtocol"] == "kubernetes.io/h2c"
+    route = g[("HTTPRoute", "vllm")]
+    assert route["spec"]["rules"][0]["backendRefs"] == [
+        {"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": "vllm"}]
+    # the picker's own flags parse with the real command line, and agree with the pool
+    from prefixroute.cli import build_parser
+    from prefixroute.server.cli import build_config
+
+    dep = g[("Deployment", "prefixroute-epp")]
+    (c,) = dep["spec"]["template"]["spec"]["containers"]
+    args = build_parser().parse_args(c["args"])
+    assert args.port == ref["port"]["number"] and args.host == "0.0.0.0"
+    fleet = build_config(args)
+    k8s = fleet.endpoints[0].variants[0].discovery.kubernetes
+    assert k8s.service == "vllm" and k8s.port_name in {p["name"] for p in base[("Service", "vllm")]["spec"]["ports"]}
+    assert c["readinessProbe"]["grpc"] == {"port": args.port, "service": "readiness"}
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    role = g[("Role", "prefixroute-epp-endpointslice-reader")]
+    assert role["rules"][0]["verbs"] == ["get", "list", "watch"]
+
+
+def test_envoy_example_is_what_the_picker_prints_and_envoy_accepts_it():
+    from prefixroute.epp.envoy_process import envoy_binary
+
+    example = (DEPLOY / "envoy" / "envoy.yaml").read_text()
+    argv = [sys.executable, "-m", "prefixroute", "epp", "--backend", "http://10.0.0.11:8000", "--backend",
+            "http://10.0.0.12:8000", "--backend", "http://10.0.0.13:8000", "--print-envoy-config", "8080"]
+    printed = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True).stdout
+    assert yaml.safe_load(example) == yaml.safe_load(printed)
+    doc = yaml.safe_load(printed)
+    ext_proc = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "http_filters"][1]["typed_config"]
+    assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["failure_mode_allow"] is False
+    out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(DEPLOY / "envoy" / "envoy.yaml")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stderr[-500:]
 
 
 # -- the Grafana dashboard -------------------------------------------------------------

@@ -13,7 +13,16 @@ an Endpoint Picker (FIELD.md §2), static so that a plain ``envoy -c`` runs it:
 3. the route with the picker's header goes to an ``ORIGINAL_DST`` cluster keyed on
    that header (``original_dst_lb_config.use_http_header``); a request without it (the
    picker was skipped: fail-open) goes to ``fleet_round_robin``, the pool's instances
-   in round robin, so fail-open still serves (without prefix affinity).
+   in round robin, so fail-open still serves (without prefix affinity);
+4. the picker's cluster is health-checked with the standard gRPC health protocol every
+   second (service ``envoy.service.ext_proc.v3.ExternalProcessor``: SERVING only while
+   the picker has a healthy instance) with no panic routing. That is what makes
+   fail-open work with bodies ``FULL_DUPLEX_STREAMED``: Envoy streams the body to the
+   picker as it arrives and keeps no copy, so a stream that fails after that cannot
+   go on without the picker (500 even with ``failure_mode_allow``); a picker known to
+   be down is not tried, and the request goes on at once (fail-open) or gets 500 at
+   once (fail-closed). Only requests already streamed to a picker that dies, or sent
+   in the second before the health check notices, get 500 in both modes.
 
 :func:`round_robin_bootstrap` is Envoy alone over the same instances (the baseline of
 ``bench/gateway.py``).
@@ -139,12 +148,16 @@ def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Seque
               "original_dst_lb_config": {"use_http_header": True, "http_header_name": DESTINATION_HEADER},
               "circuit_breakers": {"thresholds": [{"max_connections": 100000, "max_pending_requests": 100000,
                                                    "max_requests": 100000}]}}
+    epp = _static_cluster("prefixroute_epp", [picker], http2=True)
+    epp["health_checks"] = [{"timeout": "1s", "interval": "1s", "unhealthy_threshold": 1, "healthy_threshold": 1,
+                             "no_traffic_interval": "1s",
+                             "grpc_health_check": {"service_name": "envoy.service.ext_proc.v3.ExternalProcessor"}}]
+    epp["common_lb_config"] = {"healthy_panic_threshold": {"value": 0}}
     return {
         "admin": _admin(admin_port),
         "static_resources": {
             "listeners": [_listener(listen_port, _hcm([strip, ext_proc], routes, access_log_path), listen_host)],
-            "clusters": [picked, _static_cluster("fleet_round_robin", instances),
-                         _static_cluster("prefixroute_epp", [picker], http2=True)],
+            "clusters": [picked, _static_cluster("fleet_round_robin", instances), epp],
         },
     }
 

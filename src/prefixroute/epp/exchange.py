@@ -50,6 +50,7 @@ from multidict import CIMultiDict
 from prefixroute.core.pool import Lease, NoHealthyInstance
 from prefixroute.core.strategies import DecisionKind
 from prefixroute.epp.envoy_config import DESTINATION_HEADER, METADATA_NAMESPACE
+from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import (BodyTooLarge, decode_request_body, prepare_inference, request_coding,
                                     request_id)
@@ -124,6 +125,7 @@ class Exchange:
         self._variant = ""
         self._first_byte = False
         self._decoded = False
+        self._framed = False  # InvokeEndpointWithResponseStream: the answer goes out as event-stream PayloadParts
 
     # -- the stream -----------------------------------------------------------------
 
@@ -243,7 +245,7 @@ class Exchange:
         m = self.state.metrics
         m.requests.labels(rr.endpoint, rr.pool.name, decision.instance.instance_id, decision.kind.value).inc()
         m.decision_seconds.labels(rr.endpoint, rr.pool.name).observe(decision.decision_s)
-        out = [self._destination(decision.instance.instance_id)]
+        out = [self._destination(decision.instance.instance_id, rr.upstream_path)]
         out.extend(_body_chunks(rr.body))
         return out
 
@@ -269,6 +271,16 @@ class Exchange:
                 value = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 self.status = int(value) if value.isdigit() else 0
         mutation = pb.HeaderMutation()
+        if self._route is not None and self._route[0] is Api.NATIVE_STREAM and 200 <= self.status < 300:
+            # as serve answers InvokeEndpointWithResponseStream: the model's content type moves to
+            # X-Amzn-SageMaker-Content-Type and each body chunk becomes a PayloadPart event
+            self._framed = True
+            model_type = next((h.raw_value.decode("latin-1") or h.value for h in msg.headers.headers
+                               if h.key == "content-type"), None)
+            if model_type:
+                mutation.set_headers.append(_header(H.SAGEMAKER_CONTENT_TYPE.lower(), model_type))
+            mutation.set_headers.append(_header("content-type", eventstream.CONTENT_TYPE))
+            mutation.remove_headers.append("content-length")
         if self.lease is not None:
             d = self.lease.decision
             for name, value in ((H.INSTANCE, d.instance.instance_id), (H.DECISION, d.kind.value),
@@ -286,9 +298,10 @@ class Exchange:
             if self._variant:
                 self.state.metrics.ttft_seconds.labels(self._endpoint, self._variant).observe(
                     time.perf_counter() - self._t0)
+        body = eventstream.payload_part(msg.body) if self._framed and msg.body else msg.body
         out = [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                body=msg.body, end_of_stream=msg.end_of_stream)))))]
+                body=body, end_of_stream=msg.end_of_stream)))))]
         if msg.end_of_stream:
             self._finish()
         return out
@@ -301,9 +314,14 @@ class Exchange:
 
     # -- building messages ----------------------------------------------------------
 
-    def _destination(self, instance_id: str) -> pb.ProcessingResponse:
+    def _destination(self, instance_id: str, upstream_path: str | None = None) -> pb.ProcessingResponse:
+        """The request headers answer: where to send it (header, ``envoy.lb``
+        metadata), and the path on the instance when it differs from the client's
+        (``/endpoints/NAME/invocations`` -> ``/invocations``, as ``serve`` sends it)."""
         address = endpoint_address(instance_id)
         mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, address)])
+        if upstream_path and upstream_path != self._headers.get(":path"):
+            mutation.set_headers.append(_header(":path", upstream_path))
         if self._decoded:  # the body goes on decoded, as serve sends it
             mutation.remove_headers.extend(["content-encoding", "content-length"])
         metadata = struct_pb2.Struct()
