@@ -174,7 +174,10 @@ def start_envoy(instances: Sequence[tuple[str, int]], picker_port: int | None) -
     else:
         boot = picker_bootstrap(port, ("127.0.0.1", picker_port), instances, admin_port=free_port(),
                                 listen_host="127.0.0.1")
-    return EnvoyProcess(boot).start(), f"http://127.0.0.1:{port}"
+    envoy = EnvoyProcess(boot).start()
+    if picker_port is not None:
+        envoy.wait_cluster_healthy("prefixroute_epp")
+    return envoy, f"http://127.0.0.1:{port}"
 
 
 # -- phase 1: overhead ---------------------------------------------------------------------

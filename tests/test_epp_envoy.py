@@ -85,6 +85,7 @@ async def gateway(urls, port, *, fail_open: bool = False, picker_port: int | Non
                                           fail_open=fail_open, admin_port=admin, listen_host="127.0.0.1",
                                           access_log_path=access_log))
     await asyncio.to_thread(envoy.start)
+    await asyncio.to_thread(envoy.wait_cluster_healthy, "prefixroute_epp")
     try:
         yield f"http://127.0.0.1:{gw}", epp, envoy
     finally:

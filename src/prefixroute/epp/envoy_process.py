@@ -97,6 +97,26 @@ class EnvoyProcess:
         self.stop()
         raise RuntimeError(f"envoy not ready after {timeout_s} s: {self.log_tail()}")
 
+    def wait_cluster_healthy(self, cluster: str, timeout_s: float = 15.0) -> None:
+        """Wait until every host of ``cluster`` passes Envoy's active health check (the
+        picker's cluster starts unhealthy until its first check passes: with
+        fail-closed, requests sent before then get 500).
+
+        Raises:
+            RuntimeError: not healthy within ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        flags: list[str] = []
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/clusters", timeout=2) as r:
+                lines = r.read().decode().splitlines()
+            flags = [line.rsplit("::", 1)[1] for line in lines
+                     if line.startswith(f"{cluster}::") and "::health_flags::" in line]
+            if flags and all(f == "healthy" for f in flags):
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"envoy cluster {cluster} not healthy after {timeout_s} s (health flags: {flags})")
+
     def stats(self) -> dict[str, int]:
         """Envoy's counters and gauges (``/stats``) as ``{name: value}``."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.admin_port}/stats", timeout=5) as r:
