@@ -425,7 +425,8 @@ Endpoints:
 
 
 def _ids(handle) -> tuple[str, ...]:
-    return tuple(sorted(i.instance_id for i in handle.fleet.default.variant().instances))
+    """The default variant's instances of a router (RouterHandle) or a picker (EppHandle)."""
+    return tuple(sorted(i.instance_id for i in handle.state.fleet.default.variant().instances))
 
 
 def test_serve_flags_build_discovery(tmp_path):
@@ -450,3 +451,36 @@ def test_serve_flags_build_discovery(tmp_path):
                       (["--config", os.devnull, "--dns", "v.test"], "put Discovery: on the production variant")):
         with pytest.raises(ConfigError, match=msg):
             build_config(p.parse_args(["serve", *argv]))
+
+
+async def test_the_picker_follows_discovery_too():
+    """prefixroute epp runs the same discovery as serve: its pools follow DNS."""
+    from prefixroute.epp.server import start_epp
+
+    dns = await DnsServer().start()
+    dns.set("v.test", "A", [HOSTS[0], HOSTS[1]])
+    config = FleetConfig.from_mapping({"Endpoints": [{"EndpointName": "default", "ProductionVariants": [{
+        "VariantName": "AllTraffic", "Discovery": {"DNS": {
+            "Name": "v.test", "Port": 8000, "IntervalSeconds": 1, "Nameservers": [f"127.0.0.1:{dns.port}"]}}}]}]})
+    epp = await start_epp(config, _settings())
+    try:
+        assert await eventually(lambda: _ids(epp) == ("http://127.0.0.2:8000", "http://127.0.0.3:8000"), 5)
+        dns.set("v.test", "A", [HOSTS[2]])
+        assert await eventually(lambda: _ids(epp) == ("http://127.0.0.4:8000",), 5)
+        async with aiohttp.ClientSession() as http:
+            text = await (await http.get(epp.metrics_url + "/metrics")).text()
+        assert metric_value(text, "prefixroute_discovery_changes_total", endpoint="default", variant="AllTraffic",
+                            source="dns") == 2
+    finally:
+        await epp.close(0)
+        dns.stop()
+
+
+def test_workers_refuse_discovery(capsys):
+    from prefixroute.cli import build_parser
+    from prefixroute.server.cli import run
+
+    args = build_parser().parse_args(["serve", "--workers", "2", "--dns", "v.test", "--dns-port", "8000",
+                                      "--port", "0"])
+    assert run(args) == 2
+    assert "discovery" in capsys.readouterr().err

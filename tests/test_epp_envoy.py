@@ -32,7 +32,7 @@ from prefixroute.epp.envoy_process import EnvoyProcess
 from prefixroute.epp.server import start_epp
 from prefixroute.server import start_router
 from prefixroute.server.settings import ServerSettings
-from test_server_helpers import eventually, metric_value
+from test_server_helpers import eventually
 
 pytestmark = pytest.mark.e2e
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import orjson
-import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import given, settings

@@ -12,7 +12,7 @@ from typing import Any
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
 from prefixroute.core.discovery_config import DiscoveryConfig
 
-__all__ = ["configure_discovery_flags", "discovery_from_args", "uses_discovery"]
+__all__ = ["configure_discovery_flags", "discovery_from_args", "uses_discovery", "single_with_discovery"]
 
 _FLAGS = {"dns": "--dns", "dns_record_type": "--dns-record-type", "dns_port": "--dns-port",
           "dns_interval": "--dns-interval", "dns_server": "--dns-server", "k8s_service": "--k8s-service",

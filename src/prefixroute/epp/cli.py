@@ -15,12 +15,18 @@ import asyncio
 import logging
 import signal
 import sys
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from prefixroute.core.config import ConfigError
 from prefixroute.discovery.flags import configure_discovery_flags
 from prefixroute.server.cli import add_routing_flags, build_config, parse_size
 from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+
+if TYPE_CHECKING:
+    from prefixroute.core.config import FleetConfig
+    from prefixroute.epp.exchange import EppOptions
+    from prefixroute.epp.server import EppHandle
 
 __all__ = ["configure_parser", "run"]
 
@@ -112,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(config, settings, EppOptions(saturated=args.saturated), args))
 
 
-async def _serve(config, settings: ServerSettings, options, args: argparse.Namespace) -> int:
+async def _serve(config: "FleetConfig", settings: ServerSettings, options: "EppOptions",
+                 args: argparse.Namespace) -> int:
     from prefixroute.epp.server import start_epp
 
     try:
@@ -135,7 +142,8 @@ async def _serve(config, settings: ServerSettings, options, args: argparse.Names
     return 0
 
 
-def _reload(handle) -> None:
+def _reload(handle: "EppHandle") -> None:
+    """SIGHUP: re-read --config, as serve does (an invalid file is logged and ignored)."""
     from prefixroute.server.runner import reload_logged
 
     reload_logged(handle.state)

@@ -136,9 +136,9 @@ class Exchange:
             return self._request_headers(msg.request_headers)
         if kind == "request_body":
             return self._request_body(msg.request_body)
-        if kind == "request_trailers":
+        if kind == "request_trailers":  # the request's end when it has trailers
             out = self._end_of_body() if self.phase is _Phase.BODY else []
-            if self.phase is not _Phase.DONE or not self.immediate:
+            if not self.immediate:  # (after an immediate response Envoy expects nothing more)
                 out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
             return out
         if kind == "response_headers":

@@ -45,6 +45,8 @@ log = logging.getLogger("prefixroute.epp")
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 #: Health service names answered.
 HEALTH_SERVICES = ("", "liveness", "readiness", EXT_PROC_SERVICE)
+#: The routing state in the HTTP app.
+STATE: web.AppKey[RouterState] = web.AppKey("prefixroute_epp_state", RouterState)
 #: How often readiness is recomputed, seconds.
 READINESS_INTERVAL_S = 0.5
 
@@ -115,7 +117,7 @@ class EppHandle:
 
 
 async def _background(app: web.Application) -> AsyncIterator[None]:
-    state: RouterState = app["state"]
+    state = app[STATE]
     state.session = make_client_session(state.settings)
     tasks = []
     if state.settings.health_check_interval_s > 0:
@@ -138,7 +140,7 @@ async def _background(app: web.Application) -> AsyncIterator[None]:
 
 def _http_app(state: RouterState) -> web.Application:
     app = web.Application()
-    app["state"] = state
+    app[STATE] = state
 
     async def metrics(_: web.Request) -> web.Response:
         return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
