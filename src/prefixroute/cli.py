@@ -1,4 +1,4 @@
-"""The ``prefixroute`` command: ``serve``, ``emulate`` and ``demo``."""
+"""The ``prefixroute`` command: ``serve``, ``epp``, ``emulate``, ``demo``, ``simulate`` and ``tune``."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ __all__ = ["main", "build_parser"]
 #: subcommand -> (module with configure_parser/run, one-line help)
 SUBCOMMANDS = {
     "serve": ("prefixroute.server.cli", "run the router in front of engine instances"),
+    "epp": ("prefixroute.epp.cli", "serve Envoy's ext_proc API as an endpoint picker (Gateway API Inference Extension)"),
     "emulate": ("prefixroute.engine.cli", "run one emulated vLLM engine with a prefix cache"),
     "demo": ("prefixroute.demo.cli", "measure every strategy on an emulated fleet (the main job)"),
     "simulate": ("prefixroute.sim.cli", "predict routing on hours of traffic in seconds (discrete-event simulator)"),

@@ -18,6 +18,8 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from prefixroute.core.discovery_config import DiscoveryConfig
+
 __all__ = [
     "ConfigError",
     "RoutingStrategy",
@@ -394,15 +396,26 @@ class VariantConfig(BaseModel):
         name: the variant's name (``X-Amzn-SageMaker-Target-Variant`` selects it).
         weight: relative share of the endpoint's traffic when no variant is targeted (> 0).
         instances: base URLs of the engine instances, e.g. ``http://10.0.0.5:8000``.
+            With ``discovery``, optional: the instances in force until the source's
+            first answer (may be empty).
         routing: the ``RoutingConfig``.
+        discovery: ``Discovery``: where the instances come from when they change on
+            their own (DNS, Kubernetes); ``None`` = ``Instances`` is the membership.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
 
     name: str = Field(alias="VariantName", min_length=1, max_length=63)
     weight: float = Field(default=1.0, alias="InitialVariantWeight", gt=0)
-    instances: tuple[str, ...] = Field(alias="Instances", min_length=1)
+    instances: tuple[str, ...] = Field(default=(), alias="Instances")
     routing: RoutingConfig = Field(default_factory=RoutingConfig, alias="RoutingConfig")
+    discovery: DiscoveryConfig | None = Field(default=None, alias="Discovery")
+
+    @model_validator(mode="after")
+    def _v_some_instances(self) -> "VariantConfig":
+        if not self.instances and self.discovery is None:
+            raise ValueError("Instances: at least one instance is required (or a Discovery source)")
+        return self
 
     @field_validator("instances", mode="after")
     @classmethod

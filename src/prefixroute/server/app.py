@@ -41,6 +41,7 @@ from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body
                                    openai_tenant, validate_tenant_id)
 from prefixroute.core.pool import VariantPool
 from prefixroute.core.sessions import SessionPin, parse_session_id
+from prefixroute.discovery.manager import start_discovery
 from prefixroute.server import headers as H
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
 from prefixroute.server.health import health_check_loop
@@ -651,9 +652,14 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(health_check_loop(state), name="prefixroute-health-checks"))
     if state.settings.metrics_scrape_interval_s > 0:
         tasks.append(asyncio.create_task(scrape_loop(state), name="prefixroute-metrics-scrape"))
+    # Discovery runs in a single router process (serve --workers N refuses a Discovery source).
+    discovery = None if state.metrics.multiprocess else start_discovery(state)
     try:
         yield
     finally:
+        if discovery is not None:
+            await discovery.close()
+            state.discovery = None
         for task in tasks:
             task.cancel()
         for task in tasks:

@@ -28,11 +28,14 @@ from typing import Any
 from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
 from prefixroute.core.counters import MAX_WORKERS
+from prefixroute.discovery.flags import (configure_discovery_flags, discovery_from_args, single_with_discovery,
+                                         uses_discovery)
 from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import RouterHandle, reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
-__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers"]
+__all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers",
+           "add_routing_flags"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -68,6 +71,14 @@ def parse_workers(text: str) -> int:
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add the ``serve`` flags to ``p``."""
+    add_routing_flags(p)
+    configure_discovery_flags(p)
+    add_listener_flags(p)
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """The routing configuration flags (``--config``, ``--backend``, ``--strategy``...)
+    that :func:`build_config` reads; ``prefixroute epp`` takes the same."""
     g = p.add_argument_group("routing configuration (either --config or --backend)")
     g.add_argument("--config", metavar="PATH",
                    help="YAML fleet configuration ({Endpoints: [{EndpointName, ProductionVariants: [...]}]}); "
@@ -105,6 +116,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="production variant name, returned in X-Amzn-Invoked-Production-Variant "
                         "(default: AllTraffic)")
 
+
+
+def add_listener_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s listener, health, timeout, limit and logging flags."""
     n = p.add_argument_group("listeners")
     n.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
     n.add_argument("--port", type=int, default=8080,
@@ -213,16 +228,21 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     Raises:
         ConfigError: conflicting or missing flags, an unreadable file, invalid values.
     """
+    discovering = uses_discovery(args)
     if args.config:
         if args.backend:
             raise ConfigError("use either --config or --backend, not both")
+        if discovering:
+            raise ConfigError("discovery flags (--dns, --k8s-...) are for the --backend case; with --config put "
+                              "Discovery: on the production variant")
         try:
             text = Path(args.config).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read configuration file {args.config}: {exc.strerror or exc}") from None
         return FleetConfig.from_yaml(text)
-    if not args.backend:
-        raise ConfigError("no instances: give --backend URL (repeatable) or --config PATH")
+    if not args.backend and not discovering:
+        raise ConfigError("no instances: give --backend URL (repeatable), --config PATH, or a discovery source "
+                          "(--dns NAME, --k8s-service NAME)")
     strategy = RoutingStrategy.parse(args.strategy)
     uses = _STRATEGY_FLAGS.get(strategy, set())
     given = {flag for flag, dest in _ROUTING_FLAGS.items() if getattr(args, dest) is not None}
@@ -236,6 +256,9 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     routing = RoutingConfig.build(strategy, value["prefix_length"], value["concurrency_threshold"],
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
                                   instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"])
+    if discovering:
+        return single_with_discovery(args.backend, routing, discovery_from_args(args), args.endpoint_name,
+                                     args.variant_name)
     return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
 
 
@@ -390,6 +413,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if settings.workers > 1:
+        if any(v.discovery is not None for e in config.endpoints for v in e.variants):
+            print("error: discovery (Discovery:, --dns, --k8s-...) runs in one router process; use --workers 1 "
+                  "and more router replicas", file=sys.stderr)
+            return 2
         from prefixroute.server.workers import serve_workers
 
         return serve_workers(config, settings, args.log_level)

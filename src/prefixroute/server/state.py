@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import aiohttp
 
@@ -61,6 +62,15 @@ class RouterState:
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
+        #: Instances found by discovery, per (endpoint, variant): the source's settings
+        #: and its last good set; :meth:`apply_config` puts them in place of the
+        #: variant's ``Instances`` while the variant keeps that same source.
+        self.discovered: dict[tuple[str, str], tuple[object, tuple[str, ...]]] = {}
+        #: Called with the configuration in force after every change (the discovery
+        #: manager starts and stops its sources from it).
+        self.config_listeners: list[Callable[[FleetConfig], None]] = []
+        #: The running :class:`prefixroute.discovery.manager.DiscoveryManager` (set while the app runs).
+        self.discovery: object | None = None
 
     @property
     def config(self) -> FleetConfig:
@@ -79,6 +89,7 @@ class RouterState:
             prefixroute.core.counters.InFlightTableFull: (``--workers N``) the shared
                 in-flight table has no room for the new instances; nothing changed.
         """
+        config = self._with_discovered(config)
         counters = self.counters
         if counters is not None:
             # Removed instances whose requests have finished since need their slots no
@@ -95,6 +106,43 @@ class RouterState:
                 log.warning("configuration applied, but the slots of removed instances are kept for now: %s", exc)
         self.publish_engine_load()
         log.info("configuration applied: %s", _summary(config))
+        for listener in list(self.config_listeners):
+            listener(config)
+
+    def _with_discovered(self, config: FleetConfig) -> FleetConfig:
+        """``config`` with each discovery-managed variant's ``Instances`` replaced by
+        the last set its source found (a reload keeps what discovery found, unless the
+        variant's source itself changed)."""
+        if not self.discovered:
+            return config
+        endpoints = []
+        for e in config.endpoints:
+            variants = []
+            for v in e.variants:
+                found = self.discovered.get((e.name, v.name))
+                if v.discovery is not None and found is not None and found[0] == v.discovery \
+                        and v.instances != found[1]:
+                    v = v.model_copy(update={"instances": found[1]})
+                variants.append(v)
+            endpoints.append(e.model_copy(update={"variants": tuple(variants)}))
+        return config.model_copy(update={"endpoints": tuple(endpoints)})
+
+    def set_discovered(self, endpoint: str, variant: str, source: object, instances: tuple[str, ...]) -> bool:
+        """Discovery found ``instances`` (normalised base URLs) for a variant whose
+        ``Discovery`` is ``source``: make them its membership, keeping the state of the
+        instances that stay (the same path as any reconfiguration).
+
+        Returns:
+            ``False`` if the variant no longer exists or has another source now (the
+            answer is stale and dropped), else ``True``.
+        """
+        cfg = next((v for e in self.config.endpoints if e.name == endpoint
+                    for v in e.variants if v.name == variant), None)
+        if cfg is None or cfg.discovery != source:
+            return False
+        self.discovered[(endpoint, variant)] = (source, tuple(instances))
+        self.apply_config(self.config)
+        return True
 
     def _held_slot_keys(self) -> list[int]:
         """The shared slots this process's pools need: their instances' and their
