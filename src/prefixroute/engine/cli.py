@@ -19,6 +19,7 @@ import signal
 import sys
 from collections.abc import Callable
 
+from prefixroute.core.model_tokenizer import ModelTokenizer, load_tokenizer
 from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
 from prefixroute.engine.server import start_engine_server
 
@@ -64,6 +65,20 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default = getattr(_DEFAULTS, flag[2:].replace("-", "_"))
         p.add_argument(flag, type=kind, default=None, help=f"{meaning} (default: {default})")
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="NAME|PATH",
+        help="tokenize with a model's own tokenizer and chat template, as vLLM does: 'tiny' (bundled, 810 "
+        "tokens) or a model directory with tokenizer.json and tokenizer_config.json (needs the precise extra). "
+        "Default: the built-in rule, one token per 4 bytes of UTF-8 and a fixed chat rendering",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template replacing the tokenizer's (only with --tokenizer)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -82,8 +97,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, **overrides)
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
-    runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id)
+async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None) -> None:
+    runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id,
+                                             tokenizer=tokenizer)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -117,12 +133,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port {args.port} is out of range (allowed 0-65,535)")
-    except ValueError as exc:
+        if args.chat_template is not None and args.tokenizer is None:
+            raise ValueError("--chat-template needs --tokenizer")
+        tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
+    except (ValueError, ImportError) as exc:
         print(f"prefixroute emulate: {exc}", file=sys.stderr)
         return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(args, config))
+            runner.run(_serve(args, config, tokenizer))
     except OSError as exc:
         print(f"prefixroute emulate: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

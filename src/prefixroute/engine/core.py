@@ -179,9 +179,19 @@ class EngineCore:
 
     Args:
         config: validated :class:`~prefixroute.engine.model.EngineConfig`.
+        output_vocabulary: token ids the model generates from (a model tokenizer's
+            :attr:`~prefixroute.core.model_tokenizer.ModelTokenizer.output_token_ids`);
+            ``None``: the 4-byte rule's :data:`~prefixroute.engine.tokenizer.OUTPUT_WORDS`.
+    Raises:
+        ValueError: ``output_vocabulary`` is empty or holds an id outside ``[0, 2**64)``.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, output_vocabulary: Sequence[int] | None = None) -> None:
+        if output_vocabulary is not None:
+            output_vocabulary = tuple(output_vocabulary)
+            if not output_vocabulary or not all(isinstance(t, int) and 0 <= t < 2**64 for t in output_vocabulary):
+                raise ValueError("output_vocabulary must be a non-empty sequence of token ids in [0, 2**64)")
+        self._vocabulary = output_vocabulary
         self.config = config
         self.cache = PrefixCache(config.num_kv_blocks, config.block_size)
         self._waiting: dict[str, _Request] = {}  # insertion order = FCFS
@@ -330,7 +340,7 @@ class EngineCore:
         req.num_computed += n
         new: tuple[int, ...] = ()
         if req.num_computed >= prompt_len:  # prefill done (now or earlier): sample a token
-            tid = output_token_id(req.seed, req.num_output)
+            tid = output_token_id(req.seed, req.num_output, self._vocabulary)
             req.num_output += 1
             if req.prompt.token_bytes:
                 req.out_payload += token_payload(tid, req.prompt.token_bytes)
@@ -437,7 +447,7 @@ class EngineCore:
         for req in self._running.values():
             new: tuple[int, ...] = ()
             if req.prompt.token_bytes:
-                ids = [output_token_id(req.seed, req.num_output + i) for i in range(steps)]
+                ids = [output_token_id(req.seed, req.num_output + i, self._vocabulary) for i in range(steps)]
                 req.out_payload += b"".join(token_payload(t, req.prompt.token_bytes) for t in ids)
                 new = tuple(ids)
             req.num_computed += steps

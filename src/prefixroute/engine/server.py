@@ -33,9 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixroute.core.keys import InvalidRequest, completion_prompt, render_chat_text
+from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
 from prefixroute.engine.model import EngineConfig
-from prefixroute.engine.tokenizer import TokenizedPrompt, decode, tokenize
+from prefixroute.engine.tokenizer import TokenizedPrompt, decode, from_token_ids, tokenize
 
 __all__ = [
     "GENERATION_PROMPT",
@@ -143,6 +144,12 @@ class EngineServer:
             faster, 0.0 as fast as the CPU allows (no sleeping). Must be finite, >= 0.
         instance_id: the name reported in ``X-Emulated-Instance`` and ``/info``
             (default: ``"engine-"`` + 8 random hex digits).
+        tokenizer: a model's tokenizer and chat template
+            (:class:`~prefixroute.core.model_tokenizer.ModelTokenizer`): prompts become
+            its token ids (chat: the template applied, as vLLM does) and the model
+            generates tokens of its vocabulary. ``None`` (default): the 4-byte rule of
+            :mod:`prefixroute.engine.tokenizer` and the chat rendering of
+            :func:`~prefixroute.core.keys.render_chat_text`.
     Raises:
         ValueError: ``time_scale`` is negative or not finite.
 
@@ -151,13 +158,15 @@ class EngineServer:
     or simply :func:`start_engine_server`.
     """
 
-    def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None,
+                 tokenizer: ModelTokenizer | None = None) -> None:
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
         self.config = config
         self.time_scale = float(time_scale)
         self.instance_id = instance_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.core = EngineCore(config)
+        self.tokenizer = tokenizer
+        self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self.core, config.model))
         self._ttft = Histogram(
@@ -303,12 +312,16 @@ class EngineServer:
         if model is not None and model != self.config.model:
             raise _ClientError(404, f"The model `{model}` does not exist.")
         try:
-            if chat:
-                prompt: str | list[int] = render_chat_text(payload) + GENERATION_PROMPT
-            else:
+            if not chat:
                 raw = payload.get("prompt")
                 if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[0], (str, list)):
                     raise _ClientError(400, "batched prompts are not supported by the emulator; send one per request")
+            prompt: str | list[int]
+            if self.tokenizer is not None:
+                prompt = self.tokenizer.request_token_ids(payload, chat)
+            elif chat:
+                prompt = render_chat_text(payload) + GENERATION_PROMPT
+            else:
                 prompt = completion_prompt(payload)
         except InvalidRequest as exc:
             raise _ClientError(400, str(exc)) from None
@@ -328,7 +341,7 @@ class EngineServer:
         if not isinstance(options, dict):
             raise _ClientError(400, "'stream_options' must be an object")
         try:
-            tokens = tokenize(prompt)
+            tokens = tokenize(prompt) if self.tokenizer is None or isinstance(prompt, str) else from_token_ids(prompt)
         except ValueError as exc:
             raise _ClientError(400, str(exc)) from None
         return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)))
@@ -362,6 +375,9 @@ class EngineServer:
         finally:  # success, error, client disconnect (cancellation): never leak
             self._release(rid)
 
+    def _decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else decode(token_ids)
+
     async def _next(self, entry: _InFlight) -> RequestOutput:
         item = await entry.queue.get()
         if item is _FAILED:
@@ -383,7 +399,7 @@ class EngineServer:
             tokens.extend(o.new_token_ids)
             if o.finished:
                 break
-        text = decode(tokens)
+        text = self._decode(tokens)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
                       "logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -424,7 +440,7 @@ class EngineServer:
                 reason = "length" if o.finished else None
                 parts: list[bytes] = []
                 if o.new_token_ids:
-                    text = decode(o.new_token_ids)
+                    text = self._decode(o.new_token_ids)
                     if chat:
                         if o.first_token:
                             role = {"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -465,6 +481,7 @@ class EngineServer:
             "instance_id": self.instance_id,
             "model": self.config.model,
             "time_scale": self.time_scale,
+            "tokenizer": self.tokenizer.name if self.tokenizer is not None else "4-byte",
             "config": dataclasses.asdict(self.config),
             "stats": dataclasses.asdict(self.core.stats()),
             "in_flight": len(self._inflight),
@@ -488,6 +505,7 @@ async def start_engine_server(
     instance_id: str | None = None,
     *,
     shutdown_timeout_s: float = 5.0,
+    tokenizer: ModelTokenizer | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start one emulated engine on the running event loop.
 
@@ -498,6 +516,7 @@ async def start_engine_server(
         time_scale: wall seconds per modelled second (see :class:`EngineServer`).
         instance_id: name for ``X-Emulated-Instance`` (default: random).
         shutdown_timeout_s: seconds ``runner.cleanup()`` waits for open requests.
+        tokenizer: the model's tokenizer and chat template (see :class:`EngineServer`).
     Returns:
         ``(runner, port)``: the bound port, and the runner to stop with
         ``await runner.cleanup()``; the :class:`EngineServer` is
@@ -505,7 +524,7 @@ async def start_engine_server(
     Raises:
         OSError: the address cannot be bound. ValueError: bad ``time_scale``.
     """
-    server = EngineServer(config, time_scale=time_scale, instance_id=instance_id)
+    server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer)
     runner = web.AppRunner(
         server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
