@@ -19,11 +19,13 @@ import signal
 import sys
 from collections.abc import Callable
 
+from prefixroute.core.kvevents.codec import ENCODINGS
 from prefixroute.core.model_tokenizer import ModelTokenizer, load_tokenizer
+from prefixroute.engine.kv_publisher import KvEventsSettings
 from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
 from prefixroute.engine.server import start_engine_server
 
-__all__ = ["configure_parser", "run", "config_from_args"]
+__all__ = ["configure_parser", "run", "config_from_args", "kv_events_from_args"]
 
 _DEFAULTS = EngineConfig()
 
@@ -79,6 +81,30 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template replacing the tokenizer's (only with --tokenizer)",
     )
     p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV events as vLLM does, with vLLM's flag: e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm; "
+        "'tcp://HOST:*' binds a free port, shown in GET /info). Needs the precise extra. Default: no events",
+    )
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=list(ENCODINGS),
+        default="array",
+        help="msgpack form of the events: 'array' (positional, the vLLM releases seen so far) or 'map' "
+        "(newer vLLM source) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-events-hash-seed",
+        type=int,
+        default=None,
+        metavar="INT",
+        help="seed of the published block hashes (vLLM's NONE_HASH, fixed by PYTHONHASHSEED there), "
+        "0 to 2**64-1 (default: random at start-up, so they differ from the router's and between restarts)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -97,9 +123,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, **overrides)
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None) -> None:
+async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None,
+                 kv_events: KvEventsSettings | None) -> None:
     runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id,
-                                             tokenizer=tokenizer)
+                                             tokenizer=tokenizer, kv_events=kv_events)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -115,6 +142,23 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Mode
         await runner.cleanup()
 
 
+def kv_events_from_args(args: argparse.Namespace) -> KvEventsSettings | None:
+    """The KV-event publisher's settings from the flags, ``None`` when events are off.
+
+    Raises:
+        ValueError: a bad ``--kv-events-config``, or ``--kv-events-hash-seed`` without it.
+    """
+    if args.kv_events_config is None:
+        if args.kv_events_hash_seed is not None:
+            raise ValueError("--kv-events-hash-seed needs --kv-events-config")
+        return None
+    settings = KvEventsSettings.from_vllm_config(args.kv_events_config, encoding=args.kv_events_encoding,
+                                                 hash_seed=args.kv_events_hash_seed)
+    if settings is not None:
+        import zmq  # noqa: F401  (the precise extra: fail now, with a clear message, not at start-up)
+    return settings
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -125,7 +169,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the emulated engine until SIGTERM/SIGINT. Returns the process exit code:
-    0 after a clean stop, 2 for an invalid configuration, 1 if the port cannot be bound."""
+    0 after a clean stop, 2 for an invalid configuration, 1 if the port or a KV-event endpoint cannot be bound."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
@@ -136,15 +180,21 @@ def run(args: argparse.Namespace) -> int:
         if args.chat_template is not None and args.tokenizer is None:
             raise ValueError("--chat-template needs --tokenizer")
         tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
+        kv_events = kv_events_from_args(args)
     except (ValueError, ImportError) as exc:
         print(f"prefixroute emulate: {exc}", file=sys.stderr)
         return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(args, config, tokenizer))
+            runner.run(_serve(args, config, tokenizer, kv_events))
     except OSError as exc:
         print(f"prefixroute emulate: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if type(exc).__module__.startswith("zmq"):  # a KV-event endpoint that cannot be bound
+            print(f"prefixroute emulate: KV events: {exc}", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         pass
     return 0

@@ -40,20 +40,26 @@ drives this same class on a virtual clock:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from prefixroute.engine.kvcache import PrefixCache, chain_block_hashes, prompt_block_hashes, root_hash
 from prefixroute.engine.model import EngineConfig, step_duration
-from prefixroute.engine.tokenizer import TokenizedPrompt, output_token_id, token_payload, tokenize
+from prefixroute.engine.tokenizer import TEXT_TOKEN_BYTES, TokenizedPrompt, output_token_id, token_payload, tokenize
+
+if TYPE_CHECKING:
+    from prefixroute.engine.kv_events import KvEventRecorder
 
 __all__ = ["RequestRejected", "HashedPrompt", "RequestOutput", "StepOutput", "EngineStats", "EngineCore"]
 
 _OUTPUT_SEED = 0x6F75_7470_7574  # "output"
 _SYNTHETIC_BLOCK_SEED = 0x7379_6E74_6865_7469  # "synthetic": generated blocks of hashed prompts
 _HASHED = 0  # TokenizedPrompt.token_bytes of a HashedPrompt: there is no payload
+_GPU = "GPU"  # the medium of the prefix cache's blocks (KV events)
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,18 +188,24 @@ class EngineCore:
         output_vocabulary: token ids the model generates from (a model tokenizer's
             :attr:`~prefixroute.core.model_tokenizer.ModelTokenizer.output_token_ids`);
             ``None``: the 4-byte rule's :data:`~prefixroute.engine.tokenizer.OUTPUT_WORDS`.
+        events: a :class:`~prefixroute.engine.kv_events.KvEventRecorder` told of every
+            block made findable or evicted (the KV events); ``None``: none are recorded.
+            It needs token ids, so it serves requests given as text or token ids, not
+            :class:`HashedPrompt` ones.
     Raises:
         ValueError: ``output_vocabulary`` is empty or holds an id outside ``[0, 2**64)``.
     """
 
-    def __init__(self, config: EngineConfig, output_vocabulary: Sequence[int] | None = None) -> None:
+    def __init__(self, config: EngineConfig, output_vocabulary: Sequence[int] | None = None, *,
+                 events: "KvEventRecorder | None" = None) -> None:
         if output_vocabulary is not None:
             output_vocabulary = tuple(output_vocabulary)
             if not output_vocabulary or not all(isinstance(t, int) and 0 <= t < 2**64 for t in output_vocabulary):
                 raise ValueError("output_vocabulary must be a non-empty sequence of token ids in [0, 2**64)")
         self._vocabulary = output_vocabulary
         self.config = config
-        self.cache = PrefixCache(config.num_kv_blocks, config.block_size)
+        self.events = events
+        self.cache = self._new_cache()
         self._waiting: dict[str, _Request] = {}  # insertion order = FCFS
         self._running: dict[str, _Request] = {}  # insertion order = admission order
         self._queries = 0
@@ -204,6 +216,28 @@ class EngineCore:
         self._aborted = 0
         self._steps = 0
         self._busy_s = 0.0
+
+    def _new_cache(self) -> PrefixCache:
+        cache = PrefixCache(self.config.num_kv_blocks, self.config.block_size)
+        if self.events is not None:
+            cache.on_evict = self._evicted
+        return cache
+
+    def _evicted(self, hashes: Sequence[int], start: int, end: int) -> None:
+        """The prefix cache evicted ``hashes[start:end]``."""
+        if self.events is not None:
+            self.events.removed(hashes[start:end], _GPU)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block, as vLLM's ``reset_prefix_cache`` (an
+        ``AllBlocksCleared`` event). Refused, returning False, while requests run (their
+        blocks are in use); True once done."""
+        if self._running:
+            return False
+        self.cache = self._new_cache()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     # -- requests ----------------------------------------------------------------------
 
@@ -387,8 +421,37 @@ class EngineCore:
                 seg = payload[start:] + req.out_payload[: end - len(payload)]
             parent = req.block_hashes[-1] if have else root_hash(req.prompt.token_bytes)
             req.block_hashes.extend(chain_block_hashes(seg, bpb, full - have, parent))
-        self.cache.commit(req.request_id, req.block_hashes, full)
+        new = self.cache.commit(req.request_id, req.block_hashes, full)
         req.num_committed = full
+        events = self.events
+        if events is not None and new < full:
+            tokens = self._token_ids(req, new, full) if events.wants_tokens and req.prompt.token_bytes else None
+            events.stored(req.block_hashes, new, full, tokens, _GPU)
+
+    def _token_ids(self, req: _Request, first: int, end: int) -> list[int]:
+        """The token ids of blocks ``[first, end)`` of a request (prompt, then output)."""
+        tb = req.prompt.token_bytes
+        bs = self.config.block_size
+        a, b = first * bs * tb, end * bs * tb
+        payload = req.prompt.payload
+        if b <= len(payload):
+            data: bytes | bytearray = payload[a:b]
+        elif a >= len(payload):
+            data = req.out_payload[a - len(payload):b - len(payload)]
+        else:
+            data = payload[a:] + req.out_payload[:b - len(payload)]
+        n = (end - first) * bs
+        if tb != TEXT_TOKEN_BYTES:
+            return list(struct.unpack(f"<{n}Q", data))
+        marker = TEXT_TOKEN_BYTES << 32
+        ids = []
+        for v in struct.unpack(f"<{n}I", data):
+            if v >> 24 != 0xFF:
+                ids.append(v + marker)
+            else:  # the 0xFF-padded last chunk of a text prompt: 1 to 3 real bytes
+                size = 3 if (v >> 16) & 0xFF != 0xFF else 2 if (v >> 8) & 0xFF != 0xFF else 1
+                ids.append((v & ((1 << (8 * size)) - 1)) + (size << 32))
+        return ids
 
     # -- runs of pure-decode steps (the simulator's fast-forward) ------------------------
 

@@ -10,8 +10,12 @@ waiting handlers. With no work it sleeps until a request arrives.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` as
 server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
 vLLM metric names), ``POST /invocations`` + ``GET /ping`` (SageMaker container
-contract), ``GET /info`` (instance id, configuration, counters). Every response carries
-``X-Emulated-Instance: <instance id>``. Prompt text is never logged.
+contract), ``GET /info`` (instance id, configuration, counters, KV-event endpoints),
+``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409 while requests run).
+Every response carries ``X-Emulated-Instance: <instance id>``. Prompt text is never logged.
+
+With KV events on (``kv_events``), the events of each step are published as one batch
+when the step ends (:mod:`prefixroute.engine.kv_publisher`), as vLLM publishes them.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from prometheus_client.registry import Collector
 from prefixroute.core.keys import InvalidRequest, completion_prompt, render_chat_text
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
+from prefixroute.engine.kv_events import KvEventRecorder
+from prefixroute.engine.kv_publisher import KvEventPublisher, KvEventsSettings
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tokenizer import TokenizedPrompt, decode, from_token_ids, tokenize
 
@@ -150,6 +156,8 @@ class EngineServer:
             generates tokens of its vocabulary. ``None`` (default): the 4-byte rule of
             :mod:`prefixroute.engine.tokenizer` and the chat rendering of
             :func:`~prefixroute.core.keys.render_chat_text`.
+        kv_events: publish the engine's KV events (ZeroMQ) with these settings;
+            ``None`` (default): no events.
     Raises:
         ValueError: ``time_scale`` is negative or not finite.
 
@@ -159,14 +167,18 @@ class EngineServer:
     """
 
     def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None,
-                 tokenizer: ModelTokenizer | None = None) -> None:
+                 tokenizer: ModelTokenizer | None = None, kv_events: KvEventsSettings | None = None) -> None:
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
         self.config = config
         self.time_scale = float(time_scale)
         self.instance_id = instance_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.tokenizer = tokenizer
-        self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None)
+        self.events = (KvEventRecorder(config.block_size, hash_seed=kv_events.hash_seed)
+                       if kv_events is not None else None)
+        self.publisher = KvEventPublisher(kv_events) if kv_events is not None else None
+        self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None,
+                               events=self.events)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self.core, config.model))
         self._ttft = Histogram(
@@ -197,12 +209,15 @@ class EngineServer:
         app.router.add_get("/ping", self._ok)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/info", self._info)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.on_response_prepare.append(self._stamp)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
+        if self.publisher is not None:
+            await self.publisher.start()
         self._wall0 = asyncio.get_running_loop().time()
         self._task = asyncio.create_task(self._run(), name=f"engine-loop-{self.instance_id}")
 
@@ -216,6 +231,8 @@ class EngineServer:
             self._task = None
         for rid in list(self._inflight):
             self._release(rid)
+        if self.publisher is not None:
+            await self.publisher.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -254,6 +271,7 @@ class EngineServer:
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             self._model_elapsed += out.duration_s
+            self._publish_events()
             self._deliver(out, deadline)
             next_start = deadline
 
@@ -273,6 +291,13 @@ class EngineServer:
                     o.request_id, o.prompt_tokens, o.cached_tokens, o.num_output_tokens,
                 )
             job.queue.put_nowait(o)
+
+    def _publish_events(self) -> None:
+        """Send the events recorded since the last batch, if any, as one batch."""
+        if self.events is not None and self.publisher is not None:
+            events = self.events.take()
+            if events:
+                self.publisher.publish(events)
 
     def _fail_all(self) -> None:
         for rid, job in list(self._inflight.items()):
@@ -486,8 +511,22 @@ class EngineServer:
             "stats": dataclasses.asdict(self.core.stats()),
             "in_flight": len(self._inflight),
             "model_time_s": self._model_now(),
+            "kv_events": None if self.publisher is None else {
+                "endpoint": self.publisher.endpoint,
+                "replay_endpoint": self.publisher.replay_endpoint,
+                "topic": self.publisher.settings.topic,
+                "encoding": self.publisher.settings.encoding,
+                "block_size": self.config.block_size,
+                "published": self.publisher.published,
+            },
         }
         return web.Response(body=orjson.dumps(info), content_type="application/json")
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.core.reset_prefix_cache():
+            return _error_response(409, "the prefix cache cannot be reset while requests are running")
+        self._publish_events()
+        return web.Response(status=200)
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers["X-Emulated-Instance"] = self.instance_id
@@ -506,6 +545,7 @@ async def start_engine_server(
     *,
     shutdown_timeout_s: float = 5.0,
     tokenizer: ModelTokenizer | None = None,
+    kv_events: KvEventsSettings | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start one emulated engine on the running event loop.
 
@@ -517,14 +557,17 @@ async def start_engine_server(
         instance_id: name for ``X-Emulated-Instance`` (default: random).
         shutdown_timeout_s: seconds ``runner.cleanup()`` waits for open requests.
         tokenizer: the model's tokenizer and chat template (see :class:`EngineServer`).
+        kv_events: publish KV events with these settings (see :class:`EngineServer`).
     Returns:
         ``(runner, port)``: the bound port, and the runner to stop with
         ``await runner.cleanup()``; the :class:`EngineServer` is
         ``runner.app[ENGINE_KEY]``.
     Raises:
         OSError: the address cannot be bound. ValueError: bad ``time_scale``.
+        zmq.ZMQError: a KV-event endpoint cannot be bound.
     """
-    server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer)
+    server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer,
+                          kv_events=kv_events)
     runner = web.AppRunner(
         server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
