@@ -22,6 +22,7 @@ from collections.abc import Callable
 from prefixroute.core.kvevents.codec import ENCODINGS
 from prefixroute.core.model_tokenizer import ModelTokenizer, load_tokenizer
 from prefixroute.engine.kv_publisher import KvEventsSettings
+from prefixroute.engine.shared_tier_file import FileSharedTier
 from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
 from prefixroute.engine.server import start_engine_server
 
@@ -40,6 +41,11 @@ _ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--decode-s-per-seq", float, "modelled seconds per sequence decoding one token in a step"),
     ("--step-overhead-s", float, "modelled fixed seconds per step"),
     ("--max-model-len", int, "most tokens (prompt + output) per request; longer ones get 400"),
+    ("--cpu-tier-tokens", int, "a CPU (host-memory) KV tier of this many tokens: blocks evicted from the GPU go "
+                               "there and load back at --cpu-load-s-per-token; 0: none"),
+    ("--cpu-load-s-per-token", float, "modelled seconds per token loaded from the CPU tier"),
+    ("--shared-load-s-per-token", float, "modelled seconds per token loaded from the shared tier"),
+    ("--shared-load-latency-s", float, "modelled seconds added per request loading from the shared tier"),
 )
 
 
@@ -79,6 +85,19 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="a Jinja chat template replacing the tokenizer's (only with --tokenizer)",
+    )
+    p.add_argument(
+        "--shared-tier",
+        default=None,
+        metavar="PATH",
+        help="a KV tier shared by every emulated instance given the same file (put it in /dev/shm): each writes "
+        "its computed blocks there and any loads them (default: none)",
+    )
+    p.add_argument(
+        "--shared-tier-tokens",
+        type=int,
+        default=4_800_000,
+        help="capacity of the shared tier, tokens, when this process creates its file (default: %(default)s)",
     )
     p.add_argument(
         "--kv-events-config",
@@ -124,9 +143,9 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None,
-                 kv_events: KvEventsSettings | None) -> None:
+                 kv_events: KvEventsSettings | None, shared_tier: FileSharedTier | None) -> None:
     runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id,
-                                             tokenizer=tokenizer, kv_events=kv_events)
+                                             tokenizer=tokenizer, kv_events=kv_events, shared_tier=shared_tier)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -140,6 +159,8 @@ async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: Mode
     finally:
         logging.getLogger(__name__).info("shutting down")
         await runner.cleanup()
+        if shared_tier is not None:
+            shared_tier.close()
 
 
 def kv_events_from_args(args: argparse.Namespace) -> KvEventsSettings | None:
@@ -181,12 +202,15 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--chat-template needs --tokenizer")
         tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
         kv_events = kv_events_from_args(args)
-    except (ValueError, ImportError) as exc:
+        shared_tier = None
+        if args.shared_tier is not None:
+            shared_tier = FileSharedTier(args.shared_tier, args.shared_tier_tokens // config.block_size)
+    except (ValueError, ImportError, OSError) as exc:
         print(f"prefixroute emulate: {exc}", file=sys.stderr)
         return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(args, config, tokenizer, kv_events))
+            runner.run(_serve(args, config, tokenizer, kv_events, shared_tier))
     except OSError as exc:
         print(f"prefixroute emulate: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1

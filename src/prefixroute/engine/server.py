@@ -41,6 +41,7 @@ from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
 from prefixroute.engine.kv_events import KvEventRecorder
 from prefixroute.engine.kv_publisher import KvEventPublisher, KvEventsSettings
+from prefixroute.engine.tiers import SharedTier
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tokenizer import TokenizedPrompt, decode, from_token_ids, tokenize
 
@@ -118,6 +119,10 @@ class _EngineCollector(Collector):
             ("vllm:prompt_tokens", "Prompt tokens of prefilled requests (cached included).", s.prompt_tokens_total),
             ("vllm:generation_tokens", "Generated tokens.", s.generation_tokens_total),
             ("vllm:num_preemptions", "Preemptions (0: KV blocks are reserved at admission).", 0),
+            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the lower KV tiers (CPU, shared).",
+             s.external_prefix_cache_queries),
+            ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the lower KV tiers.",
+             s.external_prefix_cache_hits),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -128,6 +133,11 @@ class _EngineCollector(Collector):
         )
         success.add_metric([self._model, "length"], s.requests_finished)
         yield success
+        tiers = CounterMetricFamily("prefixroute_engine_tier_hit_tokens", "Prompt tokens loaded from a KV tier.",
+                                    labels=["model_name", "medium"])
+        tiers.add_metric([self._model, "CPU"], s.cpu_tier_hits)
+        tiers.add_metric([self._model, "SHARED"], s.shared_tier_hits)
+        yield tiers
         gauges = (
             ("vllm:num_requests_running", "Requests admitted and running.", s.num_running),
             ("vllm:num_requests_waiting", "Requests waiting for admission.", s.num_waiting),
@@ -158,6 +168,9 @@ class EngineServer:
             :func:`~prefixroute.core.keys.render_chat_text`.
         kv_events: publish the engine's KV events (ZeroMQ) with these settings;
             ``None`` (default): no events.
+        shared_tier: a KV tier shared with other instances
+            (:class:`~prefixroute.engine.shared_tier_file.FileSharedTier` across
+            processes); ``None``: none. The CPU tier is ``config.cpu_tier_tokens``.
     Raises:
         ValueError: ``time_scale`` is negative or not finite.
 
@@ -167,7 +180,8 @@ class EngineServer:
     """
 
     def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None,
-                 tokenizer: ModelTokenizer | None = None, kv_events: KvEventsSettings | None = None) -> None:
+                 tokenizer: ModelTokenizer | None = None, kv_events: KvEventsSettings | None = None,
+                 shared_tier: SharedTier | None = None) -> None:
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
         self.config = config
@@ -178,7 +192,7 @@ class EngineServer:
                        if kv_events is not None else None)
         self.publisher = KvEventPublisher(kv_events) if kv_events is not None else None
         self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None,
-                               events=self.events)
+                               events=self.events, shared_tier=shared_tier)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self.core, config.model))
         self._ttft = Histogram(
@@ -546,6 +560,7 @@ async def start_engine_server(
     shutdown_timeout_s: float = 5.0,
     tokenizer: ModelTokenizer | None = None,
     kv_events: KvEventsSettings | None = None,
+    shared_tier: SharedTier | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start one emulated engine on the running event loop.
 
@@ -558,6 +573,7 @@ async def start_engine_server(
         shutdown_timeout_s: seconds ``runner.cleanup()`` waits for open requests.
         tokenizer: the model's tokenizer and chat template (see :class:`EngineServer`).
         kv_events: publish KV events with these settings (see :class:`EngineServer`).
+        shared_tier: a KV tier shared with other instances (see :class:`EngineServer`).
     Returns:
         ``(runner, port)``: the bound port, and the runner to stop with
         ``await runner.cleanup()``; the :class:`EngineServer` is
@@ -567,7 +583,7 @@ async def start_engine_server(
         zmq.ZMQError: a KV-event endpoint cannot be bound.
     """
     server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer,
-                          kv_events=kv_events)
+                          kv_events=kv_events, shared_tier=shared_tier)
     runner = web.AppRunner(
         server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )

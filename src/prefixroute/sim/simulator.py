@@ -34,6 +34,7 @@ from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.pool import Lease, NoHealthyInstance, VariantPool
 from prefixroute.engine.core import EngineCore, RequestRejected, StepOutput
 from prefixroute.engine.model import EngineConfig
+from prefixroute.engine.tiers import MemorySharedTier
 from prefixroute.engine.tokenizer import decode
 from prefixroute.sim.blocks import prompt_blocks
 from prefixroute.workloads.session import Session, Workload
@@ -87,6 +88,9 @@ class SimConfig:
         exact_text: build the prompts' text and route on the HTTP router's keys (slow;
             for checking the fast path).
         max_requests: stop starting turns after this many requests (None = no limit).
+        shared_tier_tokens: capacity of a KV tier shared by every instance, tokens
+            (:class:`~prefixroute.engine.tiers.MemorySharedTier`); 0 (default): none.
+            The CPU tier of each instance is ``engine.cpu_tier_tokens``.
 
     Raises:
         ValueError: on construction, for no instances, duplicate ids, replicas < 1,
@@ -105,6 +109,7 @@ class SimConfig:
     fast_forward: bool = True
     exact_text: bool = False
     max_requests: int | None = None
+    shared_tier_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -117,6 +122,9 @@ class SimConfig:
             raise ValueError(f"users must be >= 1 (or None for open loop), got {self.users}")
         if self.duration_s < 0 or self.overhead_s < 0:
             raise ValueError("duration_s and overhead_s must be >= 0 seconds")
+        if self.shared_tier_tokens < 0 or 0 < self.shared_tier_tokens < self.engine.block_size:
+            raise ValueError(f"shared_tier_tokens must be 0 (no shared tier) or hold at least one block of "
+                             f"{self.engine.block_size} tokens, got {self.shared_tier_tokens}")
 
 
 @dataclass(slots=True)
@@ -218,9 +226,9 @@ _IDLE, _STEP, _RUN = range(3)
 class _Instance:
     __slots__ = ("id", "core", "state", "version", "pending", "run_start", "run_d", "run_k")
 
-    def __init__(self, instance_id: str, engine: EngineConfig) -> None:
+    def __init__(self, instance_id: str, engine: EngineConfig, shared_tier: MemorySharedTier | None) -> None:
         self.id = instance_id
-        self.core = EngineCore(engine)
+        self.core = EngineCore(engine, shared_tier=shared_tier)
         self.state = _IDLE
         self.version = 0
         self.pending: StepOutput | None = None
@@ -261,6 +269,8 @@ class Simulator:
         self._rng = random.Random(f"sim-{config.seed}")
         self._heap: list[tuple] = []
         self._seq = itertools.count()
+        self._shared_tier = (MemorySharedTier(config.shared_tier_tokens // config.engine.block_size)
+                             if config.shared_tier_tokens else None)
         self._instances: dict[str, _Instance] = {}
         self._order: list[str] = []
         self._members: list[str] = []
@@ -288,7 +298,7 @@ class Simulator:
 
     def _add_instance(self, iid: str) -> None:
         if iid not in self._instances:
-            self._instances[iid] = _Instance(iid, self.config.engine)
+            self._instances[iid] = _Instance(iid, self.config.engine, self._shared_tier)
             self._order.append(iid)
         if iid not in self._members:
             self._members.append(iid)
