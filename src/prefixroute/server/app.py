@@ -647,6 +647,7 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(health_check_loop(state), name="prefixroute-health-checks"))
     if state.settings.metrics_scrape_interval_s > 0:
         tasks.append(asyncio.create_task(scrape_loop(state), name="prefixroute-metrics-scrape"))
+    await state.start_kv_events()
     try:
         yield
     finally:
@@ -655,13 +656,15 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await state.stop_kv_events()
         await state.session.close()
         state.session = None
 
 
 def build_app(state: RouterState) -> web.Application:
     """The serving application for ``state``. The pooled upstream client, the health
-    checks and the metrics scrapes start on startup and stop on cleanup.
+    checks, the metrics scrapes and precise mode's KV-event subscriptions start on
+    startup and stop on cleanup.
 
     Serve it with aiohttp's request decompression off (``web.AppRunner(app,
     auto_decompress=False)``, as :mod:`prefixroute.server.runner` does): its handlers
