@@ -233,8 +233,8 @@ class InstanceStream:
         if self.settings.replay and self._may_replay(now):
             log.info("kv events %s: gap (expected %d, got %d): asking for a replay", self.instance_id, expected, seq)
             return self._start_replay(expected, [(seq, payload)], from_empty=False, now=now)
-        log.warning("kv events %s: gap (expected %d, got %d) that replay cannot repair: resetting", self.instance_id,
-                    expected, seq)
+        self._warn("gap", "kv events %s: gap (expected %d, got %d) that replay cannot repair: resetting (further "
+                          "such warnings within %.0f s are not logged)", expected, seq, WARN_INTERVAL_S)
         self._reset("gap without replay")
         self._apply(seq, payload)
         return []
