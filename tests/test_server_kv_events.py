@@ -371,11 +371,13 @@ async def test_reconfiguration_follows_instances_and_turns_precise_mode_off() ->
         router.apply_config(FleetConfig.from_mapping(base))
         assert view.instances == [engines[1].url]
         await eventually(lambda: status(router, engines[1].url).connected)
-        del base["KvEvents"]
+        kv = base.pop("KvEvents")
         router.apply_config(FleetConfig.from_mapping(base))
-        assert router.state.kv_view is None
-        await eventually(lambda: router.state.kv_subscriber is None)
+        assert router.state.kv_view is None and router.state.kv_subscriber is None
         await send(router.url, chat("Still routed?"))
+        router.apply_config(FleetConfig.from_mapping({**base, "KvEvents": kv}))  # on again, at run time
+        await eventually(lambda: router.state.kv_subscriber is not None)
+        await connected(router, engines[1].url)
     finally:
         await router.close()
         for e in engines:

@@ -176,7 +176,11 @@ def kv_events_from_args(args: argparse.Namespace) -> KvEventsSettings | None:
     settings = KvEventsSettings.from_vllm_config(args.kv_events_config, encoding=args.kv_events_encoding,
                                                  hash_seed=args.kv_events_hash_seed)
     if settings is not None:
-        import zmq  # noqa: F401  (the precise extra: fail now, with a clear message, not at start-up)
+        try:  # the precise extra: fail now, with a clear message, not at start-up
+            import msgpack  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError:
+            raise ImportError("KV events need pyzmq and msgpack: pip install 'prefixroute[precise]'") from None
     return settings
 
 

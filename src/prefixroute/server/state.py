@@ -9,9 +9,11 @@ requests in flight are not disturbed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -74,6 +76,8 @@ class RouterState:
         self.session: aiohttp.ClientSession | None = None
         self.kv_view: PreciseCacheView | None = None
         self.kv_subscriber: KvEventSubscriber | None = None
+        self._kv_serving = False
+        self._kv_tasks: set[asyncio.Task[None]] = set()
         self._make_kv_view(config)
 
     def _make_kv_view(self, config: FleetConfig) -> None:
@@ -123,27 +127,34 @@ class RouterState:
         ones, start or stop the whole of it."""
         old_view = self.kv_view
         self._make_kv_view(config)
+        if not self._kv_serving:
+            return  # the app's startup subscribes
         sub = self.kv_subscriber
-        if sub is None:
-            return  # not running (yet): the app's startup subscribes
-        if self.kv_view is None or self.kv_view is not old_view:
-            # Off, or a new block size: every key changes. Start again from scratch.
-            import asyncio
-
+        if sub is not None and self.kv_view is not old_view:
+            # Off, or a new block size (every key changes): close, and start again from scratch.
             self.kv_subscriber = None
-            asyncio.get_running_loop().create_task(sub.close())
-            if self.kv_view is not None:
-                asyncio.get_running_loop().create_task(self.start_kv_events())
+            self._spawn(sub.close())
+            sub = None
+        if self.kv_view is None or config.kv_events is None:
             return
-        assert config.kv_events is not None
-        sub.update(config.kv_events, self.instance_ids())
+        if sub is None:
+            self._spawn(self.start_kv_events())
+        else:
+            sub.update(config.kv_events, self.instance_ids())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._kv_tasks.add(task)
+        task.add_done_callback(self._kv_tasks.discard)
 
     async def start_kv_events(self) -> None:
-        """Start precise mode's subscriptions (the app's startup; no-op without ``KvEvents``).
+        """Start precise mode's subscriptions (the app's startup; without ``KvEvents``,
+        only remembers that the app serves, for a configuration that turns it on).
 
         Raises:
             ImportError: the ``precise`` extra is missing.
         """
+        self._kv_serving = True
         if self.kv_view is None or self.kv_subscriber is not None or self.config.kv_events is None:
             return
         from prefixroute.server.kv_subscriber import KvEventSubscriber
@@ -154,9 +165,13 @@ class RouterState:
 
     async def stop_kv_events(self) -> None:
         """Stop precise mode's subscriptions (the app's cleanup)."""
+        self._kv_serving = False
         sub, self.kv_subscriber = self.kv_subscriber, None
         if sub is not None:
             await sub.close()
+        for task in list(self._kv_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     def _held_slot_keys(self) -> list[int]:
         """The shared slots this process's pools need: their instances' and their

@@ -27,9 +27,8 @@ the wrong types, is skipped and counted; a payload that is not a batch at all ra
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any, Literal, Sequence
-
-import msgpack
 
 from prefixroute.core.kvevents.events import (
     AllBlocksCleared,
@@ -80,6 +79,17 @@ class DecodedBatch:
     problems: list[str] = field(default_factory=list)
 
 
+@cache
+def _msgpack() -> Any:
+    """The ``msgpack`` module, imported on first use: it belongs to the ``precise`` extra,
+    and the routing configuration imports this package whether precise mode is on or not."""
+    try:
+        import msgpack
+    except ImportError as exc:
+        raise ImportError("KV events need msgpack: pip install 'prefixroute[precise]'") from exc
+    return msgpack
+
+
 # -- encoding --------------------------------------------------------------------------
 
 
@@ -126,7 +136,7 @@ def encode_batch(batch: EventBatch, encoding: Encoding = "array") -> bytes:
             obj["data_parallel_rank"] = batch.data_parallel_rank
     else:
         obj = [batch.ts, events, batch.data_parallel_rank]
-    return msgpack.packb(obj, use_bin_type=True)
+    return _msgpack().packb(obj, use_bin_type=True)
 
 
 # -- decoding --------------------------------------------------------------------------
@@ -198,7 +208,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise MalformedBatch(f"payload of {len(payload):,} bytes is over the {MAX_PAYLOAD_BYTES:,}-byte limit")
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+        obj = _msgpack().unpackb(payload, raw=False, strict_map_key=False)
     except Exception as exc:  # msgpack raises several types (ExtraData, FormatError, ValueError...)
         raise MalformedBatch(f"payload is not msgpack: {type(exc).__name__}") from None
     if isinstance(obj, list) and len(obj) >= 2:
