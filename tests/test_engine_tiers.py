@@ -233,3 +233,27 @@ async def test_emulated_instances_share_a_file_tier(tmp_path: Path) -> None:
             await runner.cleanup()
             tier.close()
     assert prompt_block_hashes(from_token_ids(body["prompt"]), BS)[0] != 0
+
+
+def test_simulator_keeps_precise_state_equal_to_the_engines() -> None:
+    workload = SharedPrefixWorkload(groups=10, prefix_tokens=800, question_tokens=32, output_tokens=8,
+                                    arrival_rate=5.0, seed=2)
+    cfg = SimConfig(instance_ids(3), RoutingConfig.build("random"),
+                    engine=EngineConfig(kv_capacity_tokens=3000, cpu_tier_tokens=6000), duration_s=30.0,
+                    shared_tier_tokens=8000, seed=2, precise=True)
+    sim = Simulator(cfg, workload)
+    sim.run()
+    view = sim.kv_view
+    assert view is not None and view.instances == list(instance_ids(3))
+    for iid, inst in sim._instances.items():
+        index = view.stream(iid).index  # type: ignore[union-attr]
+        gpu = {h for e in inst.core.cache._first.values() for h in e.hashes[e.start:e.end]}
+        assert {h for h, n in index.held.items() if n & 0xFFFFFF} == gpu
+        assert {h for h, n in index.held.items() if n >= 1 << 24} == set(inst.core.cpu_tier._blocks)
+        assert view.mode(iid).value == "precise"
+    assert set(view.shared.held) == set(sim._shared_tier._blocks)  # type: ignore[union-attr]
+    # A request's holdings, asked with its block hashes, are what the engine would find.
+    chain = next(iter(sim._instances.values())).core.cache
+    some = next(e for e in chain._first.values() if e.start == 0)
+    keys = list(some.hashes[:some.end])
+    assert next(iter(view.holdings(keys).values())).gpu_tokens == len(keys) * 16

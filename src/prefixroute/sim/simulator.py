@@ -31,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
+from prefixroute.core.kvevents.view import PreciseCacheView
 from prefixroute.core.pool import Lease, NoHealthyInstance, VariantPool
 from prefixroute.engine.core import EngineCore, RequestRejected, StepOutput
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tiers import MemorySharedTier
 from prefixroute.engine.tokenizer import decode
 from prefixroute.sim.blocks import prompt_blocks
+from prefixroute.sim.precise import DirectObserver
 from prefixroute.workloads.session import Session, Workload
 
 __all__ = ["MembershipChange", "SimConfig", "RequestRecord", "SimResult", "Simulator", "simulate", "instance_ids",
@@ -91,6 +93,10 @@ class SimConfig:
         shared_tier_tokens: capacity of a KV tier shared by every instance, tokens
             (:class:`~prefixroute.engine.tiers.MemorySharedTier`); 0 (default): none.
             The CPU tier of each instance is ``engine.cpu_tier_tokens``.
+        precise: keep precise state: every engine's cache changes, per medium, in
+            :attr:`Simulator.kv_view` (a :class:`~prefixroute.core.kvevents.view.PreciseCacheView`
+            keyed by the prompts' block hashes, :mod:`prefixroute.sim.precise`), which
+            a routing policy asks as it asks the router's.
 
     Raises:
         ValueError: on construction, for no instances, duplicate ids, replicas < 1,
@@ -110,6 +116,7 @@ class SimConfig:
     exact_text: bool = False
     max_requests: int | None = None
     shared_tier_tokens: int = 0
+    precise: bool = False
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -226,9 +233,10 @@ _IDLE, _STEP, _RUN = range(3)
 class _Instance:
     __slots__ = ("id", "core", "state", "version", "pending", "run_start", "run_d", "run_k")
 
-    def __init__(self, instance_id: str, engine: EngineConfig, shared_tier: MemorySharedTier | None) -> None:
+    def __init__(self, instance_id: str, engine: EngineConfig, shared_tier: MemorySharedTier | None,
+                 observer: DirectObserver | None = None) -> None:
         self.id = instance_id
-        self.core = EngineCore(engine, shared_tier=shared_tier)
+        self.core = EngineCore(engine, shared_tier=shared_tier, events=observer)  # type: ignore[arg-type]
         self.state = _IDLE
         self.version = 0
         self.pending: StepOutput | None = None
@@ -271,6 +279,8 @@ class Simulator:
         self._seq = itertools.count()
         self._shared_tier = (MemorySharedTier(config.shared_tier_tokens // config.engine.block_size)
                              if config.shared_tier_tokens else None)
+        #: Precise state (``config.precise``), else ``None``.
+        self.kv_view = PreciseCacheView(config.engine.block_size) if config.precise else None
         self._instances: dict[str, _Instance] = {}
         self._order: list[str] = []
         self._members: list[str] = []
@@ -298,7 +308,12 @@ class Simulator:
 
     def _add_instance(self, iid: str) -> None:
         if iid not in self._instances:
-            self._instances[iid] = _Instance(iid, self.config.engine, self._shared_tier)
+            observer = None
+            if self.kv_view is not None:
+                stream = self.kv_view.add_instance(iid)
+                stream.on_connected()
+                observer = DirectObserver(stream.index)
+            self._instances[iid] = _Instance(iid, self.config.engine, self._shared_tier, observer)
             self._order.append(iid)
         if iid not in self._members:
             self._members.append(iid)
