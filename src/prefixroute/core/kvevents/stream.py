@@ -159,7 +159,10 @@ class InstanceStream:
     # -- connection ---------------------------------------------------------------------
 
     def on_connected(self) -> None:
-        """The driver's socket (re)connected to the instance's publisher."""
+        """The driver's socket (re)connected to the instance's publisher (no-op while
+        connected: a message may have told the stream before the socket monitor did)."""
+        if self.connected:
+            return
         if self.ever_connected and self.expected is not None:
             self._reconnected = True
         self.connected = self.ever_connected = True
