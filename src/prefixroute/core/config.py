@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefixroute.core.discovery_config import DiscoveryConfig
+from prefixroute.core.kvevents.config import KvEventsConfig
 
 __all__ = [
     "ConfigError",
@@ -462,11 +463,16 @@ class EndpointConfig(BaseModel):
 
 
 class FleetConfig(BaseModel):
-    """Every endpoint the router serves. The first endpoint also serves ``/v1/...``."""
+    """Every endpoint the router serves. The first endpoint also serves ``/v1/...``.
+
+    ``kv_events`` (``KvEvents``): precise mode, the instances' KV-event streams
+    (:class:`~prefixroute.core.kvevents.config.KvEventsConfig`); ``None``: off.
+    """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
 
     endpoints: tuple[EndpointConfig, ...] = Field(alias="Endpoints", min_length=1)
+    kv_events: KvEventsConfig | None = Field(default=None, alias="KvEvents")
 
     @model_validator(mode="after")
     def _v_unique(self) -> "FleetConfig":

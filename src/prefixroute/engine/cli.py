@@ -19,10 +19,14 @@ import signal
 import sys
 from collections.abc import Callable
 
+from prefixroute.core.kvevents.codec import ENCODINGS
+from prefixroute.core.model_tokenizer import ModelTokenizer, load_tokenizer
+from prefixroute.engine.kv_publisher import KvEventsSettings
+from prefixroute.engine.shared_tier_file import FileSharedTier
 from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
 from prefixroute.engine.server import start_engine_server
 
-__all__ = ["configure_parser", "run", "config_from_args"]
+__all__ = ["configure_parser", "run", "config_from_args", "kv_events_from_args"]
 
 _DEFAULTS = EngineConfig()
 
@@ -38,6 +42,11 @@ _ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--step-overhead-s", float, "modelled fixed seconds per step"),
     ("--max-model-len", int, "most tokens (prompt + output) per request; longer ones get 400"),
     ("--image-tokens", int, "prompt tokens each image (audio, file) part of a chat request is prefilled as"),
+    ("--cpu-tier-tokens", int, "a CPU (host-memory) KV tier of this many tokens: blocks evicted from the GPU go "
+                               "there and load back at --cpu-load-s-per-token; 0: none"),
+    ("--cpu-load-s-per-token", float, "modelled seconds per token loaded from the CPU tier"),
+    ("--shared-load-s-per-token", float, "modelled seconds per token loaded from the shared tier"),
+    ("--shared-load-latency-s", float, "modelled seconds added per request loading from the shared tier"),
 )
 
 
@@ -65,6 +74,57 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default = getattr(_DEFAULTS, flag[2:].replace("-", "_"))
         p.add_argument(flag, type=kind, default=None, help=f"{meaning} (default: {default})")
     p.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="NAME|PATH",
+        help="tokenize with a model's own tokenizer and chat template, as vLLM does: 'tiny' (bundled, 810 "
+        "tokens) or a model directory with tokenizer.json and tokenizer_config.json (needs the precise extra). "
+        "Default: the built-in rule, one token per 4 bytes of UTF-8 and a fixed chat rendering",
+    )
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template replacing the tokenizer's (only with --tokenizer)",
+    )
+    p.add_argument(
+        "--shared-tier",
+        default=None,
+        metavar="PATH",
+        help="a KV tier shared by every emulated instance given the same file (put it in /dev/shm): each writes "
+        "its computed blocks there and any loads them (default: none)",
+    )
+    p.add_argument(
+        "--shared-tier-tokens",
+        type=int,
+        default=4_800_000,
+        help="capacity of the shared tier, tokens, when this process creates its file (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-events-config",
+        default=None,
+        metavar="JSON",
+        help="publish KV events as vLLM does, with vLLM's flag: e.g. '{\"enable_kv_cache_events\": true, "
+        "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' "
+        "(keys: enable_kv_cache_events, publisher, endpoint, replay_endpoint, topic, buffer_steps, hwm; "
+        "'tcp://HOST:*' binds a free port, shown in GET /info). Needs the precise extra. Default: no events",
+    )
+    p.add_argument(
+        "--kv-events-encoding",
+        choices=list(ENCODINGS),
+        default="array",
+        help="msgpack form of the events: 'array' (positional, the vLLM releases seen so far) or 'map' "
+        "(newer vLLM source) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--kv-events-hash-seed",
+        type=int,
+        default=None,
+        metavar="INT",
+        help="seed of the published block hashes (vLLM's NONE_HASH, fixed by PYTHONHASHSEED there), "
+        "0 to 2**64-1 (default: random at start-up, so they differ from the router's and between restarts)",
+    )
+    p.add_argument(
         "--log-level",
         default="info",
         choices=["debug", "info", "warning", "error"],
@@ -83,8 +143,10 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, **overrides)
 
 
-async def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
-    runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id)
+async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None,
+                 kv_events: KvEventsSettings | None, shared_tier: FileSharedTier | None) -> None:
+    runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id,
+                                             tokenizer=tokenizer, kv_events=kv_events, shared_tier=shared_tier)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -98,6 +160,29 @@ async def _serve(args: argparse.Namespace, config: EngineConfig) -> None:
     finally:
         logging.getLogger(__name__).info("shutting down")
         await runner.cleanup()
+        if shared_tier is not None:
+            shared_tier.close()
+
+
+def kv_events_from_args(args: argparse.Namespace) -> KvEventsSettings | None:
+    """The KV-event publisher's settings from the flags, ``None`` when events are off.
+
+    Raises:
+        ValueError: a bad ``--kv-events-config``, or ``--kv-events-hash-seed`` without it.
+    """
+    if args.kv_events_config is None:
+        if args.kv_events_hash_seed is not None:
+            raise ValueError("--kv-events-hash-seed needs --kv-events-config")
+        return None
+    settings = KvEventsSettings.from_vllm_config(args.kv_events_config, encoding=args.kv_events_encoding,
+                                                 hash_seed=args.kv_events_hash_seed)
+    if settings is not None:
+        try:  # the precise extra: fail now, with a clear message, not at start-up
+            import msgpack  # noqa: F401
+            import zmq  # noqa: F401
+        except ImportError:
+            raise ImportError("KV events need pyzmq and msgpack: pip install 'prefixroute[precise]'") from None
+    return settings
 
 
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -110,7 +195,7 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the emulated engine until SIGTERM/SIGINT. Returns the process exit code:
-    0 after a clean stop, 2 for an invalid configuration, 1 if the port cannot be bound."""
+    0 after a clean stop, 2 for an invalid configuration, 1 if the port or a KV-event endpoint cannot be bound."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
@@ -118,15 +203,27 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--time-scale must be a finite number >= 0, got {args.time_scale}")
         if not 0 <= args.port <= 65535:
             raise ValueError(f"--port {args.port} is out of range (allowed 0-65,535)")
-    except ValueError as exc:
+        if args.chat_template is not None and args.tokenizer is None:
+            raise ValueError("--chat-template needs --tokenizer")
+        tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
+        kv_events = kv_events_from_args(args)
+        shared_tier = None
+        if args.shared_tier is not None:
+            shared_tier = FileSharedTier(args.shared_tier, args.shared_tier_tokens // config.block_size)
+    except (ValueError, ImportError, OSError) as exc:
         print(f"prefixroute emulate: {exc}", file=sys.stderr)
         return 2
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
-            runner.run(_serve(args, config))
+            runner.run(_serve(args, config, tokenizer, kv_events, shared_tier))
     except OSError as exc:
         print(f"prefixroute emulate: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 1
+    except Exception as exc:
+        if type(exc).__module__.startswith("zmq"):  # a KV-event endpoint that cannot be bound
+            print(f"prefixroute emulate: KV events: {exc}", file=sys.stderr)
+            return 1
+        raise
     except KeyboardInterrupt:
         pass
     return 0

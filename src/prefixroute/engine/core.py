@@ -40,20 +40,28 @@ drives this same class on a virtual clock:
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import xxhash
 
 from prefixroute.engine.kvcache import PrefixCache, chain_block_hashes, prompt_block_hashes, root_hash
 from prefixroute.engine.model import EngineConfig, step_duration
-from prefixroute.engine.tokenizer import TokenizedPrompt, output_token_id, token_payload, tokenize
+from prefixroute.engine.tokenizer import TEXT_TOKEN_BYTES, TokenizedPrompt, output_token_id, token_payload, tokenize
+
+from prefixroute.engine.tiers import CpuTier, SharedTier, runs
+
+if TYPE_CHECKING:
+    from prefixroute.engine.kv_events import KvEventRecorder
 
 __all__ = ["RequestRejected", "HashedPrompt", "RequestOutput", "StepOutput", "EngineStats", "EngineCore"]
 
 _OUTPUT_SEED = 0x6F75_7470_7574  # "output"
 _SYNTHETIC_BLOCK_SEED = 0x7379_6E74_6865_7469  # "synthetic": generated blocks of hashed prompts
 _HASHED = 0  # TokenizedPrompt.token_bytes of a HashedPrompt: there is no payload
+_GPU, _CPU, _SHARED = "GPU", "CPU", "SHARED"  # media of the KV events
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,9 +103,12 @@ class RequestOutput:
         first_token: ``new_token_ids`` holds the request's first output token.
         finished: the request produced its last token; its blocks are freed.
         prompt_tokens: prompt length in tokens.
-        cached_tokens: prompt tokens found in the prefix cache at admission (a multiple
-            of ``block_size``; 0 before admission).
+        cached_tokens: prompt tokens not prefilled because their KV was found at
+            admission, in the GPU prefix cache or loaded from a lower tier (a multiple of
+            ``block_size``; 0 before admission): the usage's ``cached_tokens``.
         num_output_tokens: output tokens generated so far, this step's included.
+        cpu_cached_tokens: of ``cached_tokens``, those loaded from the CPU tier.
+        shared_cached_tokens: of ``cached_tokens``, those loaded from the shared tier.
     """
 
     request_id: str
@@ -108,6 +119,8 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     num_output_tokens: int
+    cpu_cached_tokens: int = 0
+    shared_cached_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,7 +150,7 @@ class EngineStats:
         num_waiting: requests queued, not yet admitted (``num_requests_waiting``).
         kv_cache_usage: fraction 0–1 of KV blocks referenced by running requests.
         prefix_cache_queries: prompt tokens of admitted requests (tokens, cumulative).
-        prefix_cache_hits: of those, tokens found in the prefix cache.
+        prefix_cache_hits: of those, tokens found in the GPU prefix cache.
         prompt_tokens_total: prompt tokens of requests whose prefill completed (cached
             ones included, as vLLM's ``prompt_tokens_total``).
         generation_tokens_total: output tokens generated.
@@ -145,6 +158,14 @@ class EngineStats:
         requests_aborted: requests removed by :meth:`EngineCore.abort`.
         num_steps: non-empty steps run.
         busy_s: modelled seconds spent in steps (sum of ``duration_s``).
+        external_prefix_cache_queries: with a lower tier, the prompt tokens of admitted
+            requests not found on the GPU, looked up in the tiers (vLLM's
+            ``external_prefix_cache_queries`` of a KV connector); 0 without tiers.
+        external_prefix_cache_hits: of those, tokens loaded from a tier.
+        cpu_tier_hits: tokens loaded from the CPU tier.
+        shared_tier_hits: tokens loaded from the shared tier.
+        load_s: modelled seconds of step time spent loading from tiers.
+        cpu_tier_blocks: blocks in the CPU tier now.
     """
 
     num_running: int
@@ -158,6 +179,12 @@ class EngineStats:
     requests_aborted: int
     num_steps: int
     busy_s: float
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    cpu_tier_hits: int = 0
+    shared_tier_hits: int = 0
+    load_s: float = 0.0
+    cpu_tier_blocks: int = 0
 
 
 @dataclass(slots=True)
@@ -172,6 +199,8 @@ class _Request:
     cached_tokens: int = 0
     num_output: int = 0
     out_payload: bytearray = field(default_factory=bytearray)
+    cpu_tokens: int = 0  # of cached_tokens, loaded from the CPU tier
+    shared_tokens: int = 0  # of cached_tokens, loaded from the shared tier
 
 
 class EngineCore:
@@ -179,11 +208,45 @@ class EngineCore:
 
     Args:
         config: validated :class:`~prefixroute.engine.model.EngineConfig`.
+        output_vocabulary: token ids the model generates from (a model tokenizer's
+            :attr:`~prefixroute.core.model_tokenizer.ModelTokenizer.output_token_ids`);
+            ``None``: the 4-byte rule's :data:`~prefixroute.engine.tokenizer.OUTPUT_WORDS`.
+        events: a :class:`~prefixroute.engine.kv_events.KvEventRecorder` told of every
+            block made findable or evicted (the KV events); ``None``: none are recorded.
+            It needs token ids, so it serves requests given as text or token ids, not
+            :class:`HashedPrompt` ones.
+        shared_tier: the tier shared by every instance
+            (:class:`~prefixroute.engine.tiers.SharedTier`), or ``None``. The CPU tier
+            is the engine's own (``config.cpu_tier_tokens``).
+
+    Tiers (:mod:`prefixroute.engine.tiers`): on admission, the prompt's chain is matched
+    on the GPU, continued in the CPU tier, then in the shared tier; the blocks found
+    there are loaded (the admitting step takes ``cpu_load_s_per_token`` /
+    ``shared_load_s_per_token`` per token longer, plus ``shared_load_latency_s`` per
+    request loading from the shared tier) instead of prefilled, and become GPU blocks.
+    Blocks evicted from the GPU go to the CPU tier; blocks made findable on the GPU are
+    written through to the shared tier.
+    Raises:
+        ValueError: ``output_vocabulary`` is empty or holds an id outside ``[0, 2**64)``.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, output_vocabulary: Sequence[int] | None = None, *,
+                 events: "KvEventRecorder | None" = None, shared_tier: SharedTier | None = None) -> None:
+        if output_vocabulary is not None:
+            output_vocabulary = tuple(output_vocabulary)
+            if not output_vocabulary or not all(isinstance(t, int) and 0 <= t < 2**64 for t in output_vocabulary):
+                raise ValueError("output_vocabulary must be a non-empty sequence of token ids in [0, 2**64)")
+        self._vocabulary = output_vocabulary
         self.config = config
-        self.cache = PrefixCache(config.num_kv_blocks, config.block_size)
+        self.events = events
+        self.cpu_tier = CpuTier(config.cpu_tier_tokens // config.block_size) if config.cpu_tier_tokens else None
+        self.shared_tier = shared_tier
+        self.cache = self._new_cache()
+        self._step_load_s = 0.0  # load time of the requests admitted in the step being planned
+        self._load_s = 0.0
+        self._external_queries = 0
+        self._cpu_hits = 0
+        self._shared_hits = 0
         self._waiting: dict[str, _Request] = {}  # insertion order = FCFS
         self._running: dict[str, _Request] = {}  # insertion order = admission order
         self._queries = 0
@@ -194,6 +257,38 @@ class EngineCore:
         self._aborted = 0
         self._steps = 0
         self._busy_s = 0.0
+
+    def _new_cache(self) -> PrefixCache:
+        cache = PrefixCache(self.config.num_kv_blocks, self.config.block_size)
+        if self.events is not None or self.cpu_tier is not None:
+            cache.on_evict = self._evicted
+        return cache
+
+    def _evicted(self, hashes: Sequence[int], start: int, end: int) -> None:
+        """The prefix cache evicted ``hashes[start:end]``: report it, offload to the CPU tier."""
+        events = self.events
+        if self.cpu_tier is not None:
+            stored, evicted = self.cpu_tier.put(hashes, start, end)
+            if events is not None:  # (reported before the GPU removal: the blocks' token ids are kept meanwhile)
+                for a, b in runs(stored):
+                    events.stored(hashes, a, b, None, _CPU)
+                if evicted:
+                    events.removed(evicted, _CPU)
+        if events is not None:
+            events.removed(hashes[start:end], _GPU)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached block, as vLLM's ``reset_prefix_cache`` (an
+        ``AllBlocksCleared`` event). Refused, returning False, while requests run (their
+        blocks are in use); True once done."""
+        if self._running:
+            return False
+        self.cache = self._new_cache()
+        if self.cpu_tier is not None:
+            self.cpu_tier.clear()
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     # -- requests ----------------------------------------------------------------------
 
@@ -305,23 +400,40 @@ class EngineCore:
         applied = (self._apply(req, n, admitted) for req, n, admitted in scheduled)
         outputs = tuple(out for out in applied if out.admitted or out.new_token_ids)
         duration = step_duration(cfg, prefill_tokens, decode_seqs)
+        if self._step_load_s:
+            duration += self._step_load_s
+            self._load_s += self._step_load_s
+            self._step_load_s = 0.0
         self._steps += 1
         self._busy_s += duration
         return StepOutput(duration, outputs, prefill_tokens, decode_seqs)
 
     def _admit(self, req: _Request) -> bool:
-        bs = self.config.block_size
+        cfg = self.config
+        bs = cfg.block_size
         prompt_len = req.prompt.num_tokens
-        hit = min(self.cache.lookup(req.block_hashes), (prompt_len - 1) // bs)
+        cap = (prompt_len - 1) // bs
+        hashes = req.block_hashes
+        hit = min(self.cache.lookup(hashes), cap)
         # KV holds prompt + output - 1 tokens at most: the last token is never fed back.
-        if not self.cache.allocate(req.request_id, prompt_len + req.max_tokens - 1, req.block_hashes[:hit]):
+        if not self.cache.allocate(req.request_id, prompt_len + req.max_tokens - 1, hashes[:hit]):
             return False
         del self._waiting[req.request_id]
         self._running[req.request_id] = req
-        req.num_computed = req.cached_tokens = hit * bs
+        cpu = self.cpu_tier.match(hashes, hit, cap) if self.cpu_tier is not None else 0
+        shared = self.shared_tier.match(hashes, hit + cpu, cap) if self.shared_tier is not None else 0
+        req.num_computed = req.cached_tokens = (hit + cpu + shared) * bs
+        req.cpu_tokens, req.shared_tokens = cpu * bs, shared * bs
         req.num_committed = hit
         self._queries += prompt_len
-        self._hits += req.cached_tokens
+        self._hits += hit * bs
+        if self.cpu_tier is not None or self.shared_tier is not None:
+            self._external_queries += prompt_len - hit * bs
+            self._cpu_hits += cpu * bs
+            self._shared_hits += shared * bs
+            if cpu or shared:
+                self._step_load_s += (cfg.cpu_load_s_per_token * cpu * bs + cfg.shared_load_s_per_token * shared * bs
+                                      + (cfg.shared_load_latency_s if shared else 0.0))
         return True
 
     def _apply(self, req: _Request, n: int, admitted: bool) -> RequestOutput:
@@ -330,7 +442,7 @@ class EngineCore:
         req.num_computed += n
         new: tuple[int, ...] = ()
         if req.num_computed >= prompt_len:  # prefill done (now or earlier): sample a token
-            tid = output_token_id(req.seed, req.num_output)
+            tid = output_token_id(req.seed, req.num_output, self._vocabulary)
             req.num_output += 1
             if req.prompt.token_bytes:
                 req.out_payload += token_payload(tid, req.prompt.token_bytes)
@@ -353,6 +465,8 @@ class EngineCore:
             prompt_len,
             req.cached_tokens,
             req.num_output,
+            req.cpu_tokens,
+            req.shared_tokens,
         )
 
     def _commit_full_blocks(self, req: _Request) -> None:
@@ -377,8 +491,47 @@ class EngineCore:
                 seg = payload[start:] + req.out_payload[: end - len(payload)]
             parent = req.block_hashes[-1] if have else root_hash(req.prompt.token_bytes)
             req.block_hashes.extend(chain_block_hashes(seg, bpb, full - have, parent))
-        self.cache.commit(req.request_id, req.block_hashes, full)
+        new = self.cache.commit(req.request_id, req.block_hashes, full)
         req.num_committed = full
+        if new >= full:
+            return
+        events = self.events
+        if events is not None:
+            tokens = self._token_ids(req, new, full) if events.wants_tokens and req.prompt.token_bytes else None
+            events.stored(req.block_hashes, new, full, tokens, _GPU)
+        if self.shared_tier is not None:  # write-through
+            run = req.block_hashes[new:full]
+            published = [events.engine_hash(h) for h in run] if events is not None else [0] * len(run)
+            stored, evicted = self.shared_tier.put(run, published)
+            if events is not None:
+                for a, b in runs(stored):
+                    events.stored_shared(run[a:b], _SHARED)
+                events.removed_published(evicted, _SHARED)
+
+    def _token_ids(self, req: _Request, first: int, end: int) -> list[int]:
+        """The token ids of blocks ``[first, end)`` of a request (prompt, then output)."""
+        tb = req.prompt.token_bytes
+        bs = self.config.block_size
+        a, b = first * bs * tb, end * bs * tb
+        payload = req.prompt.payload
+        if b <= len(payload):
+            data: bytes | bytearray = payload[a:b]
+        elif a >= len(payload):
+            data = req.out_payload[a - len(payload):b - len(payload)]
+        else:
+            data = payload[a:] + req.out_payload[:b - len(payload)]
+        n = (end - first) * bs
+        if tb != TEXT_TOKEN_BYTES:
+            return list(struct.unpack(f"<{n}Q", data))
+        marker = TEXT_TOKEN_BYTES << 32
+        ids = []
+        for v in struct.unpack(f"<{n}I", data):
+            if v >> 24 != 0xFF:
+                ids.append(v + marker)
+            else:  # the 0xFF-padded last chunk of a text prompt: 1 to 3 real bytes
+                size = 3 if (v >> 16) & 0xFF != 0xFF else 2 if (v >> 8) & 0xFF != 0xFF else 1
+                ids.append((v & ((1 << (8 * size)) - 1)) + (size << 32))
+        return ids
 
     # -- runs of pure-decode steps (the simulator's fast-forward) ------------------------
 
@@ -437,7 +590,7 @@ class EngineCore:
         for req in self._running.values():
             new: tuple[int, ...] = ()
             if req.prompt.token_bytes:
-                ids = [output_token_id(req.seed, req.num_output + i) for i in range(steps)]
+                ids = [output_token_id(req.seed, req.num_output + i, self._vocabulary) for i in range(steps)]
                 req.out_payload += b"".join(token_payload(t, req.prompt.token_bytes) for t in ids)
                 new = tuple(ids)
             req.num_computed += steps
@@ -448,7 +601,7 @@ class EngineCore:
                 finished.append(req)
             if done or new:
                 outputs.append(RequestOutput(req.request_id, new, False, False, done, req.prompt.num_tokens,
-                                             req.cached_tokens, req.num_output))
+                                             req.cached_tokens, req.num_output, req.cpu_tokens, req.shared_tokens))
         n = len(self._running)
         for req in finished:
             del self._running[req.request_id]
@@ -486,4 +639,10 @@ class EngineCore:
             requests_aborted=self._aborted,
             num_steps=self._steps,
             busy_s=self._busy_s,
+            external_prefix_cache_queries=self._external_queries,
+            external_prefix_cache_hits=self._cpu_hits + self._shared_hits,
+            cpu_tier_hits=self._cpu_hits,
+            shared_tier_hits=self._shared_hits,
+            load_s=self._load_s,
+            cpu_tier_blocks=len(self.cpu_tier) if self.cpu_tier is not None else 0,
         )

@@ -21,7 +21,7 @@ concurrently, the second copy stays anonymous (vLLM keeps both under one hash).
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import xxhash
 
@@ -128,6 +128,11 @@ class PrefixCache:
     recomputes blocks whose cached copy has become unreachable (a block before them
     was evicted), its copy is kept findable where a per-block cache would keep it
     anonymous; lookups are unaffected.
+
+    Observing evictions (KV events, tiers): :attr:`on_evict`, when set, is called for
+    every run of blocks evicted, as ``on_evict(hashes, start, end)``: the blocks
+    ``hashes[start:end]`` (consecutive blocks of one chain) are no longer findable.
+    :meth:`commit` returns where the blocks it made findable begin.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 16) -> None:
@@ -143,6 +148,8 @@ class PrefixCache:
         self._cached = 0  # findable blocks
         self._empty = num_blocks  # blocks holding nothing
         self._seqs: dict[Hashable, _Seq] = {}
+        #: Called as ``on_evict(hashes, start, end)`` for each run of blocks evicted.
+        self.on_evict: Callable[[Sequence[int], int, int], None] | None = None
 
     # -- extents -----------------------------------------------------------------------
 
@@ -211,9 +218,13 @@ class PrefixCache:
             if n <= k:
                 self._lru_remove(e)
                 del self._first[e.hashes[e.start]]
+                start, end = e.start, e.end
             else:
                 n = k
                 e.end -= k  # the least recently used blocks of e are its tail
+                start, end = e.end, e.end + k
+            if self.on_evict is not None:
+                self.on_evict(e.hashes, start, end)
             self._evictable -= n
             self._cached -= n
             k -= n
@@ -303,13 +314,17 @@ class PrefixCache:
         self._seqs[seq_id] = _Seq(cached_prefix, hit, need, total)
         return True
 
-    def commit(self, seq_id: Hashable, block_hashes: Sequence[int], num_blocks: int | None = None) -> None:
+    def commit(self, seq_id: Hashable, block_hashes: Sequence[int], num_blocks: int | None = None) -> int:
         """Mark the first ``num_blocks`` (default: all) blocks of ``seq_id`` computed and findable.
 
         ``block_hashes`` is the sequence's chain (already committed blocks included). The
         cache keeps a reference to it: its first ``num_blocks`` entries must never change
         afterwards (appending is fine). A block whose hash is already cached elsewhere
         stays anonymous.
+
+        Returns:
+            ``p``: the blocks ``block_hashes[p:num_blocks]`` became findable by this call
+            (``p == num_blocks`` when none did).
 
         Raises:
             KeyError: ``seq_id`` holds no blocks.
@@ -322,7 +337,7 @@ class PrefixCache:
         seq.hashes = block_hashes
         c = seq.committed
         if n <= c:
-            return
+            return n
         # Which of blocks [c, n) are cached already (computed by another sequence at the
         # same time)? Follow the chain from its first block; if it breaks before c (a
         # block this sequence holds as a duplicate was evicted), start again at c. When
@@ -337,7 +352,7 @@ class PrefixCache:
                 _, new = self._path(block_hashes, c, n)
         seq.committed = n
         if new >= n:
-            return
+            return n
         count = n - new
         seq.anon -= count
         self._cached += count
@@ -352,6 +367,7 @@ class PrefixCache:
             ranges[-1][1] = n
         else:
             ranges.append([new, n])
+        return new
 
     def free(self, seq_id: Hashable) -> None:
         """Release ``seq_id``'s blocks; hashed ones stay cached as evictable.

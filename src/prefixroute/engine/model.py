@@ -39,6 +39,25 @@ tensor parallelism 8**, vLLM with prefix caching (the SPEC's reference benchmark
   budget of chunked prefill). ``block_size = 16`` and ``max_model_len = 131072``
   (Llama-3.1's context) are vLLM's and the model's defaults.
 
+**Tiered KV caches** (optional, :mod:`prefixroute.engine.tiers`): a block found in a lower
+tier is loaded instead of prefilled. Loading is modelled as part of the step that admits
+the request (LMCache's vLLM connector loads layer by layer inside the forward pass), at a
+cost per token moved, from the same 320 KiB of KV per token:
+
+* **CPU tier** (host memory): each of the 8 GPUs loads its eighth (40 KiB a token) over
+  its own PCIe Gen5 x16 link, 64 GB/s each way (NVIDIA H100 SXM datasheet: 128 GB/s
+  bidirectional), at about 80 % of it for pinned-memory DMA ⇒ 40 KiB / 51 GB/s ≈
+  **0.8 µs per token** (``cpu_load_s_per_token``), 44 times cheaper than prefill.
+* **Shared tier** (a KV store every instance reads over the network, as LMCache's remote
+  backends or a managed tiered cache): an 8×H100 instance such as AWS p5.48xlarge has
+  3,200 Gb/s of EFA networking (AWS instance specifications); a KV store reaching one
+  eighth of it, 50 GB/s, moves 320 KiB in **6.6 µs per token**
+  (``shared_load_s_per_token``), plus **2 ms** per request that loads from it
+  (``shared_load_latency_s``: the lookup and connection round trips of a remote store).
+* capacities: ``cpu_tier_tokens`` (0: no CPU tier); a host with 2 TB of memory keeps
+  about 5 million tokens of Llama-70B KV in 1.6 TB, 4× the GPU tier. The shared tier's
+  size is the tier's own (``prefixroute emulate --shared-tier-tokens``).
+
 Every constant can be overridden (``prefixroute emulate --help``).
 """
 
@@ -66,6 +85,12 @@ class EngineConfig:
         prefill_s_per_token: seconds per prompt token prefilled.
         decode_s_per_seq: seconds per sequence decoding one token in a step.
         image_tokens: prompt tokens one image (audio, file) part of a chat request costs.
+        cpu_tier_tokens: capacity of the CPU tier in tokens (``// block_size`` blocks);
+            0 (default): no CPU tier.
+        cpu_load_s_per_token: seconds per token loaded from the CPU tier.
+        shared_load_s_per_token: seconds per token loaded from the shared tier.
+        shared_load_latency_s: seconds added once per request that loads from the
+            shared tier.
 
     Raises:
         ValueError: on construction, for a non-positive size, a negative time, a KV
@@ -83,6 +108,10 @@ class EngineConfig:
     prefill_s_per_token: float = 35e-6
     decode_s_per_seq: float = 1e-4
     image_tokens: int = 576
+    cpu_tier_tokens: int = 0
+    cpu_load_s_per_token: float = 0.8e-6
+    shared_load_s_per_token: float = 6.6e-6
+    shared_load_latency_s: float = 0.002
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_tokens, int) or isinstance(self.image_tokens, bool) or self.image_tokens < 0:
@@ -91,7 +120,14 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq"):
+        if isinstance(self.cpu_tier_tokens, bool) or not isinstance(self.cpu_tier_tokens, int) \
+                or self.cpu_tier_tokens < 0:
+            raise ValueError(f"cpu_tier_tokens must be an integer >= 0, got {self.cpu_tier_tokens!r}")
+        if 0 < self.cpu_tier_tokens < self.block_size:
+            raise ValueError(f"cpu_tier_tokens ({self.cpu_tier_tokens}) must hold at least one block of "
+                             f"{self.block_size} (or be 0: no CPU tier)")
+        for name in ("step_overhead_s", "prefill_s_per_token", "decode_s_per_seq", "cpu_load_s_per_token",
+                     "shared_load_s_per_token", "shared_load_latency_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
                 raise ValueError(f"{name} must be a finite number >= 0 seconds, got {value!r}")

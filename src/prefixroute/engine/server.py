@@ -10,8 +10,12 @@ waiting handlers. With no work it sleeps until a request arrives.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` as
 server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
 vLLM metric names), ``POST /invocations`` + ``GET /ping`` (SageMaker container
-contract), ``GET /info`` (instance id, configuration, counters). Every response carries
-``X-Emulated-Instance: <instance id>``. Prompt text is never logged.
+contract), ``GET /info`` (instance id, configuration, counters, KV-event endpoints),
+``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409 while requests run).
+Every response carries ``X-Emulated-Instance: <instance id>``. Prompt text is never logged.
+
+With KV events on (``kv_events``), the events of each step are published as one batch
+when the step ends (:mod:`prefixroute.engine.kv_publisher`), as vLLM publishes them.
 """
 
 from __future__ import annotations
@@ -33,9 +37,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from prefixroute.core.keys import InvalidRequest, completion_prompt, render_chat_text
+from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
+from prefixroute.engine.kv_events import KvEventRecorder
+from prefixroute.engine.kv_publisher import KvEventPublisher, KvEventsSettings
+from prefixroute.engine.tiers import SharedTier
 from prefixroute.engine.model import EngineConfig
-from prefixroute.engine.tokenizer import TokenizedPrompt, decode, tokenize
+from prefixroute.engine.tokenizer import TokenizedPrompt, decode, from_token_ids, tokenize
 
 __all__ = [
     "GENERATION_PROMPT",
@@ -125,6 +133,10 @@ class _EngineCollector(Collector):
             ("vllm:prompt_tokens", "Prompt tokens of prefilled requests (cached included).", s.prompt_tokens_total),
             ("vllm:generation_tokens", "Generated tokens.", s.generation_tokens_total),
             ("vllm:num_preemptions", "Preemptions (0: KV blocks are reserved at admission).", 0),
+            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the lower KV tiers (CPU, shared).",
+             s.external_prefix_cache_queries),
+            ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the lower KV tiers.",
+             s.external_prefix_cache_hits),
         )
         for name, doc, value in counters:
             c = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -135,6 +147,11 @@ class _EngineCollector(Collector):
         )
         success.add_metric([self._model, "length"], s.requests_finished)
         yield success
+        tiers = CounterMetricFamily("prefixroute_engine_tier_hit_tokens", "Prompt tokens loaded from a KV tier.",
+                                    labels=["model_name", "medium"])
+        tiers.add_metric([self._model, "CPU"], s.cpu_tier_hits)
+        tiers.add_metric([self._model, "SHARED"], s.shared_tier_hits)
+        yield tiers
         gauges = (
             ("vllm:num_requests_running", "Requests admitted and running.", s.num_running),
             ("vllm:num_requests_waiting", "Requests waiting for admission.", s.num_waiting),
@@ -157,6 +174,17 @@ class EngineServer:
             faster, 0.0 as fast as the CPU allows (no sleeping). Must be finite, >= 0.
         instance_id: the name reported in ``X-Emulated-Instance`` and ``/info``
             (default: ``"engine-"`` + 8 random hex digits).
+        tokenizer: a model's tokenizer and chat template
+            (:class:`~prefixroute.core.model_tokenizer.ModelTokenizer`): prompts become
+            its token ids (chat: the template applied, as vLLM does) and the model
+            generates tokens of its vocabulary. ``None`` (default): the 4-byte rule of
+            :mod:`prefixroute.engine.tokenizer` and the chat rendering of
+            :func:`~prefixroute.core.keys.render_chat_text`.
+        kv_events: publish the engine's KV events (ZeroMQ) with these settings;
+            ``None`` (default): no events.
+        shared_tier: a KV tier shared with other instances
+            (:class:`~prefixroute.engine.shared_tier_file.FileSharedTier` across
+            processes); ``None``: none. The CPU tier is ``config.cpu_tier_tokens``.
     Raises:
         ValueError: ``time_scale`` is negative or not finite.
 
@@ -165,13 +193,20 @@ class EngineServer:
     or simply :func:`start_engine_server`.
     """
 
-    def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None) -> None:
+    def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None,
+                 tokenizer: ModelTokenizer | None = None, kv_events: KvEventsSettings | None = None,
+                 shared_tier: SharedTier | None = None) -> None:
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
         self.config = config
         self.time_scale = float(time_scale)
         self.instance_id = instance_id or f"engine-{uuid.uuid4().hex[:8]}"
-        self.core = EngineCore(config)
+        self.tokenizer = tokenizer
+        self.events = (KvEventRecorder(config.block_size, hash_seed=kv_events.hash_seed)
+                       if kv_events is not None else None)
+        self.publisher = KvEventPublisher(kv_events) if kv_events is not None else None
+        self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None,
+                               events=self.events, shared_tier=shared_tier)
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(self.core, config.model))
         self._ttft = Histogram(
@@ -202,12 +237,15 @@ class EngineServer:
         app.router.add_get("/ping", self._ok)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/info", self._info)
+        app.router.add_post("/reset_prefix_cache", self._reset_prefix_cache)
         app.on_response_prepare.append(self._stamp)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
         return app
 
     async def _on_startup(self, app: web.Application) -> None:
+        if self.publisher is not None:
+            await self.publisher.start()
         self._wall0 = asyncio.get_running_loop().time()
         self._task = asyncio.create_task(self._run(), name=f"engine-loop-{self.instance_id}")
 
@@ -221,6 +259,8 @@ class EngineServer:
             self._task = None
         for rid in list(self._inflight):
             self._release(rid)
+        if self.publisher is not None:
+            await self.publisher.close()
 
     @property
     def num_in_flight(self) -> int:
@@ -259,6 +299,7 @@ class EngineServer:
             delay = deadline - loop.time()
             await asyncio.sleep(delay if delay > 0 else 0)
             self._model_elapsed += out.duration_s
+            self._publish_events()
             self._deliver(out, deadline)
             next_start = deadline
 
@@ -278,6 +319,13 @@ class EngineServer:
                     o.request_id, o.prompt_tokens, o.cached_tokens, o.num_output_tokens,
                 )
             job.queue.put_nowait(o)
+
+    def _publish_events(self) -> None:
+        """Send the events recorded since the last batch, if any, as one batch."""
+        if self.events is not None and self.publisher is not None:
+            events = self.events.take()
+            if events:
+                self.publisher.publish(events)
 
     def _fail_all(self) -> None:
         for rid, job in list(self._inflight.items()):
@@ -317,12 +365,16 @@ class EngineServer:
         if model is not None and model != self.config.model:
             raise _ClientError(404, f"The model `{model}` does not exist.")
         try:
-            if chat:
-                prompt: str | list[int] = chat_prompt_text(payload, self.config.image_tokens)
-            else:
+            if not chat:
                 raw = payload.get("prompt")
                 if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[0], (str, list)):
                     raise _ClientError(400, "batched prompts are not supported by the emulator; send one per request")
+            prompt: str | list[int]
+            if self.tokenizer is not None:
+                prompt = self.tokenizer.request_token_ids(payload, chat)
+            elif chat:
+                prompt = chat_prompt_text(payload, self.config.image_tokens)
+            else:
                 prompt = completion_prompt(payload)
         except InvalidRequest as exc:
             raise _ClientError(400, str(exc)) from None
@@ -342,7 +394,7 @@ class EngineServer:
         if not isinstance(options, dict):
             raise _ClientError(400, "'stream_options' must be an object")
         try:
-            tokens = tokenize(prompt)
+            tokens = tokenize(prompt) if self.tokenizer is None or isinstance(prompt, str) else from_token_ids(prompt)
         except ValueError as exc:
             raise _ClientError(400, str(exc)) from None
         return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)))
@@ -376,6 +428,9 @@ class EngineServer:
         finally:  # success, error, client disconnect (cancellation): never leak
             self._release(rid)
 
+    def _decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
+        return self.tokenizer.decode(token_ids) if self.tokenizer is not None else decode(token_ids)
+
     async def _next(self, entry: _InFlight) -> RequestOutput:
         item = await entry.queue.get()
         if item is _FAILED:
@@ -397,7 +452,7 @@ class EngineServer:
             tokens.extend(o.new_token_ids)
             if o.finished:
                 break
-        text = decode(tokens)
+        text = self._decode(tokens)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
                       "logprobs": None, "finish_reason": "length", "stop_reason": None}
@@ -438,7 +493,7 @@ class EngineServer:
                 reason = "length" if o.finished else None
                 parts: list[bytes] = []
                 if o.new_token_ids:
-                    text = decode(o.new_token_ids)
+                    text = self._decode(o.new_token_ids)
                     if chat:
                         if o.first_token:
                             role = {"index": 0, "delta": {"role": "assistant", "content": ""},
@@ -479,12 +534,27 @@ class EngineServer:
             "instance_id": self.instance_id,
             "model": self.config.model,
             "time_scale": self.time_scale,
+            "tokenizer": self.tokenizer.name if self.tokenizer is not None else "4-byte",
             "config": dataclasses.asdict(self.config),
             "stats": dataclasses.asdict(self.core.stats()),
             "in_flight": len(self._inflight),
             "model_time_s": self._model_now(),
+            "kv_events": None if self.publisher is None else {
+                "endpoint": self.publisher.endpoint,
+                "replay_endpoint": self.publisher.replay_endpoint,
+                "topic": self.publisher.settings.topic,
+                "encoding": self.publisher.settings.encoding,
+                "block_size": self.config.block_size,
+                "published": self.publisher.published,
+            },
         }
         return web.Response(body=orjson.dumps(info), content_type="application/json")
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not self.core.reset_prefix_cache():
+            return _error_response(409, "the prefix cache cannot be reset while requests are running")
+        self._publish_events()
+        return web.Response(status=200)
 
     async def _stamp(self, request: web.Request, response: web.StreamResponse) -> None:
         response.headers["X-Emulated-Instance"] = self.instance_id
@@ -502,6 +572,9 @@ async def start_engine_server(
     instance_id: str | None = None,
     *,
     shutdown_timeout_s: float = 5.0,
+    tokenizer: ModelTokenizer | None = None,
+    kv_events: KvEventsSettings | None = None,
+    shared_tier: SharedTier | None = None,
 ) -> tuple[web.AppRunner, int]:
     """Start one emulated engine on the running event loop.
 
@@ -512,14 +585,19 @@ async def start_engine_server(
         time_scale: wall seconds per modelled second (see :class:`EngineServer`).
         instance_id: name for ``X-Emulated-Instance`` (default: random).
         shutdown_timeout_s: seconds ``runner.cleanup()`` waits for open requests.
+        tokenizer: the model's tokenizer and chat template (see :class:`EngineServer`).
+        kv_events: publish KV events with these settings (see :class:`EngineServer`).
+        shared_tier: a KV tier shared with other instances (see :class:`EngineServer`).
     Returns:
         ``(runner, port)``: the bound port, and the runner to stop with
         ``await runner.cleanup()``; the :class:`EngineServer` is
         ``runner.app[ENGINE_KEY]``.
     Raises:
         OSError: the address cannot be bound. ValueError: bad ``time_scale``.
+        zmq.ZMQError: a KV-event endpoint cannot be bound.
     """
-    server = EngineServer(config, time_scale=time_scale, instance_id=instance_id)
+    server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer,
+                          kv_events=kv_events, shared_tier=shared_tier)
     runner = web.AppRunner(
         server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )

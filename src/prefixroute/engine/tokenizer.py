@@ -161,15 +161,17 @@ def decode(token_ids: Sequence[int]) -> str:
     return b"".join(parts).decode("utf-8", "replace")
 
 
-def output_token_id(seed: int, index: int) -> int:
+def output_token_id(seed: int, index: int, vocabulary: Sequence[int] | None = None) -> int:
     """The ``index``-th (0-based) token the emulated model generates for a request.
 
     Deterministic in ``(seed, index)``; the engine derives ``seed`` from the prompt, so
     the same prompt always gets the same answer (like greedy decoding).
-    Returns one of the ids of :data:`OUTPUT_WORDS`.
+    Returns one of ``vocabulary`` (a non-empty sequence of token ids), by default one
+    of the ids of :data:`OUTPUT_WORDS`.
     """
     h = xxhash.xxh3_64_intdigest(index.to_bytes(8, "little"), seed)
-    return _WORD_IDS[h % len(_WORD_IDS)]
+    words = _WORD_IDS if vocabulary is None else vocabulary
+    return words[h % len(words)]
 
 
 def token_payload(token_id: int, token_bytes: int) -> bytes:

@@ -10,6 +10,8 @@ Routes (JSON in and out; errors are ``{"message": ...}``):
   e.g. ``{"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig":
   {"PrefixLength": 4096, "ConcurrencyThreshold": 8}}``.
 * ``POST /admin/reload``: re-read the ``--config`` file (what SIGHUP does).
+* ``GET /admin/kv-events``: precise mode's status, per instance: ``precise`` or
+  ``approximate`` and why, and its KV-event stream's counters (:func:`kv_events_document`).
 
 An invalid configuration is answered 400 with the validation message and the running
 configuration is kept. With ``serve --workers N`` every worker runs this app on a
@@ -67,7 +69,33 @@ def config_document(state: RouterState) -> dict[str, Any]:
                 ],
             })
         endpoints.append({"EndpointName": e.name, "ProductionVariants": variants})
-    return {"DefaultEndpoint": fleet.default_name, "Endpoints": endpoints}
+    doc: dict[str, Any] = {"DefaultEndpoint": fleet.default_name, "Endpoints": endpoints}
+    if fleet.config.kv_events is not None:
+        doc["KvEvents"] = fleet.config.kv_events.model_dump(by_alias=True, exclude_none=True)
+    return doc
+
+
+def kv_events_document(state: RouterState) -> dict[str, Any]:
+    """Precise mode's status: per instance, its mode (``precise`` or ``approximate``) and why,
+    and its event stream's counters.
+
+    Shape: ``{"Enabled": bool, "BlockSize": int | None, "SharedTierBlocks": int,
+    "Instances": [{"Instance", "Mode", "Reason", "Connected", "Blocks", "NextSeq",
+    "Messages", "Gaps", "Replays", "ReplaysFailed", "Resets", "Restarts", "Orphaned",
+    "MalformedMessages", "MalformedEvents", "UnknownEvents", "LastMessageAgeS"}, ...]}``.
+    """
+    view = state.kv_view
+    if view is None:
+        return {"Enabled": False, "BlockSize": None, "SharedTierBlocks": 0, "Instances": []}
+    rows = []
+    for st in view.status(time.monotonic()):
+        rows.append({"Instance": st.instance, "Mode": st.mode, "Reason": st.reason, "Connected": st.connected,
+                     "Blocks": st.blocks, "NextSeq": st.next_seq, "Messages": st.messages, "Gaps": st.gaps,
+                     "Replays": st.replays, "ReplaysFailed": st.replays_failed, "Resets": st.resets,
+                     "Restarts": st.restarts, "Orphaned": st.orphaned, "MalformedMessages": st.malformed_messages,
+                     "MalformedEvents": st.malformed_events, "UnknownEvents": st.unknown_events,
+                     "LastMessageAgeS": None if st.last_message_age_s is None else round(st.last_message_age_s, 3)})
+    return {"Enabled": True, "BlockSize": view.block_size, "SharedTierBlocks": len(view.shared), "Instances": rows}
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -163,6 +191,11 @@ async def get_config(request: web.Request) -> web.Response:
     return json_response(200, config_document(request.app[_STATE]))
 
 
+async def get_kv_events(request: web.Request) -> web.Response:
+    """``GET /admin/kv-events``: precise mode's status (:func:`kv_events_document`)."""
+    return json_response(200, kv_events_document(request.app[_STATE]))
+
+
 async def put_config(request: web.Request) -> web.Response:
     """``PUT /admin/config``: replace the fleet configuration."""
     state = request.app[_STATE]
@@ -250,6 +283,7 @@ def build_admin_app(state: RouterState, token: str | None = None) -> web.Applica
     app[_STATE] = state
     close_receiving_on_shutdown(app)
     app.router.add_get("/admin/config", get_config, allow_head=False)
+    app.router.add_get("/admin/kv-events", get_kv_events, allow_head=False)
     app.router.add_put("/admin/config", put_config)
     app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", put_routing)
     app.router.add_post("/admin/reload", reload)

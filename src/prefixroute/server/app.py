@@ -654,6 +654,7 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         tasks.append(asyncio.create_task(scrape_loop(state), name="prefixroute-metrics-scrape"))
     # Discovery runs in a single router process (serve --workers N refuses a Discovery source).
     discovery = None if state.metrics.multiprocess else start_discovery(state)
+    await state.start_kv_events()
     try:
         yield
     finally:
@@ -665,13 +666,15 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await state.stop_kv_events()
         await state.session.close()
         state.session = None
 
 
 def build_app(state: RouterState) -> web.Application:
     """The serving application for ``state``. The pooled upstream client, the health
-    checks and the metrics scrapes start on startup and stop on cleanup.
+    checks, the metrics scrapes and precise mode's KV-event subscriptions start on
+    startup and stop on cleanup.
 
     Serve it with aiohttp's request decompression off (``web.AppRunner(app,
     auto_decompress=False)``, as :mod:`prefixroute.server.runner` does): its handlers

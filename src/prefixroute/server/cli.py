@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixroute import signals
-from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy
+from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy, parse_model
+from prefixroute.core.kvevents.config import KvEventsConfig
 from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.discovery.flags import (configure_discovery_flags, discovery_from_args, single_with_discovery,
                                          uses_discovery)
@@ -35,7 +36,7 @@ from prefixroute.server.runner import RouterHandle, reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 __all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers",
-           "add_routing_flags"]
+           "add_routing_flags", "kv_events_from_flags"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -72,6 +73,7 @@ def parse_workers(text: str) -> int:
 def configure_parser(p: argparse.ArgumentParser) -> None:
     """Add the ``serve`` flags to ``p``."""
     add_routing_flags(p)
+    add_precise_flags(p)
     configure_discovery_flags(p)
     add_listener_flags(p)
 
@@ -116,6 +118,27 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
                    help="production variant name, returned in X-Amzn-Invoked-Production-Variant "
                         "(default: AllTraffic)")
 
+
+
+def add_precise_flags(p: argparse.ArgumentParser) -> None:
+    """``serve``'s precise-mode flags (the instances' KV events)."""
+    k = p.add_argument_group(
+        "precise mode: the instances' KV events (vLLM --kv-events-config; with --config, the YAML's KvEvents "
+        "section instead; needs the precise extra)")
+    k.add_argument("--kv-events-endpoint", action="append", default=[], metavar="URL=ENDPOINT[,REPLAY]",
+                   help="where one instance publishes its KV events, e.g. "
+                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 (the second endpoint: its "
+                        "replay socket, optional); repeat per instance")
+    k.add_argument("--kv-events-template", metavar="TEMPLATE",
+                   help="the endpoint of every instance not given by --kv-events-endpoint, from its URL's {host} "
+                        "and {port}, e.g. tcp://{host}:5557 (vLLM's default port on each engine host)")
+    k.add_argument("--kv-events-replay-template", metavar="TEMPLATE",
+                   help="the replay endpoint likewise, e.g. tcp://{host}:5558 (default: no replay: a gap in the "
+                        "events resets the instance's state)")
+    k.add_argument("--kv-events-from-info", action="store_true",
+                   help="ask each instance's GET /info for its endpoints (prefixroute emulate answers it)")
+    k.add_argument("--kv-block-size", type=int, metavar="N",
+                   help="the engines' KV block size in tokens (vLLM: 16 on CUDA by default) (default: 16)")
 
 
 def add_listener_flags(p: argparse.ArgumentParser) -> None:
@@ -229,12 +252,19 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
         ConfigError: conflicting or missing flags, an unreadable file, invalid values.
     """
     discovering = uses_discovery(args)
+    kv_flags = [f for f, given in (("--kv-events-endpoint", getattr(args, "kv_events_endpoint", None)),
+                                   ("--kv-events-template", getattr(args, "kv_events_template", None)),
+                                   ("--kv-events-replay-template", getattr(args, "kv_events_replay_template", None)),
+                                   ("--kv-events-from-info", getattr(args, "kv_events_from_info", None)),
+                                   ("--kv-block-size", getattr(args, "kv_block_size", None))) if given]
     if args.config:
         if args.backend:
             raise ConfigError("use either --config or --backend, not both")
         if discovering:
             raise ConfigError("discovery flags (--dns, --k8s-...) are for the --backend case; with --config put "
                               "Discovery: on the production variant")
+        if kv_flags:
+            raise ConfigError(f"{'/'.join(kv_flags)}: with --config, precise mode is the YAML's KvEvents section")
         try:
             text = Path(args.config).read_text(encoding="utf-8")
         except OSError as exc:
@@ -257,9 +287,45 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
                                   instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"])
     if discovering:
-        return single_with_discovery(args.backend, routing, discovery_from_args(args), args.endpoint_name,
-                                     args.variant_name)
-    return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
+        config = single_with_discovery(args.backend, routing, discovery_from_args(args), args.endpoint_name,
+                                       args.variant_name)
+    else:
+        config = FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
+    if kv_flags:
+        config = config.model_copy(update={"kv_events": kv_events_from_flags(args)})
+    return config
+
+
+def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
+    """Precise mode's configuration from the ``--kv-events*`` flags.
+
+    Raises:
+        ConfigError: a malformed ``--kv-events-endpoint``, a bad template or endpoint, or
+            neither an endpoint, a template nor ``--kv-events-from-info``.
+    """
+    instances: dict[str, Any] = {}
+    for item in args.kv_events_endpoint:
+        url, sep, endpoints = item.partition("=")
+        if not sep or not url or not endpoints:
+            raise ConfigError(f"--kv-events-endpoint {item!r}: expected URL=ENDPOINT[,REPLAY_ENDPOINT]")
+        pub, _, replay = endpoints.partition(",")
+        instances[url] = {"Endpoint": pub, **({"ReplayEndpoint": replay} if replay else {})}
+    data: dict[str, Any] = {"Instances": instances}
+    if args.kv_block_size is not None:
+        data["BlockSize"] = args.kv_block_size
+    if args.kv_events_template or args.kv_events_replay_template or args.kv_events_from_info:
+        discovery: dict[str, Any] = {"FromInfo": bool(args.kv_events_from_info)}
+        if args.kv_events_template:
+            discovery["EndpointTemplate"] = args.kv_events_template
+        if args.kv_events_replay_template:
+            discovery["ReplayEndpointTemplate"] = args.kv_events_replay_template
+        data["Discovery"] = discovery
+    elif not instances:
+        raise ConfigError("precise mode needs --kv-events-endpoint, --kv-events-template or --kv-events-from-info")
+    unknown = set(instances) - {u.strip().rstrip("/") for u in args.backend} - set(args.backend)
+    if unknown:
+        raise ConfigError(f"--kv-events-endpoint names an instance that is no --backend: {sorted(unknown)[0]}")
+    return parse_model(KvEventsConfig, data, "KvEvents")
 
 
 #: Routing flags and their argparse destinations.
@@ -409,6 +475,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = build_config(args)
         settings = build_settings(args)
+        if config.kv_events is not None:
+            try:
+                import msgpack  # noqa: F401
+                import zmq  # noqa: F401
+            except ImportError:
+                raise ConfigError("precise mode (KvEvents) needs pyzmq and msgpack: "
+                                  "pip install 'prefixroute[precise]'") from None
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

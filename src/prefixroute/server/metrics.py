@@ -37,7 +37,7 @@ from prometheus_client.registry import Collector
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.scrape import BackendStats
 
-__all__ = ["RouterMetrics", "CONTENT_TYPE", "METRIC_NAMES", "use_multiprocess_values"]
+__all__ = ["RouterMetrics", "CONTENT_TYPE", "METRIC_NAMES", "KV_EVENTS_METRIC_NAMES", "use_multiprocess_values"]
 
 #: Content type of ``GET /metrics``.
 CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4
@@ -64,6 +64,21 @@ METRIC_NAMES = (
     "prefixroute_backend_requests_running",
     "prefixroute_backend_requests_waiting",
     "prefixroute_backend_scrape_ok",
+)
+
+#: The families precise mode adds (exported while the configuration has ``KvEvents``).
+KV_EVENTS_METRIC_NAMES = (
+    "prefixroute_kv_events_precise",
+    "prefixroute_kv_events_connected",
+    "prefixroute_kv_events_blocks",
+    "prefixroute_kv_events_shared_tier_blocks",
+    "prefixroute_kv_events_messages_total",
+    "prefixroute_kv_events_gaps_total",
+    "prefixroute_kv_events_replays_total",
+    "prefixroute_kv_events_replays_failed_total",
+    "prefixroute_kv_events_resets_total",
+    "prefixroute_kv_events_restarts_total",
+    "prefixroute_kv_events_rejected_total",
 )
 
 # A routing decision takes microseconds; start at 1 µs.
@@ -323,6 +338,57 @@ class _Labelled:
         return child
 
 
+class _KvEventsCollector(Collector):
+    """Precise mode, per instance: its mode and the health of its event stream, read from
+    the :class:`~prefixroute.core.kvevents.view.PreciseCacheView` at scrape time."""
+
+    def __init__(self, view: Callable[[], Any]) -> None:
+        self._view = view
+
+    def collect(self) -> Iterable[Metric]:
+        view = self._view()
+        if view is None:
+            return []
+        import time
+
+        lbl = ("instance",)
+        precise = GaugeMetricFamily(
+            "prefixroute_kv_events_precise",
+            "1 if the router routes on the instance's own KV events (precise mode), 0 if it falls back to its "
+            "learned, approximate state (stream not connected, or repairing a gap).", labels=lbl)
+        connected = GaugeMetricFamily("prefixroute_kv_events_connected",
+                                      "1 if the instance's KV-event stream is connected.", labels=lbl)
+        blocks = GaugeMetricFamily("prefixroute_kv_events_blocks",
+                                   "Distinct KV blocks the instance holds (GPU and CPU tiers), from its events.",
+                                   labels=lbl)
+        shared = GaugeMetricFamily("prefixroute_kv_events_shared_tier_blocks",
+                                   "KV blocks in the tier shared by every instance, from the events.")
+        counters = {name: CounterMetricFamily(f"prefixroute_kv_events_{name}", doc, labels=lbl) for name, doc in (
+            ("messages", "KV-event messages received."),
+            ("gaps", "Gaps in the instance's event sequence numbers (lost messages)."),
+            ("replays", "Replays asked of the instance to repair a gap or catch up."),
+            ("replays_failed", "Replays that failed, timed out or no longer reached the gap."),
+            ("resets", "Times the instance's state was forgotten (restart, unrepairable gap)."),
+            ("restarts", "Engine restarts seen (the sequence number went back)."),
+        )}
+        rejected = CounterMetricFamily(
+            "prefixroute_kv_events_rejected",
+            "What the router could not use, by kind: malformed_message, malformed_event, unknown_event, "
+            "orphaned_block (its parent was never seen).", labels=("instance", "kind"))
+        for st in view.status(time.monotonic()):
+            labels = (st.instance,)
+            precise.add_metric(labels, 1.0 if st.mode == "precise" else 0.0)
+            connected.add_metric(labels, 1.0 if st.connected else 0.0)
+            blocks.add_metric(labels, st.blocks)
+            for name, family in counters.items():
+                family.add_metric(labels, getattr(st, name))
+            for kind, value in (("malformed_message", st.malformed_messages), ("malformed_event", st.malformed_events),
+                                ("unknown_event", st.unknown_events), ("orphaned_block", st.orphaned)):
+                rejected.add_metric((st.instance, kind), value)
+        shared.add_metric((), len(view.shared))
+        return [precise, connected, blocks, shared, *counters.values(), rejected]
+
+
 class RouterMetrics:
     """The router's metrics and the registry that exports them.
 
@@ -332,6 +398,9 @@ class RouterMetrics:
         multiprocess_dir: ``serve --workers N``: the directory given to
             :func:`use_multiprocess_values`; :meth:`render` then sums the counters and
             histograms of every process that wrote there.
+        kv_view: returns precise mode's view, or ``None`` when it is off (the
+            ``prefixroute_kv_events_*`` families; with several workers, those of the
+            worker that answers: each subscribes on its own).
 
     Raises:
         RuntimeError: ``multiprocess_dir`` without :func:`use_multiprocess_values`.
@@ -339,7 +408,7 @@ class RouterMetrics:
 
     def __init__(self, fleet: Callable[[], Fleet],
                  backend_stats: Callable[[], Mapping[str, BackendStats]] = dict,
-                 multiprocess_dir: str | None = None) -> None:
+                 multiprocess_dir: str | None = None, kv_view: Callable[[], Any] = lambda: None) -> None:
         if multiprocess_dir is not None and not getattr(values.ValueClass, "_multiprocess", False):
             raise RuntimeError("RouterMetrics(multiprocess_dir=...) needs use_multiprocess_values() first")
         self.registry = CollectorRegistry(auto_describe=True)
@@ -384,8 +453,10 @@ class RouterMetrics:
         #: answered by one of them cannot record what the others have pending.
         self.multiprocess = multiprocess_dir is not None
         pool_collector, backend_collector = _PoolCollector(fleet), _BackendCollector(backend_stats)
+        kv_collector = _KvEventsCollector(kv_view)
         r.register(pool_collector)
         r.register(backend_collector)
+        r.register(kv_collector)
         # What /metrics shows: this registry, or (several workers) every worker's files.
         self._exposed = r
         if multiprocess_dir is not None:
@@ -395,6 +466,7 @@ class RouterMetrics:
             MultiProcessCollector(self._exposed, path=multiprocess_dir)
             self._exposed.register(pool_collector)
             self._exposed.register(backend_collector)
+            self._exposed.register(kv_collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -9,9 +9,11 @@ requests in flight are not disturbed.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import aiohttp
 
@@ -19,10 +21,14 @@ from prefixroute.core.approx_cache import ViewBudget
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
+from prefixroute.core.kvevents.view import PreciseCacheView
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
 from prefixroute.server.scrape import BackendStats
 from prefixroute.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from prefixroute.server.kv_subscriber import KvEventSubscriber
 
 __all__ = ["RouterState"]
 
@@ -48,6 +54,12 @@ class RouterState:
         backend_stats: the latest scraped engine metrics per instance URL
             (:class:`BackendStats`: prefix-cache counters, requests running/waiting).
         session: the pooled upstream ``aiohttp.ClientSession``; set while the app runs.
+        kv_view: precise mode's :class:`~prefixroute.core.kvevents.view.PreciseCacheView`
+            (every instance's KV-cache state from its events), ``None`` when the
+            configuration has no ``KvEvents``. A routing policy asks it
+            (``holdings``, ``mode``).
+        kv_subscriber: the :class:`~prefixroute.server.kv_subscriber.KvEventSubscriber`
+            feeding ``kv_view``; set while the app runs.
     """
 
     def __init__(self, config: FleetConfig, settings: ServerSettings, *, counters: InFlightTable | None = None,
@@ -58,7 +70,8 @@ class RouterState:
             counters.reserve(config_slot_keys(config))
         self.fleet = Fleet(config, settings.seed, counters, ViewBudget(settings.cache_aware_memory_bytes))
         self.backend_stats: dict[str, BackendStats] = {}
-        self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats, multiprocess_dir=metrics_dir)
+        self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats, multiprocess_dir=metrics_dir,
+                                     kv_view=lambda: getattr(self, "kv_view", None))
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
@@ -71,6 +84,18 @@ class RouterState:
         self.config_listeners: list[Callable[[FleetConfig], None]] = []
         #: The running :class:`prefixroute.discovery.manager.DiscoveryManager` (set while the app runs).
         self.discovery: object | None = None
+        self.kv_view: PreciseCacheView | None = None
+        self.kv_subscriber: KvEventSubscriber | None = None
+        self._kv_serving = False
+        self._kv_tasks: set[asyncio.Task[None]] = set()
+        self._make_kv_view(config)
+
+    def _make_kv_view(self, config: FleetConfig) -> None:
+        kv = config.kv_events
+        if kv is None:
+            self.kv_view = None
+        elif self.kv_view is None or self.kv_view.block_size != kv.block_size:
+            self.kv_view = PreciseCacheView(kv.block_size, kv.stream_settings(True), kv.shared_tier_max_blocks)
 
     @property
     def config(self) -> FleetConfig:
@@ -99,6 +124,7 @@ class RouterState:
             counters.retain(self._held_slot_keys())
             counters.reserve(config_slot_keys(config))  # all or nothing, before any change
         self.fleet.apply(config, self.settings.seed)
+        self._apply_kv_events(config)
         if counters is not None:  # slots of instances gone for good may be taken over
             try:
                 counters.retain(self._held_slot_keys())
@@ -143,6 +169,57 @@ class RouterState:
         self.discovered[(endpoint, variant)] = (source, tuple(instances))
         self.apply_config(self.config)
         return True
+
+    def _apply_kv_events(self, config: FleetConfig) -> None:
+        """Follow precise mode's configuration: subscribe to new instances, drop gone
+        ones, start or stop the whole of it."""
+        old_view = self.kv_view
+        self._make_kv_view(config)
+        if not self._kv_serving:
+            return  # the app's startup subscribes
+        sub = self.kv_subscriber
+        if sub is not None and self.kv_view is not old_view:
+            # Off, or a new block size (every key changes): close, and start again from scratch.
+            self.kv_subscriber = None
+            self._spawn(sub.close())
+            sub = None
+        if self.kv_view is None or config.kv_events is None:
+            return
+        if sub is None:
+            self._spawn(self.start_kv_events())
+        else:
+            sub.update(config.kv_events, self.instance_ids())
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._kv_tasks.add(task)
+        task.add_done_callback(self._kv_tasks.discard)
+
+    async def start_kv_events(self) -> None:
+        """Start precise mode's subscriptions (the app's startup; without ``KvEvents``,
+        only remembers that the app serves, for a configuration that turns it on).
+
+        Raises:
+            ImportError: the ``precise`` extra is missing.
+        """
+        self._kv_serving = True
+        if self.kv_view is None or self.kv_subscriber is not None or self.config.kv_events is None:
+            return
+        from prefixroute.server.kv_subscriber import KvEventSubscriber
+
+        sub = KvEventSubscriber(self.kv_view, self.config.kv_events, session=self.session)
+        self.kv_subscriber = sub
+        await sub.start(self.instance_ids())
+
+    async def stop_kv_events(self) -> None:
+        """Stop precise mode's subscriptions (the app's cleanup)."""
+        self._kv_serving = False
+        sub, self.kv_subscriber = self.kv_subscriber, None
+        if sub is not None:
+            await sub.close()
+        for task in list(self._kv_tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
 
     def _held_slot_keys(self) -> list[int]:
         """The shared slots this process's pools need: their instances' and their

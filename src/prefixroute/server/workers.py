@@ -774,6 +774,7 @@ class Supervisor:
         close_receiving_on_shutdown(app)
         app.router.add_get("/admin/config", self._get_config, allow_head=False)
         app.router.add_get("/admin/workers", self._get_workers, allow_head=False)
+        app.router.add_get("/admin/kv-events", self._get_kv_events, allow_head=False)
         app.router.add_put("/admin/config", self._change)
         app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", self._change)
         app.router.add_post("/admin/reload", self._change)
@@ -802,6 +803,19 @@ class Supervisor:
         for key, st in _instance_states(docs[0]):
             st["Served"] = served[key]
         return json_response(200, docs[0])
+
+    async def _get_kv_events(self, request: web.Request) -> web.Response:
+        """``GET /admin/kv-events``: each worker's precise-mode status (each worker
+        subscribes to the events on its own): ``{"Workers": [{"Worker": i, ...}]}``."""
+        from prefixroute.server.errors import json_response
+
+        out = []
+        for w, r in await self._gather("GET", "/admin/kv-events"):
+            if not isinstance(r, BaseException) and r[0] == 200:
+                out.append({"Worker": w.index, **orjson.loads(r[1])})
+        if not out:
+            return json_response(503, {"message": "no worker answered"})
+        return json_response(200, {"Workers": out})
 
     async def _get_workers(self, request: web.Request) -> web.Response:
         """``GET /admin/workers``: each worker's pid, state, restarts, requests in

@@ -50,6 +50,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "remove:1200:instance-0 (instances are named instance-0, instance-1, ...); repeatable")
     g.add_argument("--kv-capacity-tokens", type=int, default=None,
                    help="KV-cache capacity of each instance, tokens (default: the engine's 1,200,000)")
+    g.add_argument("--cpu-tier-tokens", type=int, default=0,
+                   help="a CPU (host-memory) KV tier per instance, tokens: GPU-evicted blocks go there and load "
+                        "back at the engine's modelled transfer cost; 0: none (default: 0)")
+    g.add_argument("--shared-tier-tokens", type=int, default=0,
+                   help="a KV tier shared by every instance, tokens: each instance writes its blocks through "
+                        "and any instance loads them, at a higher cost than the CPU tier; 0: none (default: 0)")
     g.add_argument("--overhead-ms", type=float, default=0.0,
                    help="model milliseconds each request spends outside the engine (router, network, HTTP), "
                         "added to TTFT and latency (default: 0)")
@@ -231,6 +237,16 @@ def _run_scenario(args: argparse.Namespace) -> int:
     return 0
 
 
+def tiers_label(cpu_tier_tokens: int, shared_tier_tokens: int) -> str:
+    """How a table names the KV tiers of a run, e.g. ``"KV tiers: GPU + CPU 4.8M tokens"``."""
+    parts = ["GPU"]
+    if cpu_tier_tokens:
+        parts.append(f"CPU {cpu_tier_tokens / 1e6:g}M tokens per instance")
+    if shared_tier_tokens:
+        parts.append(f"shared {shared_tier_tokens / 1e6:g}M tokens")
+    return "KV tiers: " + " + ".join(parts)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``prefixroute simulate``; returns the exit status (2 for bad arguments)."""
     if args.scenario:
@@ -248,30 +264,33 @@ def run(args: argparse.Namespace) -> int:
                     if s in (RoutingStrategy.PREFIX_AWARE, RoutingStrategy.CACHE_AWARE) else RoutingConfig.build(s)
                     for s in strategies]
         changes = parse_changes(args.change)
-        engine = EngineConfig() if args.kv_capacity_tokens is None else EngineConfig(
-            kv_capacity_tokens=args.kv_capacity_tokens)
+        engine_kw = {} if args.kv_capacity_tokens is None else {"kv_capacity_tokens": args.kv_capacity_tokens}
+        engine = EngineConfig(cpu_tier_tokens=args.cpu_tier_tokens, **engine_kw)
         build_workload(args)  # validate once, before any run
         configs = [(s.value, SimConfig(instance_ids(args.instances), r, engine=engine, replicas=args.replicas,
                                        duration_s=args.duration, users=args.users,
-                                       overhead_s=args.overhead_ms / 1000, changes=changes, seed=args.seed))
+                                       overhead_s=args.overhead_ms / 1000, changes=changes, seed=args.seed,
+                                       shared_tier_tokens=args.shared_tier_tokens))
                    for s, r in zip(strategies, routings)]
     except (ConfigError, ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     console = _console()
     load = f"{args.users} users" if args.users else f"open loop at {args.rate:g}/s"
+    tiers = tiers_label(args.cpu_tier_tokens, args.shared_tier_tokens)
     console.print(f"[bold]prefixroute simulate[/bold]: {args.instances} instances, {args.replicas} router "
-                  f"replica(s), {args.workload}, {load}, {args.duration:,.0f} model s per strategy")
+                  f"replica(s), {args.workload}, {load}, {args.duration:,.0f} model s per strategy, {tiers}")
     results = run_strategies(configs, lambda: build_workload(args), progress=not args.no_progress, console=console)
     summaries = [res.summary() for res in results]
-    console.print(render_table(summaries, f"{results[0].workload}; simulated, times in model seconds"))
+    console.print(render_table(summaries, f"{results[0].workload}; {tiers}; simulated, times in model seconds"))
     if not args.no_plots:
         paths = write_plots(args.out_dir, {s.strategy: res.results() for s, res in zip(summaries, results)},
                             summaries)
         console.print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
         write_json(args.json, f"{results[0].workload} instances={args.instances} replicas={args.replicas} "
-                              f"{load} duration_s={args.duration:g}", summaries,
+                              f"{load} duration_s={args.duration:g} cpu_tier_tokens={args.cpu_tier_tokens} "
+                              f"shared_tier_tokens={args.shared_tier_tokens}", summaries,
                    {"simulation_wall_s": [round(r.wall_s, 3) for r in results]})
         console.print(f"results: {args.json}")
     return 0

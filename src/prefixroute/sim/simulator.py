@@ -31,11 +31,14 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
+from prefixroute.core.kvevents.view import PreciseCacheView
 from prefixroute.core.pool import Lease, NoHealthyInstance, VariantPool
 from prefixroute.engine.core import EngineCore, RequestRejected, StepOutput
 from prefixroute.engine.model import EngineConfig
+from prefixroute.engine.tiers import MemorySharedTier
 from prefixroute.engine.tokenizer import decode
 from prefixroute.sim.blocks import prompt_blocks
+from prefixroute.sim.precise import DirectObserver
 from prefixroute.workloads.session import Session, Workload
 
 __all__ = ["MembershipChange", "SimConfig", "RequestRecord", "SimResult", "Simulator", "simulate", "instance_ids",
@@ -96,6 +99,13 @@ class SimConfig:
             ``prefixroute serve`` scrapes the engines' ``/metrics``
             (``--metrics-scrape-interval``); replica ``r`` reads at offset
             ``r / replicas`` of the interval. None: never (``engine_load`` stays 0).
+        shared_tier_tokens: capacity of a KV tier shared by every instance, tokens
+            (:class:`~prefixroute.engine.tiers.MemorySharedTier`); 0 (default): none.
+            The CPU tier of each instance is ``engine.cpu_tier_tokens``.
+        precise: keep precise state: every engine's cache changes, per medium, in
+            :attr:`Simulator.kv_view` (a :class:`~prefixroute.core.kvevents.view.PreciseCacheView`
+            keyed by the prompts' block hashes, :mod:`prefixroute.sim.precise`), which
+            a routing policy asks as it asks the router's.
 
     Raises:
         ValueError: on construction, for no instances, duplicate ids, replicas < 1,
@@ -116,6 +126,8 @@ class SimConfig:
     max_requests: int | None = None
     engine_load_interval_s: float | None = None
     replica_per: str = "request"
+    shared_tier_tokens: int = 0
+    precise: bool = False
 
     def __post_init__(self) -> None:
         if not self.instances:
@@ -132,6 +144,9 @@ class SimConfig:
             raise ValueError(f"replica_per must be 'request' or 'session', got {self.replica_per!r}")
         if self.engine_load_interval_s is not None and not self.engine_load_interval_s > 0:
             raise ValueError(f"engine_load_interval_s must be > 0 seconds or None, got {self.engine_load_interval_s}")
+        if self.shared_tier_tokens < 0 or 0 < self.shared_tier_tokens < self.engine.block_size:
+            raise ValueError(f"shared_tier_tokens must be 0 (no shared tier) or hold at least one block of "
+                             f"{self.engine.block_size} tokens, got {self.shared_tier_tokens}")
 
 
 @dataclass(slots=True)
@@ -233,9 +248,10 @@ _IDLE, _STEP, _RUN = range(3)
 class _Instance:
     __slots__ = ("id", "core", "state", "version", "pending", "run_start", "run_d", "run_k")
 
-    def __init__(self, instance_id: str, engine: EngineConfig) -> None:
+    def __init__(self, instance_id: str, engine: EngineConfig, shared_tier: MemorySharedTier | None,
+                 observer: DirectObserver | None = None) -> None:
         self.id = instance_id
-        self.core = EngineCore(engine)
+        self.core = EngineCore(engine, shared_tier=shared_tier, events=observer)  # type: ignore[arg-type]
         self.state = _IDLE
         self.version = 0
         self.pending: StepOutput | None = None
@@ -276,6 +292,10 @@ class Simulator:
         self._rng = random.Random(f"sim-{config.seed}")
         self._heap: list[tuple] = []
         self._seq = itertools.count()
+        self._shared_tier = (MemorySharedTier(config.shared_tier_tokens // config.engine.block_size)
+                             if config.shared_tier_tokens else None)
+        #: Precise state (``config.precise``), else ``None``.
+        self.kv_view = PreciseCacheView(config.engine.block_size) if config.precise else None
         self._instances: dict[str, _Instance] = {}
         self._order: list[str] = []
         self._members: list[str] = []
@@ -304,7 +324,12 @@ class Simulator:
 
     def _add_instance(self, iid: str) -> None:
         if iid not in self._instances:
-            self._instances[iid] = _Instance(iid, self.config.engine)
+            observer = None
+            if self.kv_view is not None:
+                stream = self.kv_view.add_instance(iid)
+                stream.on_connected()
+                observer = DirectObserver(stream.index)
+            self._instances[iid] = _Instance(iid, self.config.engine, self._shared_tier, observer)
             self._order.append(iid)
         if iid not in self._members:
             self._members.append(iid)

@@ -1,0 +1,242 @@
+"""What each instance holds, per medium, keyed by the router's own block keys.
+
+Sans-I/O. :class:`InstanceIndex` is one instance's state, built from its events;
+:class:`SharedIndex` is the shared tier's, built from every instance's events (any of
+them may store a block there or see one evicted). Both are keyed by the router's chained
+block keys (:mod:`.chain`), rebuilt from the events' token ids, so that a request's
+keys (from its token ids) can be looked up directly.
+
+Applying a ``BlockStored``: the parent's key is found from the parent's engine hash
+(this instance's map, then the shared tier's); each block's key is its engine hash's
+known key or, for a block new to the map, the chained hash of its tokens; the engine
+hash -> key pair is kept (per instance for GPU and CPU blocks, in the shared index for
+shared blocks) so that a ``BlockRemoved``, which carries engine hashes only, can be
+applied. A block whose parent is unknown (its chain began before the router listened)
+cannot be keyed: the event's blocks are skipped and counted (``orphaned``).
+
+Copies are counted per medium (vLLM may hold two blocks with the same hash, and a
+``BlockRemoved`` may fire while another copy stays), so a removal only drops a medium
+when its last copy goes. Only the primary KV-cache group (``group_idx`` 0 or ``None``)
+is indexed: the other groups of hybrid models hold the same tokens again.
+
+Memory: about 200 bytes per block held per instance (two dict entries).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixroute.core.kvevents.chain import block_keys, chain_root, pack_token_ids
+from prefixroute.core.kvevents.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineBlockHash,
+    KvEvent,
+    Tier,
+    tier_of,
+)
+
+__all__ = ["IngestCounters", "InstanceIndex", "SharedIndex", "GPU_UNIT", "CPU_UNIT"]
+
+#: A GPU copy in :attr:`InstanceIndex.held`'s packed counts (low 24 bits).
+GPU_UNIT = 1
+#: A CPU copy (bits 24 and up).
+CPU_UNIT = 1 << 24
+_GPU_MASK = CPU_UNIT - 1
+
+
+@dataclass(slots=True)
+class IngestCounters:
+    """What one instance's events did (cumulative; the driver exports them as metrics).
+
+    Attributes:
+        batches: batches applied.
+        blocks_stored: blocks of ``BlockStored`` events applied (every medium).
+        blocks_removed: blocks of ``BlockRemoved`` events applied.
+        clears: ``AllBlocksCleared`` events applied.
+        orphaned: blocks skipped because their parent's key was unknown.
+        unknown_removals: removed blocks the index did not hold.
+        ignored: events skipped on purpose: another KV-cache group, an unknown medium,
+            or a block size other than the configured one.
+        unknown_events: events of an unknown type.
+        malformed_events: events with fields of the wrong type or size.
+        malformed_messages: messages that were not a batch (or not three frames).
+    """
+
+    batches: int = 0
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    orphaned: int = 0
+    unknown_removals: int = 0
+    ignored: int = 0
+    unknown_events: int = 0
+    malformed_events: int = 0
+    malformed_messages: int = 0
+
+
+class SharedIndex:
+    """The shared tier's blocks: router key -> copies, and engine hash -> router key.
+
+    Args:
+        max_blocks: most blocks remembered (the oldest forgotten first): a removal the
+            router missed must not keep a block forever. >= 1.
+    """
+
+    def __init__(self, max_blocks: int = 10_000_000) -> None:
+        if max_blocks < 1:
+            raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
+        self.max_blocks = max_blocks
+        self.held: dict[int, int] = {}  # router key -> copies (insertion order = age)
+        self.keys: dict[EngineBlockHash, int] = {}  # engine hash (as published) -> router key
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def add(self, engine_hash: EngineBlockHash, key: int) -> None:
+        """One more copy of ``key``, published as ``engine_hash``."""
+        held = self.held
+        self.keys[engine_hash] = key
+        held[key] = held.get(key, 0) + 1
+        while len(held) > self.max_blocks:
+            old = next(iter(held))
+            del held[old]
+        if len(self.keys) > 2 * self.max_blocks:  # engine hashes of forgotten keys
+            self.keys = {h: k for h, k in self.keys.items() if k in held}
+
+    def remove(self, engine_hash: EngineBlockHash) -> bool:
+        """One copy fewer; False when the hash is unknown."""
+        key = self.keys.pop(engine_hash, None)
+        if key is None:
+            return False
+        n = self.held.get(key, 0) - 1
+        if n > 0:
+            self.held[key] = n
+        else:
+            self.held.pop(key, None)
+        return True
+
+    def clear(self) -> None:
+        """Forget everything."""
+        self.held.clear()
+        self.keys.clear()
+
+
+class InstanceIndex:
+    """One instance's GPU and CPU blocks (see the module docstring).
+
+    Args:
+        block_size: the engines' block size, tokens; events with another are ignored.
+        shared: the fleet's :class:`SharedIndex` (``SHARED`` events go there).
+
+    Attributes:
+        held: router key -> packed copy counts (``GPU_UNIT`` and ``CPU_UNIT`` multiples).
+        keys: engine hash -> router key, for the blocks in ``held``.
+        counters: the :class:`IngestCounters`.
+    """
+
+    def __init__(self, block_size: int, shared: SharedIndex) -> None:
+        self.block_size = block_size
+        self.shared = shared
+        self.held: dict[int, int] = {}
+        self.keys: dict[EngineBlockHash, int] = {}
+        self.counters = IngestCounters()
+
+    def __len__(self) -> int:
+        return len(self.held)
+
+    def clear(self) -> None:
+        """Forget every block of this instance (a reset; the shared tier is kept)."""
+        self.held.clear()
+        self.keys.clear()
+
+    def apply(self, events: Sequence[KvEvent]) -> None:
+        """Apply one batch's events, in order."""
+        for e in events:
+            if type(e) is BlockStored:
+                self._stored(e)
+            elif type(e) is BlockRemoved:
+                self._removed(e)
+            elif type(e) is AllBlocksCleared:
+                self.clear()
+                self.counters.clears += 1
+        self.counters.batches += 1
+
+    def _parent_key(self, e: BlockStored) -> int | None:
+        parent = e.parent_block_hash
+        if parent is None:
+            return chain_root(e.lora_name)
+        key = self.keys.get(parent)
+        if key is None:
+            key = self.shared.keys.get(parent)
+        return key
+
+    def _stored(self, e: BlockStored) -> None:
+        c = self.counters
+        tier = tier_of(e.medium)
+        if tier is None or e.block_size != self.block_size or (e.group_idx or 0) != 0:
+            c.ignored += 1
+            return
+        parent = self._parent_key(e)
+        hashes = e.block_hashes
+        if parent is None:
+            c.orphaned += len(hashes)
+            return
+        own = self.keys
+        known = self.shared.keys if tier is Tier.SHARED else own
+        keys: list[int] | None = None
+        if any(h not in own and h not in known for h in hashes):
+            try:
+                extras = None
+                if e.extra_keys is not None:
+                    extras = [[k for k in x if k != e.lora_name] if x else None for x in e.extra_keys]
+                keys = block_keys(pack_token_ids(e.token_ids), self.block_size, parent, len(hashes), extras)
+            except (ValueError, TypeError):  # token ids out of range or not integers
+                c.malformed_events += 1
+                return
+        if tier is Tier.SHARED:
+            shared = self.shared
+            for i, h in enumerate(hashes):
+                key = keys[i] if keys is not None else own.get(h, known.get(h))
+                shared.add(h, key)  # type: ignore[arg-type]
+        else:
+            unit = GPU_UNIT if tier is Tier.GPU else CPU_UNIT
+            held = self.held
+            for i, h in enumerate(hashes):
+                key = keys[i] if keys is not None else own.get(h)
+                if key is None:
+                    key = known[h]
+                own[h] = key
+                held[key] = held.get(key, 0) + unit
+        c.blocks_stored += len(hashes)
+
+    def _removed(self, e: BlockRemoved) -> None:
+        c = self.counters
+        tier = tier_of(e.medium)
+        if tier is None or (e.group_idx or 0) != 0:
+            c.ignored += 1
+            return
+        if tier is Tier.SHARED:
+            for h in e.block_hashes:
+                if self.shared.remove(h):
+                    c.blocks_removed += 1
+                else:
+                    c.unknown_removals += 1
+            return
+        unit, mask = (GPU_UNIT, _GPU_MASK) if tier is Tier.GPU else (CPU_UNIT, ~_GPU_MASK)
+        own, held = self.keys, self.held
+        for h in e.block_hashes:
+            key = own.get(h)
+            count = held.get(key, 0) if key is not None else 0
+            if not count & mask:
+                c.unknown_removals += 1
+                continue
+            count -= unit
+            if count:
+                held[key] = count  # type: ignore[index]
+            else:
+                del held[key]  # type: ignore[arg-type]
+                del own[h]
+            c.blocks_removed += 1

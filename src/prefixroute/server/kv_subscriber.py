@@ -1,0 +1,323 @@
+"""The I/O driver of precise mode: one ZeroMQ subscription per instance, feeding the core.
+
+All decisions are the core's (:mod:`prefixroute.core.kvevents`): this module only moves
+bytes and time. Per instance, one task:
+
+1. finds the instance's endpoints (the configuration, a template, or the instance's
+   ``GET /info``, retried with backoff until it answers);
+2. connects a SUB socket (subscribed to the configured topic) and a socket monitor,
+   whose connect and disconnect events tell the stream
+   (:meth:`~prefixroute.core.kvevents.stream.InstanceStream.on_connected`);
+3. reads messages and hands them to the stream, and carries out the replays the stream
+   asks for on a DEALER socket (vLLM's protocol, :mod:`prefixroute.engine.kv_publisher`),
+   with ``ReplayTimeoutS`` as the longest wait for each of its frames.
+
+**Off the request path, never blocking the event loop.** Every socket is asynchronous;
+messages are applied in slices of at most :data:`SLICE_S` seconds, and after a full slice
+(a publisher sending faster than the router applies) the task sleeps as long as the
+slice took, so ingest takes at most about half of the loop's time and requests are
+served in between. What a flood adds beyond that stays in ZeroMQ's queue
+(``ReceiveHwm``) and is then dropped by it: the stream sees a gap and repairs or resets
+(:mod:`~prefixroute.core.kvevents.stream`). A stream that never connects costs nothing:
+ZeroMQ retries in the background and the instance stays approximate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import aiohttp
+
+from prefixroute.core.kvevents.config import KvEventsConfig, KvEventsEndpoint, check_zmq_endpoint
+from prefixroute.core.kvevents.stream import InstanceStream, Mode, RequestReplay
+from prefixroute.core.kvevents.view import PreciseCacheView
+
+__all__ = ["KvEventSubscriber", "SLICE_S", "INFO_RETRY_S"]
+
+log = logging.getLogger("prefixroute.kv_events")
+
+#: Longest run of message handling before the task yields to the event loop, seconds.
+SLICE_S = 0.002
+#: Batches a replay's backlog applies between two checks of the slice's time.
+_DRAIN_STEP = 16
+#: Backoff between two ``GET /info`` discovery attempts, seconds (first, then doubling to the last).
+INFO_RETRY_S = (0.5, 10.0)
+_END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def _zmq() -> Any:
+    try:
+        import zmq
+        import zmq.asyncio
+    except ImportError as exc:  # the precise extra
+        raise ImportError("precise mode needs pyzmq and msgpack: pip install 'prefixroute[precise]'") from exc
+    return zmq
+
+
+class KvEventSubscriber:
+    """Subscriptions to every instance's KV events (see the module docstring).
+
+    Args:
+        view: the :class:`~prefixroute.core.kvevents.view.PreciseCacheView` to feed.
+        config: the validated :class:`~prefixroute.core.kvevents.config.KvEventsConfig`.
+        session: an ``aiohttp.ClientSession`` for ``FromInfo`` discovery (``None``: a
+            session of its own is made when needed).
+        clock: the monotonic clock handed to the core, seconds.
+
+    Use: ``await start(instances)``, :meth:`update` on reconfiguration, ``await close()``.
+    """
+
+    def __init__(self, view: PreciseCacheView, config: KvEventsConfig, *,
+                 session: aiohttp.ClientSession | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.view = view
+        self.config = config
+        self._session = session
+        self._own_session: aiohttp.ClientSession | None = None
+        self._clock = clock
+        self._ctx: Any = None
+        self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._specs: dict[str, tuple[Any, ...]] = {}
+        #: Seconds spent applying messages, per instance (the ingest's own CPU time).
+        self.busy_s: dict[str, float] = {}
+
+    # -- membership ---------------------------------------------------------------------
+
+    async def start(self, instances: Iterable[str]) -> None:
+        """Subscribe to every instance's stream (in the running loop).
+
+        Raises:
+            ImportError: pyzmq is missing (the ``precise`` extra).
+        """
+        zmq = _zmq()
+        self._ctx = zmq.asyncio.Context()
+        self.update(self.config, instances)
+
+    def _spec(self, instance: str) -> tuple[Any, ...]:
+        ep = self.config.endpoints_for(instance)
+        info = self.config.discovery is not None and self.config.discovery.from_info
+        return (ep, info and instance not in self.config.instances, self.config.topic, self.config.receive_hwm,
+                self.config.block_size)
+
+    def update(self, config: KvEventsConfig, instances: Iterable[str]) -> None:
+        """Follow a new configuration: subscribe to new instances, drop removed ones, and
+        resubscribe (from an empty state) those whose endpoints changed."""
+        self.config = config
+        wanted = list(dict.fromkeys(instances))
+        for instance in list(self._tasks):
+            if instance not in wanted or self._spec(instance) != self._specs.get(instance):
+                self._tasks.pop(instance).cancel()
+                self._specs.pop(instance, None)
+                self.view.remove_instance(instance)
+        for instance in wanted:
+            if instance not in self._tasks:
+                spec = self._spec(instance)
+                self._specs[instance] = spec
+                self.view.add_instance(instance, config.stream_settings(True))
+                self._tasks[instance] = asyncio.create_task(self._run(instance), name=f"kv-events {instance}")
+
+    async def close(self) -> None:
+        """Cancel every subscription and close the sockets."""
+        tasks = list(self._tasks.values())
+        self._tasks.clear()
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self._own_session is not None:
+            await self._own_session.close()
+            self._own_session = None
+        if self._ctx is not None:
+            self._ctx.destroy(linger=0)
+            self._ctx = None
+
+    # -- one instance -------------------------------------------------------------------
+
+    async def _endpoints(self, instance: str) -> KvEventsEndpoint | None:
+        ep = self.config.endpoints_for(instance)
+        d = self.config.discovery
+        if instance in self.config.instances or d is None or not d.from_info:
+            return ep
+        delay, longest = INFO_RETRY_S
+        while True:
+            found = await self._from_info(instance)
+            if found is not None:
+                return found
+            if ep is not None:  # /info says nothing: the template applies
+                return ep
+            await asyncio.sleep(delay)
+            delay = min(longest, delay * 2)
+
+    async def _from_info(self, instance: str) -> KvEventsEndpoint | None:
+        session = self._session
+        if session is None or session.closed:
+            if self._own_session is None:
+                self._own_session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5))
+            session = self._own_session
+        try:
+            async with session.get(instance + "/info", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                if resp.status != 200:
+                    return None
+                doc = await resp.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None
+        kv = doc.get("kv_events") if isinstance(doc, dict) else None
+        if not isinstance(kv, dict) or not isinstance(kv.get("endpoint"), str):
+            return None
+        try:
+            endpoint = _reachable(kv["endpoint"], instance)
+            replay = kv.get("replay_endpoint")
+            return KvEventsEndpoint(Endpoint=endpoint,
+                                    ReplayEndpoint=_reachable(replay, instance) if isinstance(replay, str) else None)
+        except ValueError as exc:
+            log.warning("kv events %s: /info gives an unusable endpoint: %s", instance, exc)
+            return None
+
+    async def _run(self, instance: str) -> None:
+        zmq = _zmq()
+        stream = self.view.stream(instance)
+        assert stream is not None
+        ep = await self._endpoints(instance)
+        if ep is None:
+            log.info("kv events %s: no endpoint configured or discovered: approximate mode", instance)
+            return
+        stream.settings = self.config.stream_settings(ep.replay_endpoint is not None)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
+        sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        watcher = asyncio.create_task(self._watch(monitor, stream, instance), name=f"kv-events-monitor {instance}")
+        replays: set[asyncio.Task[None]] = set()
+        try:
+            sub.connect(ep.endpoint)
+            log.info("kv events %s: subscribed to %s (replay: %s)", instance, ep.endpoint, ep.replay_endpoint)
+            await self._receive(sub, stream, ep, instance, replays)
+        finally:
+            for task in (watcher, *replays):
+                task.cancel()
+            for task in (watcher, *replays):
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            with contextlib.suppress(Exception):
+                sub.disable_monitor()
+            monitor.close(linger=0)
+            sub.close(linger=0)
+
+    async def _watch(self, monitor: Any, stream: InstanceStream, instance: str) -> None:
+        zmq = _zmq()
+        from zmq.utils.monitor import parse_monitor_message
+
+        while True:
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            before = stream.mode
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                stream.on_connected()
+            elif event == zmq.EVENT_DISCONNECTED:
+                stream.on_disconnected()
+            if stream.mode is not before:
+                log.info("kv events %s: %s (%s)", instance, stream.mode.value, stream.reason)
+
+    async def _receive(self, sub: Any, stream: InstanceStream, ep: KvEventsEndpoint, instance: str,
+                       replays: set[asyncio.Task[None]]) -> None:
+        zmq = _zmq()
+        raw = zmq.Socket.shadow(sub.underlying)  # non-blocking reads within a slice
+        clock, perf = self._clock, time.perf_counter
+        busy = self.busy_s
+        busy.setdefault(instance, 0.0)
+        while True:
+            frames = await sub.recv_multipart()
+            t0 = perf()
+            now = clock()
+            full = False
+            while True:
+                before = stream.mode
+                for action in stream.on_message(frames, now):
+                    if isinstance(action, RequestReplay) and ep.replay_endpoint is not None:
+                        task = asyncio.create_task(self._replay(stream, ep.replay_endpoint, action.start_seq,
+                                                                instance), name=f"kv-events-replay {instance}")
+                        replays.add(task)
+                        task.add_done_callback(replays.discard)
+                if stream.mode is not before:
+                    log.info("kv events %s: %s (%s)", instance, stream.mode.value, stream.reason)
+                if perf() - t0 >= SLICE_S:
+                    full = True
+                    break
+                try:
+                    frames = raw.recv_multipart(flags=zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+            took = perf() - t0
+            busy[instance] += took
+            # A full slice: the publisher outpaces us. Leave the loop as much time again.
+            await asyncio.sleep(took if full else 0)
+
+    async def _replay(self, stream: InstanceStream, endpoint: str, start: int, instance: str) -> None:
+        zmq = _zmq()
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, 0)
+        batches: list[tuple[int, bytes]] = []
+        ok = False
+        try:
+            dealer.connect(endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            timeout = self.config.replay_timeout_s
+            while True:
+                frames = await asyncio.wait_for(dealer.recv_multipart(), timeout)
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    log.warning("kv events %s: malformed replay frame (%d frames); giving the replay up",
+                                instance, len(frames))
+                    break
+                if frames[1] == _END_SEQ:
+                    ok = True
+                    break
+                batches.append((int.from_bytes(frames[1], "big"), frames[2]))
+        except asyncio.TimeoutError:
+            log.warning("kv events %s: replay from %d: no answer within %.1f s", instance, start,
+                        self.config.replay_timeout_s)
+        except zmq.ZMQError as exc:
+            log.warning("kv events %s: replay from %d failed: %s", instance, start, exc)
+        finally:
+            dealer.close(linger=0)
+        now = self._clock()
+        if ok:
+            stream.on_replay(batches, now)
+        else:
+            stream.on_replay_failed(now)
+        perf = time.perf_counter
+        t0 = perf()
+        while stream.drain(_DRAIN_STEP):
+            if perf() - t0 >= SLICE_S:
+                took = perf() - t0
+                self.busy_s[instance] = self.busy_s.get(instance, 0.0) + took
+                await asyncio.sleep(took)
+                t0 = perf()
+        self.busy_s[instance] = self.busy_s.get(instance, 0.0) + perf() - t0
+        log.info("kv events %s: replay from %d %s (%d batches); %s", instance, start,
+                 "applied" if ok else "failed", len(batches), stream.mode.value)
+
+    # -- status -------------------------------------------------------------------------
+
+    def modes(self) -> dict[str, Mode]:
+        """Each subscribed instance's mode."""
+        return {i: self.view.mode(i) for i in self._tasks}
+
+
+def _reachable(endpoint: str, instance: str) -> str:
+    """An endpoint as published (``tcp://*:5557``, ``tcp://0.0.0.0:5557``) made one to
+    connect to, with the instance URL's host in place of a wildcard."""
+    from urllib.parse import urlsplit
+
+    if endpoint.startswith("tcp://"):
+        host, sep, port = endpoint[len("tcp://"):].rpartition(":")
+        if host in ("*", "0.0.0.0", "[::]", "::", ""):
+            h = urlsplit(instance).hostname or "127.0.0.1"
+            endpoint = f"tcp://{'[' + h + ']' if ':' in h else h}:{port}"
+    return check_zmq_endpoint(endpoint, "endpoint")

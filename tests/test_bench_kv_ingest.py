@@ -1,0 +1,27 @@
+"""bench/kv_ingest.py runs, at a small size, and reports what it ingested."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_kv_ingest_benchmark_runs_and_reports(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("kv_ingest", ROOT / "bench" / "kv_ingest.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "kv.json"
+    bench.main(["--requests", "60", "--documents", "5", "--prefix-tokens", "400", "--kv-blocks", "200",
+                "--rounds", "1", "--json", str(out)])
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert [(r["events"], r["encoding"]) for r in rows] == [("as published", "array"), ("as published", "map"),
+                                                            ("1 block/event", "array"), ("1 block/event", "map")]
+    blocks = {r["blocks"] for r in rows}
+    assert len(blocks) == 1 and blocks.pop() > 500  # the same changes in every row, evictions included
+    assert all(r["blocks_per_s"] > 0 and r["messages"] > 0 for r in rows)
+    assert doc["lookup_us"]["instances"] == 8 and doc["lookup_us"]["keys"] > 0

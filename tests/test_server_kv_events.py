@@ -1,0 +1,409 @@
+"""Precise mode end to end: emulated engines publishing KV events over real ZeroMQ sockets on
+loopback, the router subscribing, and the faults its streams must survive."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.core.kvevents.codec import encode_batch
+from prefixroute.core.kvevents.events import BlockStored, EventBatch
+from prefixroute.core.kvevents.view import PrefixHolding
+from prefixroute.core.model_tokenizer import ModelTokenizer
+from prefixroute.engine.kv_publisher import KvEventsSettings
+from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
+from prefixroute.engine.server import ENGINE_KEY, EngineServer, start_engine_server
+from prefixroute.server.cli import build_config, configure_parser
+from prefixroute.server.runner import RouterHandle, start_router
+from prefixroute.server.settings import ServerSettings
+
+pytestmark = pytest.mark.e2e
+
+TOK = ModelTokenizer.load("tiny")
+BS = 16
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what} not reached within {timeout} s"
+        await asyncio.sleep(0.02)
+
+
+class Engine:
+    """An emulated engine with the tiny tokenizer, publishing its KV events."""
+
+    def __init__(self, http_port: int = 0, pub_port: int | None = None, replay_port: int | None = None,
+                 replay: bool = True, seed: int | None = None, config: EngineConfig | None = None) -> None:
+        self.http_port, self.seed, self.config = http_port, seed, config or EngineConfig()
+        self.pub_port = pub_port or free_port()
+        self.replay_port = (replay_port or free_port()) if replay else None
+        self.runner: Any = None
+
+    async def start(self) -> "Engine":
+        # "*": vLLM's rule binds only a wildcard endpoint (a host alone would connect).
+        settings = KvEventsSettings(f"tcp://*:{self.pub_port}",
+                                    f"tcp://*:{self.replay_port}" if self.replay_port else None,
+                                    hash_seed=self.seed)
+        self.runner, self.http_port = await start_engine_server(self.config, "127.0.0.1", self.http_port, 0.0,
+                                                                tokenizer=TOK, kv_events=settings)
+        return self
+
+    @property
+    def server(self) -> EngineServer:
+        return self.runner.app[ENGINE_KEY]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def kv(self) -> dict[str, Any]:
+        return {"Endpoint": f"tcp://127.0.0.1:{self.pub_port}",
+                **({"ReplayEndpoint": f"tcp://127.0.0.1:{self.replay_port}"} if self.replay_port else {})}
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+
+async def router_for(instances: list[str], kv: dict[str, Any]) -> RouterHandle:
+    base = FleetConfig.single(instances, RoutingConfig.build("random")).model_dump(by_alias=True)
+    config = FleetConfig.from_mapping({**base, "KvEvents": {"ReplayTimeoutS": 2.0, **kv}})
+    return await start_router(config, ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0))
+
+
+def chat(question: str) -> dict[str, Any]:
+    return {"model": DEFAULT_MODEL, "max_tokens": 3,
+            "messages": [{"role": "system", "content": "You route requests to warm caches. " * 20},
+                         {"role": "user", "content": question}]}
+
+
+async def send(url: str, body: dict[str, Any], chat_api: bool = True) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + ("/v1/chat/completions" if chat_api else "/v1/completions"), json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+            return r.headers.get("X-Prefixroute-Instance", "")
+
+
+def keys_of(router: RouterHandle, body: dict[str, Any], chat_api: bool = True) -> list[int]:
+    view = router.state.kv_view
+    assert view is not None
+    return view.request_keys(TOK.request_token_ids(body, chat_api))
+
+
+def held(router: RouterHandle, instance: str, body: dict[str, Any], chat_api: bool = True) -> int:
+    view = router.state.kv_view
+    assert view is not None
+    return view.holdings(keys_of(router, body, chat_api), [instance])[instance].gpu_tokens
+
+
+def full_blocks(body: dict[str, Any], chat_api: bool = True) -> int:
+    return len(TOK.request_token_ids(body, chat_api)) // BS * BS
+
+
+def status(router: RouterHandle, instance: str) -> Any:
+    view = router.state.kv_view
+    assert view is not None
+    return next(s for s in view.status(time.monotonic()) if s.instance == instance)
+
+
+async def connected(router: RouterHandle, instance: str) -> None:
+    """Wait until the instance's stream is connected, and for its subscription to reach
+    the publisher (a PUB socket drops what it sends before that: ZeroMQ's "slow joiner";
+    the next message would show the gap and a replay repair it)."""
+    await eventually(lambda: status(router, instance).connected, what=f"{instance} connected")
+    await asyncio.sleep(0.1)
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+async def test_router_state_follows_the_engines_events(caplog: pytest.LogCaptureFixture) -> None:
+    engines = [await Engine().start() for _ in range(2)]
+    router = await router_for([e.url for e in engines], {"Discovery": {"FromInfo": True}})
+    try:
+        for e in engines:
+            await connected(router, e.url)
+        bodies = [(chat(f"Question {i}: " + "why does the block chain matter " * 8), True) for i in range(4)]
+        bodies += [({"model": DEFAULT_MODEL, "prompt": "Complete: " + "the cache " * 40, "max_tokens": 2}, False)]
+        served = [(await send(router.url, b, c), b, c) for b, c in bodies]
+        for instance, body, chat_api in served:
+            await eventually(lambda: held(router, instance, body, chat_api) == full_blocks(body, chat_api),
+                             what="the served prompt's blocks in the router's view")
+            # What only one instance computed, the other does not hold (beyond the shared system prompt).
+            other = next(e.url for e in engines if e.url != instance)
+            assert held(router, other, body, chat_api) < full_blocks(body, chat_api)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(router.admin_url + "/admin/kv-events") as r:
+                doc = await r.json()
+            async with session.get(router.url + "/metrics") as r:
+                metrics = await r.text()
+        assert doc["Enabled"] and doc["BlockSize"] == 16
+        assert {row["Instance"]: row["Mode"] for row in doc["Instances"]} == {e.url: "precise" for e in engines}
+        assert sum(row["Messages"] for row in doc["Instances"]) >= len(bodies)
+        for e in engines:
+            assert f'prefixroute_kv_events_precise{{instance="{e.url}"}} 1.0' in metrics
+        assert "prefixroute_kv_events_gaps_total" in metrics
+        assert "the cache" not in caplog.text  # no prompt text in any log
+    finally:
+        await router.close()
+        for e in engines:
+            await e.stop()
+
+
+async def test_engine_restart_resumes_with_a_new_sequence() -> None:
+    first = await Engine(http_port=free_port(), seed=1).start()
+    router = await router_for([first.url], {"Instances": {first.url: first.kv}})
+    try:
+        await connected(router, first.url)
+        old = {"model": DEFAULT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "Before? " * 60}]}
+        await send(router.url, old)
+        await eventually(lambda: held(router, first.url, old) == full_blocks(old))
+        await first.stop()
+        await eventually(lambda: status(router, first.url).mode == "approximate", what="fallback to approximate")
+        assert status(router, first.url).reason == "disconnected"
+        second = await Engine(http_port=first.http_port, pub_port=first.pub_port, replay_port=first.replay_port,
+                              seed=2).start()
+        try:
+            await eventually(lambda: status(router, first.url).mode == "precise", what="precise again")
+            await asyncio.sleep(0.1)
+            new = chat("After the restart?")
+            await send(router.url, new)
+            await eventually(lambda: held(router, first.url, new) == full_blocks(new))
+            st = status(router, first.url)
+            assert st.restarts == 1 and st.resets == 1 and st.next_seq == second.server.publisher.published
+            assert held(router, first.url, old) == 0  # the old engine's blocks are forgotten
+        finally:
+            await second.stop()
+    finally:
+        await router.close()
+
+
+@pytest.mark.parametrize("replay", [True, False])
+async def test_lost_messages_are_repaired_through_replay_or_reset(replay: bool) -> None:
+    engine = await Engine(replay=replay).start()
+    router = await router_for([engine.url], {"Instances": {engine.url: engine.kv}})
+    try:
+        await connected(router, engine.url)
+        a, b, c = chat("First?"), chat("Second, lost on the wire?"), chat("Third?")
+        await send(router.url, a)
+        await eventually(lambda: held(router, engine.url, a) == full_blocks(a))
+        publisher = engine.server.publisher
+        assert publisher is not None
+        wire, publisher._pub = publisher._pub, None  # batches are kept for replay but never sent: lost
+        await send(router.url, b)
+        publisher._pub = wire
+        await send(router.url, c)
+        await eventually(lambda: status(router, engine.url).next_seq == publisher.published
+                         and status(router, engine.url).mode == "precise", what="the last batch applied")
+        st = status(router, engine.url)
+        assert st.gaps == 1
+        if replay:  # repaired: the lost batch's blocks are known too, nothing was forgotten
+            assert (st.replays, st.replays_failed, st.resets, st.orphaned) == (1, 0, 0, 0)
+            assert [held(router, engine.url, x) for x in (a, b, c)] == [full_blocks(x) for x in (a, b, c)]
+        else:
+            # No replay: everything is forgotten and rebuilt from the next batch. Its blocks
+            # continue the system prompt's chain, forgotten too: they cannot be placed
+            # (orphaned) until stored again. Nothing stale is kept, nothing is guessed.
+            assert (st.replays, st.resets) == (0, 1) and st.orphaned > 0
+            assert [held(router, engine.url, x) for x in (a, b, c)] == [0, 0, 0]
+    finally:
+        await router.close()
+        await engine.stop()
+
+
+async def test_unknown_and_malformed_events_are_logged_counted_and_ignored(
+        zctx: zmq.asyncio.Context, caplog: pytest.LogCaptureFixture) -> None:
+    pub = zctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    instance = "http://127.0.0.1:9"
+    router = await router_for([instance], {"Instances": {instance: {"Endpoint": f"tcp://127.0.0.1:{port}"}}})
+    try:
+        await connected(router, instance)
+        tokens = list(range(32))
+        good = encode_batch(EventBatch(1.0, [BlockStored([1, 2], None, tokens, BS, None, "GPU", None)]))
+        messages = [
+            [b"", (0).to_bytes(8, "big"), good],
+            [b"", (1).to_bytes(8, "big"), msgpack.packb([1.0, [["BlockTeleported", [5]], ["BlockStored", 7]]])],
+            [b"", (2).to_bytes(8, "big"), b"\xc1\xc1 not msgpack"],
+            [b"", (3).to_bytes(8, "big")],  # two frames
+            [b"", (4).to_bytes(8, "big"), msgpack.packb({"events": [{"type": "AllBlocksCleared", "x": 1}],
+                                                         "ts": 2.0, "future_field": [1]})],
+        ]
+        for m in messages[:4]:
+            await pub.send_multipart(m)
+        await eventually(lambda: status(router, instance).messages == 4)
+        st = status(router, instance)
+        assert (st.unknown_events, st.malformed_events, st.malformed_messages) == (1, 1, 2)
+        assert st.mode == "precise" and st.blocks == 2
+        view = router.state.kv_view
+        assert view is not None
+        assert view.holdings(view.request_keys(tokens), [instance])[instance] == PrefixHolding(32, 0, 0)
+        await pub.send_multipart(messages[4])  # seq 4 after 3 (the 2-frame message had no usable seq): in order
+        await eventually(lambda: status(router, instance).blocks == 0, what="the clear applied")
+        assert "unknown event type 'BlockTeleported'" in caplog.text and "not an event batch" in caplog.text
+    finally:
+        await router.close()
+
+
+FLOOD = textwrap.dedent("""
+    import sys, time, zmq
+    from prefixroute.core.kvevents.codec import encode_batch
+    from prefixroute.core.kvevents.events import BlockStored, EventBatch
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.SNDHWM, 1000)
+    pub.bind(sys.argv[1])
+    time.sleep(0.5)
+    end = time.monotonic() + float(sys.argv[2])
+    seq = 0
+    while time.monotonic() < end:
+        events = [BlockStored([seq * 4 + i for i in range(4)], None if seq % 50 == 0 else seq * 4 - 1,
+                              list(range(64)), 16, None, "GPU", None)]
+        pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, events))])
+        seq += 1
+    print(seq, flush=True)
+""")
+
+
+async def test_a_flooding_publisher_neither_crashes_nor_blocks_the_router() -> None:
+    engine, other = await Engine().start(), await Engine().start()
+    port = free_port()
+    flooder = other.url  # an instance whose event stream is a flooding publisher's
+    router = await router_for([engine.url, flooder], {"Instances": {engine.url: engine.kv,
+                                                                    flooder: {"Endpoint": f"tcp://127.0.0.1:{port}"}},
+                                                      "ReceiveHwm": 1000})
+    proc = subprocess.Popen([sys.executable, "-c", FLOOD, f"tcp://127.0.0.1:{port}", "3"], stdout=subprocess.PIPE)
+    try:
+        lags: list[float] = []
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                t = time.perf_counter()
+                await asyncio.sleep(0.01)
+                lags.append(time.perf_counter() - t - 0.01)
+
+        tick = asyncio.create_task(ticker())
+        deadline = time.monotonic() + 4.0
+        answered = 0
+        while time.monotonic() < deadline:
+            await send(router.url, chat(f"During the flood {answered}?"))
+            answered += 1
+        stop.set()
+        await tick
+        sent = int(proc.communicate(timeout=30)[0])
+        st = status(router, flooder)
+        assert sent > 10_000 and st.messages > 1000  # it flooded, and the router kept ingesting
+        # The event loop kept turning: a ticker every 10 ms was never held up for long
+        # (applying the flood in one go would hold it for seconds).
+        assert max(lags) < 0.5, f"the event loop was blocked for {max(lags):.3f} s"
+        assert answered >= 10 and status(router, engine.url).mode == "precise"
+        assert st.gaps + st.orphaned >= 0 and st.malformed_messages == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        await router.close()
+        await engine.stop()
+        await other.stop()
+
+
+async def test_a_stream_that_never_connects_leaves_the_instance_approximate() -> None:
+    engine = await Engine().start()
+    plain = await start_engine_server(EngineConfig(), "127.0.0.1", 0, 0.0, tokenizer=TOK)  # no events at all
+    plain_url = f"http://127.0.0.1:{plain[1]}"
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    router = await router_for([engine.url, plain_url],
+                              {"Instances": {engine.url: {"Endpoint": dead}}, "Discovery": {"FromInfo": True}})
+    try:
+        for i in range(6):
+            await send(router.url, chat(f"Anyone there {i}?"))
+        await asyncio.sleep(0.3)
+        for url in (engine.url, plain_url):
+            st = status(router, url)
+            assert (st.mode, st.reason, st.connected, st.messages) == ("approximate", "never connected", False, 0)
+        async with aiohttp.ClientSession() as session:
+            async with session.get(router.url + "/metrics") as r:
+                metrics = await r.text()
+        assert f'prefixroute_kv_events_precise{{instance="{engine.url}"}} 0.0' in metrics
+    finally:
+        t0 = time.monotonic()
+        await router.close()
+        assert time.monotonic() - t0 < 5  # the retrying discovery and connection do not hold the shutdown
+        await engine.stop()
+        await plain[0].cleanup()
+
+
+async def test_reconfiguration_follows_instances_and_turns_precise_mode_off() -> None:
+    engines = [await Engine().start() for _ in range(2)]
+    router = await router_for([engines[0].url], {"Discovery": {"FromInfo": True}})
+    try:
+        view = router.state.kv_view
+        assert view is not None
+        await connected(router, engines[0].url)
+        base = router.state.config.model_dump(by_alias=True)
+        base["Endpoints"][0]["ProductionVariants"][0]["Instances"] = [engines[1].url]
+        router.apply_config(FleetConfig.from_mapping(base))
+        assert view.instances == [engines[1].url]
+        await eventually(lambda: status(router, engines[1].url).connected)
+        kv = base.pop("KvEvents")
+        router.apply_config(FleetConfig.from_mapping(base))
+        assert router.state.kv_view is None and router.state.kv_subscriber is None
+        await send(router.url, chat("Still routed?"))
+        router.apply_config(FleetConfig.from_mapping({**base, "KvEvents": kv}))  # on again, at run time
+        await eventually(lambda: router.state.kv_subscriber is not None)
+        await connected(router, engines[1].url)
+    finally:
+        await router.close()
+        for e in engines:
+            await e.stop()
+
+
+def test_serve_flags_build_the_kv_events_configuration() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    args = p.parse_args(["--backend", "http://10.0.0.1:8000/", "--backend", "http://10.0.0.2:8000",
+                         "--kv-events-endpoint", "http://10.0.0.1:8000=tcp://10.0.0.1:5557,tcp://10.0.0.1:5558",
+                         "--kv-events-template", "tcp://{host}:5557", "--kv-block-size", "64"])
+    kv = build_config(args).kv_events
+    assert kv is not None and kv.block_size == 64
+    assert kv.endpoints_for("http://10.0.0.1:8000").replay_endpoint == "tcp://10.0.0.1:5558"  # type: ignore[union-attr]
+    assert kv.endpoints_for("http://10.0.0.2:8000").endpoint == "tcp://10.0.0.2:5557"  # type: ignore[union-attr]
+    from prefixroute.core.config import ConfigError
+
+    for bad, message in [(["--kv-events-endpoint", "tcp://x:1"], "expected URL=ENDPOINT"),
+                         (["--kv-events-endpoint", "http://10.9.9.9:1=tcp://x:1"], "no --backend"),
+                         (["--kv-block-size", "16"], "needs --kv-events-endpoint"),
+                         (["--kv-events-template", "tcp://{hostname}:1"], "only {host} and {port}"),
+                         (["--kv-events-endpoint", "http://10.0.0.1:8000=tcp://*:5557"], "no '*'")]:
+        with pytest.raises(ConfigError, match=message):
+            build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", *bad]))
+    with pytest.raises(ConfigError, match="KvEvents section"):
+        build_config(p.parse_args(["--config", "x.yaml", "--kv-events-from-info"]))
