@@ -9,11 +9,17 @@ One program, one emulated fleet, the same seeded traffic for every router:
 * HAProxy with ``balance hash`` on the request body's first PrefixLength bytes and
   ``hash-balance-factor`` (bounded-load consistent hashing).
 
-Workloads (:data:`WORKLOADS`, data: add one by adding an entry): long shared-prefix
-groups; multi-turn chats; one long system prompt shared by every conversation;
-Zipf-skewed hot groups; an instance added and one removed mid-run. Each runs with 1
-router replica and with 4 (independent router processes, users spread over them round
-robin; for a peer, 4 processes of the peer).
+* a re-implementation of llm-d's default scorers (prefix cache 3, queue 2, KV-cache
+  utilisation 2: ``prefixroute serve --strategy llmd-reference``), on prefixroute's data
+  plane, labelled as such.
+
+Workloads (:data:`WORKLOADS`, the ten of :mod:`prefixroute.workloads.catalog`): long
+shared-prefix groups; multi-turn chats; one long system prompt shared by every
+conversation; Zipf-skewed hot groups; an instance added and one removed mid-run; one
+very hot document; open-loop arrivals near the fleet's capacity; ShareGPT-style chats;
+agent loops; questions about images. Each runs with 1, 4 and 8 router replicas
+(independent router processes, users spread over them round robin; for a peer, that
+many processes of the peer).
 
 Every run starts a fresh fleet of ``prefixroute emulate`` instances (cold caches) and
 fresh routers, drives closed-loop users for a fixed real time, reads the engines'
@@ -29,8 +35,8 @@ installed is skipped with the reason printed.
 
 Usage::
 
-    python bench/policy_vs_peers.py --quick              # about 7 minutes on 2 cores
-    python bench/policy_vs_peers.py --json results.json  # the full run (about 35-40 minutes)
+    python bench/policy_vs_peers.py --quick              # about 12 minutes on 2 cores
+    python bench/policy_vs_peers.py --json results.json  # the full run (about 2 hours 30 minutes)
 
 Times in tables and JSON are **model seconds** (real seconds / ``--time-scale``), as
 in ``prefixroute demo``. docs/BENCHMARKS.md has a run's output and how to read it.
@@ -71,8 +77,7 @@ from peers import (  # noqa: E402  (bench/ is a folder of scripts, not a package
 )
 from prefixroute.demo.loadgen import RequestResult  # noqa: E402
 from prefixroute.demo.report import RunSummary, scrape_counters, summarize  # noqa: E402
-from prefixroute.workloads.multi_turn import MultiTurnWorkload  # noqa: E402
-from prefixroute.workloads.shared_prefix import SharedPrefixWorkload  # noqa: E402
+from prefixroute.workloads.catalog import BENCH_WORKLOADS, BenchWorkload, MembershipPlan  # noqa: E402
 
 #: The strategy every verdict is about.
 SUBJECT = "CACHE_AWARE"
@@ -93,10 +98,17 @@ class BenchSettings:
         duration_s: real seconds during which users start requests, per run.
         users_scale: multiplies each workload's number of closed-loop users.
         prefix_length: PREFIX_AWARE PrefixLength (characters) and HAProxy's hashed bytes.
-        concurrency_threshold: PREFIX_AWARE and CACHE_AWARE ConcurrencyThreshold.
+        concurrency_threshold: PREFIX_AWARE ConcurrencyThreshold (SageMaker's only load
+            control for it: about twice the mean in flight per instance).
+        cache_aware_threshold: CACHE_AWARE ConcurrencyThreshold: a guard against
+            overloading one engine, its cost model spreading load below it.
         balance_factor: HAProxy ``hash-balance-factor`` (percent of the average load).
         replicas: router replica counts to run.
         multi_replica_workloads: workloads that run with more than 1 replica (None: all).
+        baselines_replicas: replica counts at which prefixroute's RANDOM and
+            LEAST_OUTSTANDING_REQUESTS baselines run (the comparisons are with the peers).
+        repeat: runs of each (workload, router, replicas); tables show the median run
+            by P90 TTFT, and the JSON every run (for the run-to-run noise).
         seed: workload and router seed.
     """
 
@@ -107,105 +119,29 @@ class BenchSettings:
     users_scale: float = 1.0
     prefix_length: int = 4096
     concurrency_threshold: int = 8
+    cache_aware_threshold: int = 32
     balance_factor: int = 150
-    replicas: tuple[int, ...] = (1, 4)
+    replicas: tuple[int, ...] = (1, 4, 8)
     multi_replica_workloads: tuple[str, ...] | None = None
+    baselines_replicas: tuple[int, ...] = (1,)
+    repeat: int = 1
     seed: int = 0
 
 
 FULL = BenchSettings()
-#: ``--quick``: the same fleet, traffic and routers, 3 s runs, and 4 replicas on one
-#: workload only (about 7 minutes on 2 cores). For smoke tests, not for conclusions: in 3 s
-#: the cold start (every document's first request misses) weighs much more.
+#: ``--quick``: the same fleet, traffic and routers, 3 s runs, and 4 and 8 replicas on one
+#: workload only (about 12 minutes on 2 cores). For smoke tests, not for conclusions: in
+#: 3 s the cold start (every document's first request misses) weighs much more.
 QUICK = BenchSettings(duration_s=3.0, multi_replica_workloads=("shared-prefix",))
 
 
 # -- workloads --------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class MembershipChange:
-    """Add one instance at ``add_at`` and remove one at ``remove_at`` (fractions of the
-    run's duration). The added instance is started with the fleet but routed to only
-    from ``add_at``; the removed one (instance 0) stops getting new requests at
-    ``remove_at`` and finishes the ones it has."""
-
-    add_at: float = 1 / 3
-    remove_at: float = 2 / 3
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """One benchmark workload.
-
-    Attributes:
-        name: short name (tables, JSON ``workload`` field of each run, ``--workloads``).
-        title: what it stands for.
-        make: builds the seeded workload (``seed`` -> object with ``sessions()`` and
-            ``describe()``, see :mod:`prefixroute.workloads.session`).
-        session_key: the id a client would send as ``X-Session-ID`` (the document for
-            a RAG question, the conversation for a chat); vllm-router's
-            ``consistent_hash`` hashes it, the other routers ignore it.
-        users: concurrent closed-loop users (times ``BenchSettings.users_scale``).
-        membership: a mid-run membership change, or None.
-    """
-
-    name: str
-    title: str
-    make: Callable[[int], Any]
-    session_key: Callable[[Any], str]
-    users: int = 16
-    membership: MembershipChange | None = None
-
-
-def _doc_key(s: Any) -> str:
-    return f"doc-{s.doc}"
-
-
-def _conversation_key(s: Any) -> str:
-    return f"conversation-{s.index}"
-
-
-def _shared_prefix(seed: int) -> SharedPrefixWorkload:
-    # 40 documents of 6,000 tokens (240k tokens) do not fit one instance's 100k-token
-    # cache but fit the fleet's 400k: routing decides the hit rate. 64-token answers
-    # keep the request rate (and so the CPU the harness itself uses) moderate.
-    return SharedPrefixWorkload(groups=40, prefix_tokens=6000, question_tokens=64, output_tokens=64, seed=seed)
-
-
-def _multi_turn(seed: int) -> MultiTurnWorkload:
-    # ShareGPT's turn count and user-message length (workloads.multi_turn); answers
-    # (mean 120 tokens, at most 512) and think time (2 s) shortened so that a 20 s run
-    # at time scale 0.5 holds a few conversations per user and no answer outlives the
-    # run by much. 16 distinct 1,000-token system prompts.
-    return MultiTurnWorkload(system_prompts=16, system_tokens=1000, mean_output_tokens=120, think_time_s=2.0,
-                             max_turns=12, max_message_tokens=512, seed=seed)
-
-
-def _long_system_prompt(seed: int) -> MultiTurnWorkload:
-    # One 6,000-token system prompt shared by every conversation: a fixed-length key
-    # sends them all to one instance; the history after it is each conversation's own.
-    return MultiTurnWorkload(system_prompts=1, system_tokens=6000, mean_output_tokens=120, think_time_s=2.0,
-                             max_turns=12, max_message_tokens=512, seed=seed)
-
-
-def _zipf(seed: int) -> SharedPrefixWorkload:
-    # Group k has weight 1/(k+1)^1.2: the hottest of 64 documents gets ~30 % of the
-    # requests, more than one of 4 instances can take alone.
-    return SharedPrefixWorkload(groups=64, prefix_tokens=6000, question_tokens=64, output_tokens=64,
-                                popularity="zipf", zipf_s=1.2, seed=seed)
-
-
-WORKLOADS: tuple[WorkloadSpec, ...] = (
-    WorkloadSpec("shared-prefix", "long shared-prefix groups (RAG: many questions per document)",
-                 _shared_prefix, _doc_key, users=16),
-    WorkloadSpec("multi-turn", "multi-turn chats, ShareGPT-like lengths", _multi_turn, _conversation_key, users=32),
-    WorkloadSpec("long-system-prompt", "one 6,000-token system prompt shared by every conversation",
-                 _long_system_prompt, _conversation_key, users=32),
-    WorkloadSpec("zipf-hot-groups", "Zipf-skewed document popularity (s = 1.2)", _zipf, _doc_key, users=16),
-    WorkloadSpec("membership-change", "shared-prefix groups; an instance added at 1/3 and one removed at 2/3",
-                 _shared_prefix, _doc_key, users=16, membership=MembershipChange()),
-)
+#: The benchmark's workloads (:mod:`prefixroute.workloads.catalog`).
+WORKLOADS: tuple[BenchWorkload, ...] = BENCH_WORKLOADS
+WorkloadSpec = BenchWorkload
+MembershipChange = MembershipPlan
 
 
 # -- routers ----------------------------------------------------------------------------------
@@ -228,8 +164,11 @@ def router_specs(s: BenchSettings) -> list[RouterSpec]:
                         extra_args=extra),
         PrefixrouteSpec("prefixroute CACHE_AWARE", "prefixroute", SUBJECT,
                         routing={"RoutingStrategy": SUBJECT, "CacheAwareRoutingConfig": {
-                            "ConcurrencyThreshold": threshold, "InstanceCacheTokens": s.kv_capacity_tokens}},
+                            "ConcurrencyThreshold": s.cache_aware_threshold,
+                            "InstanceCacheTokens": s.kv_capacity_tokens}},
                         extra_args=extra),
+        PrefixrouteSpec("llm-d scorers (re-implementation)", "prefixroute", "LLMD_REFERENCE",
+                        routing={"RoutingStrategy": "LLMD_REFERENCE"}, extra_args=extra),
         SGLangRouterSpec("sglang-router cache_aware", "sglang-router", "cache_aware"),
         VLLMRouterSpec("vllm-router cache_aware", "vllm-router", "cache_aware"),
         VLLMRouterSpec("vllm-router consistent_hash", "vllm-router", "consistent_hash"),
@@ -256,6 +195,8 @@ class RunResult:
     results: list[RequestResult] = field(default_factory=list, repr=False)
     events: list[dict[str, Any]] = field(default_factory=list)
     instances: list[str] = field(default_factory=list)
+    repeat: int = 0
+    repeats: int = 1
 
     @property
     def busiest_share(self) -> float:
@@ -266,8 +207,27 @@ class RunResult:
         ``instances`` and ``membership_events``."""
         d = asdict(self.summary)
         d.update(workload=self.workload, label=self.label, busiest_share=self.busiest_share,
-                 instances=self.instances, membership_events=self.events)
+                 instances=self.instances, membership_events=self.events, repeat=self.repeat,
+                 repeats=self.repeats)
         return d
+
+
+def median_run(runs: Sequence[RunResult]) -> RunResult:
+    """One run standing for several of the same (workload, router, replicas): the first
+    one's, with the median of each figure across them (hit rate, P50 and P90 TTFT,
+    latency, throughput, requests, errors summed) and ``repeats`` set."""
+    import dataclasses
+    import statistics
+
+    if len(runs) == 1:
+        return runs[0]
+    sm = [r.summary for r in runs]
+    med = statistics.median
+    summary = dataclasses.replace(
+        sm[0], cache_hit_rate=med(x.cache_hit_rate for x in sm), p50_ttft_s=med(x.p50_ttft_s for x in sm),
+        p90_ttft_s=med(x.p90_ttft_s for x in sm), p50_latency_s=med(x.p50_latency_s for x in sm),
+        throughput_rps=med(x.throughput_rps for x in sm), errors=sum(x.errors for x in sm))
+    return dataclasses.replace(runs[0], summary=summary, repeat=-1, repeats=len(runs), results=[])
 
 
 _ENGINE_READY = re.compile(r"prefixroute-emulate listening on (http://\S+)")
@@ -347,16 +307,19 @@ async def _request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], 
 
 
 async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key: Callable[[Any], str],
-                users: int, duration_s: float, time_scale: float,
+                users: int | None, duration_s: float, time_scale: float,
                 events: Sequence[tuple[float, Callable[[], Any]]] = (), timeout_s: float = 120.0
                 ) -> tuple[list[RequestResult], float, list[dict[str, Any]]]:
-    """Closed-loop users running sessions back to back through the routers.
+    """Closed-loop users running sessions back to back through the routers, or (``users``
+    None) sessions started at their own arrival times (open loop).
 
     User ``u`` talks to router ``u mod len(router_urls)`` (clients spread round robin
-    over the replicas). Each session's turns follow each other after its think time
-    (model seconds × ``time_scale``); each turn resends the earlier answers as
-    received. Users start no turn after ``duration_s`` real seconds. ``events`` are
-    ``(real second, blocking callable)`` run in a thread at that time (membership).
+    over the replicas); in the open loop, session ``i`` to router ``i mod len(...)``.
+    Each session's turns follow each other after its think time (model seconds ×
+    ``time_scale``); each turn resends the earlier answers as received. No turn starts
+    after ``duration_s`` real seconds; an open-loop session starts ``start_s`` model
+    seconds (× ``time_scale``) after the run's start. ``events`` are ``(real second,
+    blocking callable)`` run in a thread at that time (membership).
 
     Returns:
         ``(results, wall_s, event log)``.
@@ -368,26 +331,42 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
     t0 = time.perf_counter()
     deadline = t0 + duration_s
 
+    async def session(http: aiohttp.ClientSession, url: str, s: Any) -> None:
+        headers = {"X-Session-ID": session_key(s)}
+        answers: list[str] = []
+        for k in range(s.num_turns):
+            if k > 0:
+                await asyncio.sleep(s.think_s(k) * time_scale)
+                if time.perf_counter() >= deadline:
+                    break
+            r = await _request(http, url, s.body(k, answers), headers, next(counter), s.group,
+                               want_text=k + 1 < s.num_turns)
+            results.append(r)
+            if r.error:
+                break
+            answers.append(r.text)
+            r.text = ""
+
     async def user(http: aiohttp.ClientSession, u: int) -> None:
         url = router_urls[u % len(router_urls)] + "/v1/chat/completions"
         while time.perf_counter() < deadline:
             s = next(sessions, None)
             if s is None:
                 return
-            headers = {"X-Session-ID": session_key(s)}
-            answers: list[str] = []
-            for k in range(s.num_turns):
-                if k > 0:
-                    await asyncio.sleep(s.think_s(k) * time_scale)
-                    if time.perf_counter() >= deadline:
-                        break
-                r = await _request(http, url, s.body(k, answers), headers, next(counter), s.group,
-                                   want_text=k + 1 < s.num_turns)
-                results.append(r)
-                if r.error:
-                    break
-                answers.append(r.text)
-                r.text = ""
+            await session(http, url, s)
+
+    async def arrivals(http: aiohttp.ClientSession) -> None:
+        running: set[asyncio.Task[None]] = set()
+        for i, s in enumerate(sessions):
+            at = t0 + s.start_s * time_scale
+            if at >= deadline:
+                break
+            await asyncio.sleep(max(0.0, at - time.perf_counter()))
+            task = asyncio.create_task(session(http, router_urls[i % len(router_urls)] + "/v1/chat/completions", s))
+            running.add(task)
+            task.add_done_callback(running.discard)
+        if running:
+            await asyncio.gather(*running)
 
     async def event(at: float, fn: Callable[[], Any]) -> None:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
@@ -400,7 +379,8 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
             log.append({"at_s": round(started, 3), "error": str(exc)[:500]})
 
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=timeout_s)) as http:
-        await asyncio.gather(*(user(http, u) for u in range(users)), *(event(at, fn) for at, fn in events))
+        drivers = [arrivals(http)] if users is None else [user(http, u) for u in range(users)]
+        await asyncio.gather(*drivers, *(event(at, fn) for at, fn in events))
     first = min((r.start_s for r in results), default=t0)
     last = max((r.start_s + r.latency_s for r in results if r.latency_s is not None), default=first)
     return results, last - first, log
@@ -447,7 +427,7 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
             events = [(m.add_at * s.duration_s, on_all("add_backend", added)),
                       (m.remove_at * s.duration_s, on_all("remove_backend", removed))]
         wl = workload.make(s.seed)
-        users = max(1, round(workload.users * s.users_scale))
+        users = None if workload.users is None else max(1, round(workload.users * s.users_scale))
         results, wall, log = asyncio.run(drive([r.url for r in routers], iter(wl.sessions()), workload.session_key,
                                                users, s.duration_s, s.time_scale, events))
         counters = asyncio.run(scrape_counters(urls, [HIT, QUERIES]))
@@ -564,7 +544,8 @@ def verdict_lines(runs: Sequence[RunResult]) -> list[str]:
         lines.append(head + "; ".join(parts))
     for wl, drift in replica_drift(runs).items():
         ok = abs(drift) <= 2.0
-        lines.append(f"{wl}: {SUBJECT} hit rate with 4 replicas vs 1: {drift:+.1f} pts "
+        most = max(r.summary.replicas for r in runs if r.workload == wl and r.summary.strategy == SUBJECT)
+        lines.append(f"{wl}: {SUBJECT} hit rate with {most} replicas vs 1: {drift:+.1f} pts "
                      f"({'within' if ok else 'outside'} 2 pts)")
     return lines
 
@@ -612,11 +593,14 @@ def write_plots(out_dir: Path, workloads: Sequence[WorkloadSpec], runs: Sequence
 
 
 def write_json(path: Path, workloads: Sequence[WorkloadSpec], descriptions: dict[str, str],
-               runs: Sequence[RunResult], s: BenchSettings, command: str, skipped: dict[str, str]) -> None:
-    """SPEC §7's object: ``workload`` names the benchmark, each run carries its workload."""
+               runs: Sequence[RunResult], s: BenchSettings, command: str, skipped: dict[str, str],
+               all_runs: Sequence[RunResult] = ()) -> None:
+    """SPEC §7's object: ``workload`` names the benchmark, each run carries its workload.
+    With repeats, ``runs`` holds the medians and ``repeated_runs`` every run."""
     doc = {
         "workload": "policy_vs_peers: " + "; ".join(f"{w.name} ({descriptions.get(w.name, '')})" for w in workloads),
         "runs": [r.to_json() for r in runs],
+        "repeated_runs": [r.to_json() for r in all_runs] if len(all_runs) > len(runs) else [],
         "settings": asdict(s),
         "command": command,
         "skipped": skipped,
@@ -643,7 +627,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routers", default="",
                    help="comma-separated router labels or their slugs to run, e.g. "
                         "prefixroute-cache-aware,sglang-router-cache-aware, or a product name (haproxy) (default: all)")
-    p.add_argument("--replicas", default="", help="comma-separated router replica counts (default: 1,4)")
+    p.add_argument("--replicas", default="", help="comma-separated router replica counts (default: 1,4,8)")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="runs of each (workload, router, replicas): tables show the median of each figure, the JSON "
+                        "every run, for the run-to-run noise (default: 1)")
     p.add_argument("--duration", type=float, default=None, help="real seconds of traffic per run")
     p.add_argument("--users-scale", type=float, default=None,
                    help="multiply every workload's number of closed-loop users (default: 1)")
@@ -668,6 +655,10 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         upd["seed"] = args.seed
     if args.replicas:
         upd["replicas"] = tuple(int(x) for x in args.replicas.split(",") if x.strip())
+    if args.repeat is not None:
+        if args.repeat < 1:
+            raise SystemExit("error: --repeat must be at least 1")
+        upd["repeat"] = args.repeat
     out = BenchSettings(**(asdict(base) | upd))
     if not out.duration_s > 0 or not out.users_scale > 0 or not out.time_scale > 0 or not out.replicas \
             or min(out.replicas) < 1:
@@ -717,18 +708,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if st.available:
             console.print(f"peer: {st.detail}")
 
-    plan = [(wl, reps) for wl in workloads for reps in s.replicas
-            if reps == 1 or s.multi_replica_workloads is None or wl.name in s.multi_replica_workloads]
-    total = len(plan) * len(routers)
-    console.print(f"[bold]policy_vs_peers[/bold]: {len(routers)} routers x {len(plan)} (workload, replicas) = "
-                  f"{total} runs; {s.instances} emulated instances (time scale {s.time_scale}, "
-                  f"{s.kv_capacity_tokens:,} KV tokens each), {s.duration_s:g} s of traffic per run")
+    baselines = {"RANDOM", "LEAST_OUTSTANDING_REQUESTS"}
+    plan = [(wl, reps, spec) for wl in workloads for reps in s.replicas
+            if reps == 1 or s.multi_replica_workloads is None or wl.name in s.multi_replica_workloads
+            for spec in routers
+            if not (spec.router == "prefixroute" and spec.strategy in baselines and reps not in s.baselines_replicas)]
+    total = len(plan) * s.repeat
+    console.print(f"[bold]policy_vs_peers[/bold]: {len(routers)} routers, {len(workloads)} workloads, replicas "
+                  f"{','.join(map(str, s.replicas))}: {total} runs; {s.instances} emulated instances (time scale "
+                  f"{s.time_scale}, {s.kv_capacity_tokens:,} KV tokens each), {s.duration_s:g} s of traffic per run")
+    all_runs: list[RunResult] = []
     runs: list[RunResult] = []
     descriptions = {w.name: w.make(s.seed).describe() for w in workloads}
     n = 0
     t_start = time.monotonic()
-    for wl, reps in plan:
-        for spec in routers:
+    for wl, reps, spec in plan:
+        repeats: list[RunResult] = []
+        for k in range(s.repeat):
             n += 1
             t0 = time.monotonic()
             try:
@@ -737,17 +733,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console.print(f"[red]{wl.name} / {spec.label} x{reps}: failed to start:[/red] {escape(str(exc))}")
                 skipped[f"{spec.label} x{reps} on {wl.name}"] = str(exc)[:500]
                 continue
-            runs.append(rr)
+            rr.repeat = k
+            repeats.append(rr)
             sm = rr.summary
             bad = [e for e in rr.events if "error" in e]
             console.print(
-                f"[{n}/{total}] {wl.name:<19} {spec.label:<30} x{reps}: hit {sm.cache_hit_rate * 100:5.1f} %  "
+                f"[{n}/{total}] {wl.name:<19} {spec.label:<34} x{reps}: hit {sm.cache_hit_rate * 100:5.1f} %  "
                 f"P50 {sm.p50_ttft_s * 1000:6.0f} ms  P90 {sm.p90_ttft_s * 1000:6.0f} ms  "
                 f"{sm.requests} req  {sm.errors} err  ({time.monotonic() - t0:.0f} s)"
                 + (f"  [red]membership:[/red] {escape(str(bad))}" if bad else ""))
             if sm.strategy == SUBJECT and sm.decisions and set(sm.decisions) <= {"fallback"}:
                 console.print("[yellow]  CACHE_AWARE made only 'fallback' decisions: the router computed no "
                               "block hashes for it (is the strategy wired into `prefixroute serve`?)[/yellow]")
+        all_runs += repeats
+        if repeats:
+            runs.append(median_run(repeats))
     console.print(f"all runs: {time.monotonic() - t_start:.0f} s")
     for wl in workloads:
         wr = [r for r in runs if r.workload == wl.name]
@@ -763,7 +763,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_plots(Path(args.out_dir), workloads, runs)
         console.print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
-        write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped)
+        write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped, all_runs)
         console.print(f"results: {args.json}")
     return 0 if runs and all(r.summary.errors == 0 for r in runs) else 1
 

@@ -56,6 +56,10 @@ class RoutingStrategy(str, enum.Enum):
     #: prefixroute's own: chained block hashes matched against a learned, bounded view of
     #: each instance's cache, weighed against load (:mod:`prefixroute.core.cache_aware`).
     CACHE_AWARE = "CACHE_AWARE"
+    #: A re-implementation of llm-d's documented default scorers (prefix cache 3, queue 2,
+    #: KV-cache utilisation 2, highest score wins), for comparisons
+    #: (:mod:`prefixroute.core.llmd_reference`); not prefixroute's own policy.
+    LLMD_REFERENCE = "LLMD_REFERENCE"
 
     @classmethod
     def parse(cls, value: "str | RoutingStrategy") -> "RoutingStrategy":

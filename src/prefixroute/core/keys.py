@@ -40,6 +40,12 @@ if TYPE_CHECKING:
 
 _PREFIX_AWARE = RoutingStrategy.PREFIX_AWARE
 _CACHE_AWARE = RoutingStrategy.CACHE_AWARE
+_LLMD = RoutingStrategy.LLMD_REFERENCE
+
+#: ``LLMD_REFERENCE``'s prefix blocks (the Inference Extension's prefix plugin defaults):
+#: 64 characters each, at most 256 of them, no doubling.
+LLMD_BLOCK_CHARS = 64
+LLMD_MAX_BLOCKS = 256
 
 __all__ = [
     "KEY_SEED",
@@ -663,6 +669,15 @@ class BlockChain(Sequence[int]):
 
 
 
+def fixed_blocks(data: bytes | memoryview, root: int, block_size: int, most: int) -> BlockChain:
+    """Chained hashes of ``data``'s full blocks of ``block_size`` bytes, at most ``most``
+    of them, no doubling and no partial block (a request shorter than one block has none):
+    the blocks of ``LLMD_REFERENCE``, as the Inference Extension's prefix plugin cuts a
+    prompt."""
+    full = min(len(data) // block_size, most)
+    return BlockChain(data, root, [block_size * (k + 1) for k in range(full)])
+
+
 def _chain(data: bytes | memoryview, root: int, block_size: int, max_length: int, unit_shift: int = 0) -> BlockChain:
     """Chain over ``data`` (already cut to the cap): full blocks on the schedule of
     :func:`block_ends`, plus a final partial block when text is left over."""
@@ -740,6 +755,13 @@ def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig
         ca = routing.cache_aware
         return None, openai_block_hashes(payload, chat, ca.block_size, ca.max_prefix_length, header_tenant,
                                          ca.media_tokens * 4)
+    if routing.strategy is _LLMD:
+        model, tenant = _model_and_tenant(payload, header_tenant)
+        cap = LLMD_BLOCK_CHARS * LLMD_MAX_BLOCKS
+        prompt = "".join(_chat_pieces(payload, cap)) if chat else completion_prompt(payload)
+        if not isinstance(prompt, str):
+            prompt = " ".join(map(str, prompt[: cap // 4]))
+        return None, fixed_blocks(_utf8_head(prompt, cap), _root(model, tenant), LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS)
     _model_and_tenant(payload, header_tenant)  # validation only, as for a key (at most one message rendered)
     if chat:
         _chat_pieces(payload, 1)
@@ -803,4 +825,7 @@ def native_route(body: bytes, scope: str, tenant: str, routing: "RoutingConfig")
     if routing.strategy is _CACHE_AWARE and routing.cache_aware is not None:
         ca = routing.cache_aware
         return None, byte_block_hashes(body, ca.block_size, ca.max_prefix_length, scope, tenant)
+    if routing.strategy is _LLMD:
+        return None, fixed_blocks(bytes(body[: LLMD_BLOCK_CHARS * LLMD_MAX_BLOCKS]), _root(scope, tenant),
+                                  LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS)
     return None, []

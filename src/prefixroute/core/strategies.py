@@ -78,6 +78,10 @@ class InstanceState:
         served: requests ever routed to it (for instance share).
         engine_load: requests the engine itself reports running plus waiting (scraped
             from its ``/metrics``; 0 when unknown). Includes other router replicas' load.
+        engine_waiting: requests the engine reports waiting (``vllm:num_requests_waiting``,
+            scraped; 0 when unknown).
+        engine_kv_usage: fraction 0-1 of the engine's KV cache in use
+            (``vllm:kv_cache_usage_perc``, scraped; 0.0 when unknown).
         pending_prefill: units of routing text (characters; bytes on the native API)
             that this router sent to the instance and estimates it has not prefilled
             yet: for each request in flight whose first token has not come back, the
@@ -92,6 +96,8 @@ class InstanceState:
     healthy: bool = True
     served: int = 0
     engine_load: int = 0
+    engine_waiting: int = 0
+    engine_kv_usage: float = 0.0
     pending_prefill: int = 0
     token: bytes = field(default=b"", repr=False)
 
@@ -305,3 +311,4 @@ class PrefixAwareStrategy(Strategy):
 
 # Strategies in their own modules register themselves on import.
 from prefixroute.core import cache_aware as _cache_aware  # noqa: E402,F401
+from prefixroute.core import llmd_reference as _llmd_reference  # noqa: E402,F401

@@ -73,7 +73,8 @@ _QUERIES = ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries", "sglan
 _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits", "sglang:cached_tokens")
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
-_FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING)
+_KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING, *_KV_USAGE)
 _COUNTERS = (_QUERIES, _HITS)
 #: Most series of one counter no longer exported whose last values are kept apart, per
 #: instance (past it the earliest are folded into one sum): an engine whose label sets
@@ -98,6 +99,9 @@ class BackendStats:
         prefix_cache_hits: prompt tokens found in the prefix cache, or ``None``.
         requests_running: requests running in the engine, or ``None``.
         requests_waiting: requests waiting in the engine, or ``None``.
+        kv_usage: fraction 0-1 of the engine's KV cache in use
+            (``vllm:kv_cache_usage_perc``, older ``vllm:gpu_cache_usage_perc``, SGLang's
+            ``sglang:token_usage``), or ``None``.
         scraped_at: ``time.time()`` of the scrape, seconds.
         ok: whether the latest scrape succeeded (the values are from the last one that did).
         restarts: engine restarts seen so far by this process (counter resets between
@@ -130,6 +134,7 @@ class BackendStats:
     counter_unknown: frozenset[Series] = frozenset()
     counter_found: Mapping[Series, float] | None = None
     counter_marks: Mapping[Series, float] | None = None
+    kv_usage: float | None = None
 
     @property
     def series_marks(self) -> Mapping[Series, float]:
@@ -282,7 +287,7 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
         return next((sums[n] for n in names if n in sums), None)
 
     return BackendStats(first(_QUERIES), first(_HITS), first(_RUNNING), first(_WAITING), scraped_at, True,
-                        counter_series=series, counter_unknown=frozenset(unknown))
+                        counter_series=series, counter_unknown=frozenset(unknown), kv_usage=first(_KV_USAGE))
 
 
 async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:

@@ -310,14 +310,18 @@ class RouterState:
                         "cache is cleared", instance_id)
 
     def publish_engine_load(self) -> None:
-        """Copy each instance's scraped ``running + waiting`` to its pool state
-        (``InstanceState.engine_load``, read by load-aware strategies)."""
+        """Copy each instance's scraped ``running + waiting``, waiting queue and KV-cache
+        usage to its pool state (``InstanceState.engine_load``, ``engine_waiting``,
+        ``engine_kv_usage``, read by load-aware strategies)."""
         for _, pool in self.fleet.all_pools():
             for inst in pool.instances:
                 stats = self.backend_stats.get(inst.instance_id)
-                load = stats.engine_load if stats is not None else None
-                if hasattr(inst, "engine_load"):
-                    inst.engine_load = load or 0
+                if stats is None:
+                    inst.engine_load, inst.engine_waiting, inst.engine_kv_usage = 0, 0, 0.0
+                    continue
+                inst.engine_load = stats.engine_load or 0
+                inst.engine_waiting = int(stats.requests_waiting or 0)
+                inst.engine_kv_usage = stats.kv_usage or 0.0
 
     def instance_ids(self) -> list[str]:
         """Every configured instance URL, once."""

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 
 from prefixroute.core.keys import BlockChain, block_ends, openai_block_hashes
 
-__all__ = ["PromptBlockChain", "prompt_blocks"]
+__all__ = ["PromptBlockChain", "prompt_blocks", "prompt_fixed_blocks"]
 
 _MIX = 0x9E3779B97F4A7C15  # 2^64 / golden ratio: spreads the block index over the bits
 _MASK = (1 << 64) - 1
@@ -94,3 +94,17 @@ def prompt_blocks(prompt: object, block_size: int, max_length: int, media_chars:
         return PromptBlockChain(key, [8 * e for e in ends], unit_shift=1, scale=8, full=full)
     ends, full = _ends(length, block_size, max_length)
     return PromptBlockChain(key, ends, full=full)
+
+
+def prompt_fixed_blocks(prompt: object, block_size: int, most: int) -> BlockChain:
+    """``LLMD_REFERENCE``'s blocks for ``prompt`` (:func:`prefixroute.core.keys.fixed_blocks`):
+    full blocks of ``block_size`` units, at most ``most``, no partial block."""
+    body = getattr(prompt, "body", None)
+    if body is not None:
+        from prefixroute.core.config import RoutingConfig
+        from prefixroute.core.keys import openai_route
+
+        return openai_route(body, True, RoutingConfig.build("llmd-reference"))[1]  # type: ignore[return-value]
+    length: int = prompt.routing_units  # type: ignore[attr-defined]
+    full = min(length // block_size, most)
+    return PromptBlockChain(prompt.routing_key, [block_size * (k + 1) for k in range(full)])  # type: ignore[attr-defined]

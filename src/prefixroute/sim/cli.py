@@ -21,10 +21,28 @@ import sys
 from typing import Any, Sequence
 
 from prefixroute.core.config import ConfigError, RoutingConfig, RoutingStrategy
+from prefixroute.workloads.catalog import BENCH_WORKLOADS, bench_workload
 
 __all__ = ["configure_parser", "run", "build_workload", "run_strategies"]
 
 DEFAULT_STRATEGIES = "random,least-outstanding-requests,prefix-aware"
+
+#: bench/policy_vs_peers.py's fleet and run length (``--bench-workload``): 4 instances
+#: of 100,000 KV tokens, 20 real seconds at time scale 0.5.
+BENCH_INSTANCES = 4
+BENCH_KV_TOKENS = 100_000
+BENCH_DURATION_S = 40.0
+
+
+def bench_routing(strategy: RoutingStrategy) -> RoutingConfig:
+    """The routing bench/policy_vs_peers.py gives ``strategy``: PREFIX_AWARE PrefixLength
+    4,096 with ConcurrencyThreshold 8, CACHE_AWARE ConcurrencyThreshold 32 with
+    InstanceCacheTokens 100,000, the others their defaults."""
+    if strategy is RoutingStrategy.PREFIX_AWARE:
+        return RoutingConfig.build(strategy, 4096, 8)
+    if strategy is RoutingStrategy.CACHE_AWARE:
+        return RoutingConfig.build(strategy, None, 32, instance_cache_tokens=BENCH_KV_TOKENS)
+    return RoutingConfig.build(strategy)
 
 
 def configure_parser(p: argparse.ArgumentParser) -> None:
@@ -43,8 +61,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("fleet")
     g.add_argument("--instances", type=int, default=7, help="engine instances at the start (default: 7)")
     g.add_argument("--replicas", type=int, default=1,
-                   help="router replicas; each request goes to one at random and each counts only its own "
-                        "requests in flight (default: 1)")
+                   help="router replicas; each counts only its own requests in flight (default: 1)")
+    g.add_argument("--replica-per", choices=("request", "session"), default="request",
+                   help="how requests reach the replicas: each request to one at random (clients behind a plain "
+                        "load balancer), or each session's turns to one (clients keeping their connection) "
+                        "(default: request)")
+    g.add_argument("--engine-load-interval", type=float, default=10.0, metavar="SECONDS",
+                   help="model seconds between two reads of every engine's running and waiting requests by each "
+                        "replica, as `prefixroute serve` scrapes /metrics (its default interval: 10); 0: never "
+                        "(default: 10)")
     g.add_argument("--change", action="append", default=[], metavar="ACTION:SECONDS:INSTANCE",
                    help="add or remove an instance at a model time, e.g. add:600:instance-7 or "
                         "remove:1200:instance-0 (instances are named instance-0, instance-1, ...); repeatable")
@@ -79,6 +104,12 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--workload", choices=("shared-prefix", "multi-turn", "trace"), default="shared-prefix",
                    help="what traffic to simulate (default: shared-prefix)")
+    g.add_argument("--bench-workload", metavar="NAME", choices=[w.name for w in BENCH_WORKLOADS],
+                   help="simulate one of bench/policy_vs_peers.py's workloads exactly as the benchmark runs it (its "
+                        "4-instance fleet with 100,000-token caches, users or open-loop arrivals, membership change, "
+                        f"40 model seconds, each replica reading engine load every model second, a session's "
+                        f"turns on one replica; the fleet, load and workload flags are then ignored): "
+                        f"{', '.join(w.name for w in BENCH_WORKLOADS)}")
     g.add_argument("--groups", type=int, default=200, help="shared-prefix: prefix groups (default: 200)")
     g.add_argument("--prefix-tokens", type=int, default=8000, help="shared-prefix: tokens per prefix (default: 8000)")
     g.add_argument("--question-tokens", type=int, default=64, help="shared-prefix: tokens per question (default: 64)")
@@ -172,28 +203,35 @@ def _pct(v: float, b: float) -> float:
 
 
 def published_table(scenario: Any, summaries: Sequence[Any]) -> Any:
-    """A table of the published figures beside the simulated ones (PREFIX_AWARE vs RANDOM)."""
+    """A table of the published figures (PREFIX_AWARE against RANDOM) beside the simulated
+    ones of PREFIX_AWARE and, when it ran, CACHE_AWARE (each against RANDOM)."""
     from rich.table import Table
 
     by = {s.strategy: s for s in summaries}
-    r, pa = by["RANDOM"], by["PREFIX_AWARE"]
+    r = by["RANDOM"]
+    arms = [a for a in ("PREFIX_AWARE", "CACHE_AWARE") if a in by]
     pub = scenario.published
-    t = Table(title=f"{scenario.title}: PREFIX_AWARE against RANDOM, published and simulated", title_justify="left")
-    for col in ("metric", "published", "simulated"):
+    t = Table(title=f"{scenario.title}: against RANDOM, published (PREFIX_AWARE) and simulated", title_justify="left")
+    for col in ("metric", "published", *(f"simulated {a}" for a in arms)):
         t.add_column(col, no_wrap=True)
-    shares = [x * 100 for s in summaries if s.strategy == "PREFIX_AWARE" for x in s.instance_share]
+
+    def shares(a: str) -> str:
+        xs = [x * 100 for x in by[a].instance_share]
+        return f"{min(xs):.1f} … {max(xs):.1f} %" if xs else ""
+
     t.add_row("P50 TTFT change", f"{pub.p50_ttft_change_pct[0]:+.0f} … {pub.p50_ttft_change_pct[1]:+.0f} %",
-              f"{_pct(pa.p50_ttft_s, r.p50_ttft_s):+.0f} % ({r.p50_ttft_s * 1e3:.0f} → {pa.p50_ttft_s * 1e3:.0f} ms)")
+              *(f"{_pct(by[a].p50_ttft_s, r.p50_ttft_s):+.0f} % ({r.p50_ttft_s * 1e3:.0f} → "
+                f"{by[a].p50_ttft_s * 1e3:.0f} ms)" for a in arms))
     t.add_row("P90 TTFT change", f"{pub.p90_ttft_change_pct[0]:+.0f} … {pub.p90_ttft_change_pct[1]:+.0f} %",
-              f"{_pct(pa.p90_ttft_s, r.p90_ttft_s):+.0f} % ({r.p90_ttft_s * 1e3:.0f} → {pa.p90_ttft_s * 1e3:.0f} ms)")
+              *(f"{_pct(by[a].p90_ttft_s, r.p90_ttft_s):+.0f} % ({r.p90_ttft_s * 1e3:.0f} → "
+                f"{by[a].p90_ttft_s * 1e3:.0f} ms)" for a in arms))
     t.add_row("cache-hit rate", f"~{pub.hit_rate_random * 100:.0f} % → ~{pub.hit_rate_prefix_aware * 100:.0f} %",
-              f"{r.cache_hit_rate * 100:.1f} % → {pa.cache_hit_rate * 100:.1f} %")
+              *(f"{r.cache_hit_rate * 100:.1f} % → {by[a].cache_hit_rate * 100:.1f} %" for a in arms))
     t.add_row("throughput change", f"{pub.throughput_change_pct[0]:+.1f} … {pub.throughput_change_pct[1]:+.1f} %",
-              f"{_pct(pa.throughput_rps, r.throughput_rps):+.1f} % ({r.throughput_rps:.2f} → "
-              f"{pa.throughput_rps:.2f} rps)")
-    t.add_row("per-instance share (PREFIX_AWARE)",
-              f"{pub.instance_share_pct[0]:.1f} … {pub.instance_share_pct[1]:.1f} %",
-              f"{min(shares):.1f} … {max(shares):.1f} %" if shares else "")
+              *(f"{_pct(by[a].throughput_rps, r.throughput_rps):+.1f} % ({r.throughput_rps:.2f} → "
+                f"{by[a].throughput_rps:.2f} rps)" for a in arms))
+    t.add_row("per-instance share", f"{pub.instance_share_pct[0]:.1f} … {pub.instance_share_pct[1]:.1f} %",
+              *(shares(a) for a in arms))
     return t
 
 
@@ -253,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_scenario(args)
     from prefixroute.demo.report import render_table, write_json, write_plots
     from prefixroute.engine.model import EngineConfig
-    from prefixroute.sim.simulator import SimConfig, instance_ids, parse_changes
+    from prefixroute.sim.simulator import MembershipChange, SimConfig, instance_ids, parse_changes
     from prefixroute.workloads.traces import TraceError
 
     try:
@@ -267,20 +305,48 @@ def run(args: argparse.Namespace) -> int:
         engine_kw = {} if args.kv_capacity_tokens is None else {"kv_capacity_tokens": args.kv_capacity_tokens}
         engine = EngineConfig(cpu_tier_tokens=args.cpu_tier_tokens, **engine_kw)
         build_workload(args)  # validate once, before any run
-        configs = [(s.value, SimConfig(instance_ids(args.instances), r, engine=engine, replicas=args.replicas,
-                                       duration_s=args.duration, users=args.users,
-                                       overhead_s=args.overhead_ms / 1000, changes=changes, seed=args.seed,
-                                       shared_tier_tokens=args.shared_tier_tokens))
-                   for s, r in zip(strategies, routings)]
+        if args.engine_load_interval < 0:
+            raise ValueError(f"--engine-load-interval must be >= 0 seconds, got {args.engine_load_interval}")
+        common = dict(replicas=args.replicas, seed=args.seed, replica_per=args.replica_per,
+                      engine_load_interval_s=args.engine_load_interval or None,
+                      shared_tier_tokens=args.shared_tier_tokens)
+        if args.bench_workload:
+            bw = bench_workload(args.bench_workload)
+            n = BENCH_INSTANCES + (1 if bw.membership else 0)
+            ids = instance_ids(n)
+            duration = BENCH_DURATION_S
+            changes = () if bw.membership is None else (
+                MembershipChange(duration * bw.membership.add_at, "add", ids[-1]),
+                MembershipChange(duration * bw.membership.remove_at, "remove", ids[0]))
+            engine = EngineConfig(kv_capacity_tokens=BENCH_KV_TOKENS, cpu_tier_tokens=args.cpu_tier_tokens)
+            routings = [bench_routing(s) for s in strategies]
+            common.update(engine_load_interval_s=1.0, replica_per="session")
+            configs = [(s.value, SimConfig(ids[:BENCH_INSTANCES], r, engine=engine, duration_s=duration,
+                                           users=bw.users, changes=changes, **common))
+                       for s, r in zip(strategies, routings)]
+        else:
+            configs = [(s.value, SimConfig(instance_ids(args.instances), r, engine=engine, duration_s=args.duration,
+                                           users=args.users, overhead_s=args.overhead_ms / 1000, changes=changes,
+                                           **common))
+                       for s, r in zip(strategies, routings)]
     except (ConfigError, ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     console = _console()
-    load = f"{args.users} users" if args.users else f"open loop at {args.rate:g}/s"
     tiers = tiers_label(args.cpu_tier_tokens, args.shared_tier_tokens)
-    console.print(f"[bold]prefixroute simulate[/bold]: {args.instances} instances, {args.replicas} router "
-                  f"replica(s), {args.workload}, {load}, {args.duration:,.0f} model s per strategy, {tiers}")
-    results = run_strategies(configs, lambda: build_workload(args), progress=not args.no_progress, console=console)
+    if args.bench_workload:
+        bw = bench_workload(args.bench_workload)
+        load = f"{bw.users} users" if bw.users else "open loop"
+        console.print(f"[bold]prefixroute simulate --bench-workload {bw.name}[/bold]: {bw.title}; "
+                      f"{BENCH_INSTANCES} instances of {BENCH_KV_TOKENS:,} KV tokens, {args.replicas} router "
+                      f"replica(s), {load}, {BENCH_DURATION_S:g} model s per strategy, {tiers}")
+        make = (lambda: bw.make(args.seed))
+    else:
+        load = f"{args.users} users" if args.users else f"open loop at {args.rate:g}/s"
+        console.print(f"[bold]prefixroute simulate[/bold]: {args.instances} instances, {args.replicas} router "
+                      f"replica(s), {args.workload}, {load}, {args.duration:,.0f} model s per strategy, {tiers}")
+        make = (lambda: build_workload(args))
+    results = run_strategies(configs, make, progress=not args.no_progress, console=console)
     summaries = [res.summary() for res in results]
     console.print(render_table(summaries, f"{results[0].workload}; {tiers}; simulated, times in model seconds"))
     if not args.no_plots:
@@ -288,8 +354,10 @@ def run(args: argparse.Namespace) -> int:
                             summaries)
         console.print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
-        write_json(args.json, f"{results[0].workload} instances={args.instances} replicas={args.replicas} "
-                              f"{load} duration_s={args.duration:g} cpu_tier_tokens={args.cpu_tier_tokens} "
+        instances = BENCH_INSTANCES if args.bench_workload else args.instances
+        duration = BENCH_DURATION_S if args.bench_workload else args.duration
+        write_json(args.json, f"{results[0].workload} instances={instances} replicas={args.replicas} "
+                              f"{load} duration_s={duration:g} cpu_tier_tokens={args.cpu_tier_tokens} "
                               f"shared_tier_tokens={args.shared_tier_tokens}", summaries,
                    {"simulation_wall_s": [round(r.wall_s, 3) for r in results]})
         console.print(f"results: {args.json}")

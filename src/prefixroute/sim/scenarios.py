@@ -37,11 +37,12 @@ from prefixroute.workloads.shared_prefix import SharedPrefixWorkload
 
 __all__ = ["Published", "Scenario", "SCENARIOS", "REFERENCE_STRATEGIES"]
 
-#: The strategies of the reference benchmark, baseline first.
+#: The strategies of the reference benchmark, baseline first, and prefixroute's own.
 REFERENCE_STRATEGIES = (
     RoutingStrategy.RANDOM,
     RoutingStrategy.LEAST_OUTSTANDING_REQUESTS,
     RoutingStrategy.PREFIX_AWARE,
+    RoutingStrategy.CACHE_AWARE,
 )
 
 
@@ -92,9 +93,13 @@ class Scenario:
     notes: tuple[str, ...] = field(default=())
 
     def routing(self, strategy: RoutingStrategy) -> RoutingConfig:
-        """The routing configuration of one run of the scenario."""
+        """The routing configuration of one run of the scenario (CACHE_AWARE: the same
+        ConcurrencyThreshold, its other settings at their defaults, InstanceCacheTokens the
+        engine's 1.2 M)."""
         if strategy is RoutingStrategy.PREFIX_AWARE:
             return RoutingConfig.build(strategy, self.prefix_length, self.concurrency_threshold)
+        if strategy is RoutingStrategy.CACHE_AWARE:
+            return RoutingConfig.build(strategy, None, self.concurrency_threshold)
         return RoutingConfig.build(strategy)
 
 

@@ -28,7 +28,7 @@ import itertools
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.kvevents.view import PreciseCacheView
@@ -37,7 +37,8 @@ from prefixroute.engine.core import EngineCore, RequestRejected, StepOutput
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tiers import MemorySharedTier
 from prefixroute.engine.tokenizer import decode
-from prefixroute.sim.blocks import prompt_blocks
+from prefixroute.core.keys import LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS
+from prefixroute.sim.blocks import prompt_blocks, prompt_fixed_blocks
 from prefixroute.sim.precise import DirectObserver
 from prefixroute.workloads.session import Session, Workload
 
@@ -310,6 +311,7 @@ class Simulator:
         # prompts' routing keys, the router's own hashes for exact text).
         self._blocks = ((ca.block_size, ca.max_prefix_length, ca.media_tokens * 4) if config.routing.strategy is
                         RoutingStrategy.CACHE_AWARE and ca is not None else None)
+        self._fixed_blocks = config.routing.strategy is RoutingStrategy.LLMD_REFERENCE
         self._flights: dict[str, _Flight] = {}
         self._records: list[RequestRecord] = []
         self._sessions: Iterator[Session] = iter(workload.sessions())
@@ -445,7 +447,12 @@ class Simulator:
                             prompt_tokens=turn.prompt.num_tokens)
         self._records.append(rec)
         key = turn.prompt.routing_key(self._prefix_length) if self._prefix_length is not None else None
-        blocks = prompt_blocks(turn.prompt, *self._blocks) if self._blocks is not None else ()
+        if self._blocks is not None:
+            blocks: Sequence[int] = prompt_blocks(turn.prompt, *self._blocks)
+        elif self._fixed_blocks:
+            blocks = prompt_fixed_blocks(turn.prompt, LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS)
+        else:
+            blocks = ()
         try:
             lease: Lease = self._pools[replica].acquire(key, (), blocks)
         except NoHealthyInstance as exc:
@@ -571,6 +578,8 @@ class Simulator:
             if state is not None:
                 st = inst.core.stats()
                 state.engine_load = st.num_running + st.num_waiting
+                state.engine_waiting = st.num_waiting
+                state.engine_kv_usage = st.kv_cache_usage
         return bool(self._flights) or (not self._stopped and t <= self.config.duration_s)
 
     def _change(self, ch: MembershipChange, t: float) -> None:
