@@ -60,8 +60,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peers import source_commit  # noqa: E402  (bench/ is a folder of scripts)
 
 STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "CACHE_AWARE")
-SIZES = (1024, 65536)
-INSTANCES = (8, 64, 256)
+SIZES = (4096, 65536)
+INSTANCES = (8, 64)
 DOCS = 64
 GOAL_US = 20.0
 

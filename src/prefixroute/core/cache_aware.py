@@ -380,6 +380,24 @@ class CacheAwareStrategy(Strategy):
         held = self._index.get(get(0), 0) & cmask
         if not held:  # no candidate holds even the first block: a new prefix
             return self._place(get(amin), candidates, size, None, bits, unit, threshold)
+        if not held & (held - 1):
+            # One candidate holds the first block and no other does: the usual follow-up
+            # (a new question about a document, the next turn of a conversation). If it
+            # holds the whole chain or all of it but the last block, found from those two
+            # blocks (one xxh3 pass reads both), the rules below give it the request when
+            # it is below the threshold, holds a meaningful part (no other holds any)
+            # and its cost is within the margin of any alternative's (which must prefill
+            # everything): the same answer, without the level search (tested equal in
+            # tests/test_core_cache_aware.py).
+            index = self._index
+            d = n if index.get(get(n - 1), 0) & held else n - 1 if n > 1 and index.get(get(n - 2), 0) & held else 0
+            if d:
+                inst = by_bit[held]
+                u_top = unit(d)
+                if inst.in_flight < threshold and u_top >= max(self.stick_units, STICK_FRACTION * size) and \
+                        size - u_top + self._queue(inst) <= size + self.tie_units + REPLICATE_FRACTION * size:
+                    self.uncached_units = size - u_top
+                    return inst, DecisionKind.AFFINITY
         levels = _Levels(get, self._index, held, n)
         levels.pull()
         d_top = levels.depths[0]
@@ -388,14 +406,18 @@ class CacheAwareStrategy(Strategy):
         # Other holders within one block of the longest match are homes too (a prefix
         # held in several places); found by probing one block, not by exact searches.
         upto = lambda k: unit(k + 1)  # noqa: E731  (units up to the end of block k)
-        k_band = _first(levels.bound, u_top - self.block_size, upto)
-        while levels.any_holds(k_band):
-            levels.pull()
-            home_mask |= levels.masks[-1]
-        # The rest hold less than k_band + 1 blocks: their best match ("u_rest", 0 with
-        # none) is bounded by probes below, and found exactly only when needed.
         stick = max(self.stick_units, STICK_FRACTION * size)
-        meaningful = u_top >= stick and not levels.any_holds(_first_over(levels.bound, u_top - stick, upto))
+        alone = not levels.remaining  # no other candidate holds even the first block (the usual follow-up)
+        if alone:
+            meaningful = u_top >= stick
+        else:
+            k_band = _first(levels.bound, u_top - self.block_size, upto)
+            while levels.any_holds(k_band):
+                levels.pull()
+                home_mask |= levels.masks[-1]
+            # The rest hold less than k_band + 1 blocks: their best match ("u_rest", 0
+            # with none) is bounded by probes below, and found exactly only when needed.
+            meaningful = u_top >= stick and not levels.any_holds(_first_over(levels.bound, u_top - stick, upto))
         extra = 0  # units past the full blocks a continuation home holds too
         top_mask = levels.masks[0]
         if chain and (not meaningful or top_mask & (top_mask - 1)):
@@ -429,7 +451,8 @@ class CacheAwareStrategy(Strategy):
             # Any other instance must prefill at least size - u_rest: if the home beats
             # even that by the margin, no alternative is looked at.
             most = size + limit - c_home  # the home wins if u_rest <= most
-            if most >= u_top or (most >= 0 and not levels.any_holds(_first_over(levels.bound, most, upto))):
+            if most >= u_top or (most >= 0 and (alone or not levels.any_holds(_first_over(levels.bound, most,
+                                                                                             upto)))):
                 self.uncached_units = size - m_home
                 return home, DecisionKind.AFFINITY
         # The homes are at the threshold or their queues are long: the alternative is the
@@ -479,7 +502,9 @@ class CacheAwareStrategy(Strategy):
         tokens = self.tokens(candidates)
         bits = self._bits_list if candidates is self._bits_src else self._bits_of(candidates)[0]
         first = rendezvous_best(anchor, tokens)
-        order: Sequence[int] = (first,)
+        inst = candidates[first]
+        if not bits[first] & skip and inst.in_flight < threshold and self._queue(inst) <= self.bound_slack:
+            return inst  # within any bound (the mean is >= 0): no pass over the fleet
         below = [c for c in candidates if c.in_flight < threshold]
         if not below:
             return None
@@ -488,20 +513,14 @@ class CacheAwareStrategy(Strategy):
         mean = (sum(map(_pending, below)) + w * sum(loads)) / len(below)
         bound = BOUND_FACTOR * mean + self.bound_slack
         spare = None
-        k = 0
-        while True:
-            for i in order:
-                inst = candidates[i]
-                if bits[i] & skip or inst.in_flight >= threshold:
-                    continue
-                if self._queue(inst) <= bound:
-                    return inst
-                if spare is None:
-                    spare = inst
-            if k:
-                break
-            k = 1
-            order = rendezvous_order(anchor, tokens)[1:]
+        for i in rendezvous_order(anchor, tokens):
+            inst = candidates[i]
+            if bits[i] & skip or inst.in_flight >= threshold:
+                continue
+            if self._queue(inst) <= bound:
+                return inst
+            if spare is None:
+                spare = inst
         return spare
 
     def _place(self, anchor: int, candidates: Sequence[InstanceState], size: int, levels: "_Levels | None",
