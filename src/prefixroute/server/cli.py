@@ -106,12 +106,22 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "(default: 131072)")
     g.add_argument("--instance-cache-tokens", type=int, metavar="N",
                    help="CACHE_AWARE InstanceCacheTokens: prompt tokens the router remembers per instance, "
-                        "set near the engine's KV capacity; memory is at most about 145 bytes per BlockSize "
-                        "characters (blocks double in length every 16, so long prompts take far less) "
-                        "(default: 1200000)")
+                        "set near the engine's KV capacity; a view holds at most InstanceCacheTokens x 4 / BlockSize "
+                        "blocks of about 195 bytes each (all views of the router together also stay under "
+                        "--cache-aware-memory-mib) (default: 1200000)")
     g.add_argument("--load-weight", type=float, metavar="W",
-                   help="CACHE_AWARE LoadWeight: matched blocks one extra request in flight is worth; higher "
-                        "spreads load, lower chases cache hits (default: 16)")
+                   help="CACHE_AWARE LoadWeight: blocks of prefill one more request in flight on an instance costs "
+                        "a new request there (the decode share of the cost model); higher spreads load more, lower "
+                        "chases cache hits (default: 0.5, the reference engine's ratio of a decoding sequence's "
+                        "step time to a prefilled token's)")
+    g.add_argument("--media-tokens", type=int, metavar="N",
+                   help="CACHE_AWARE MediaTokens: prompt tokens one image, audio or file part of a chat request "
+                        "stands for, so a repeated image keeps its instance (default: 576)")
+    g.add_argument("--native-key", choices=("raw-bytes", "canonical-json"), default=None,
+                   help="what native (/invocations) requests are keyed on: the raw body's first PrefixLength bytes "
+                        "(SageMaker's rule, the default), or a JSON body re-serialized canonically (sorted keys, no "
+                        "whitespace, sampling fields left out) so clients that serialize the same prompt "
+                        "differently share an instance")
     g.add_argument("--endpoint-name", default="default",
                    help="endpoint name (the EndpointName of /endpoints/NAME/invocations; default: default)")
     g.add_argument("--variant-name", default="AllTraffic",
@@ -284,8 +294,10 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
         raise ConfigError(f"--strategy {args.strategy} needs {' and '.join(missing)} "
                           f"({'; '.join(_REQUIRED_FLAGS[strategy][f] for f in missing)})")
     routing = RoutingConfig.build(strategy, value["prefix_length"], value["concurrency_threshold"],
+                                  native_key=getattr(args, "native_key", None),
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
-                                  instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"])
+                                  instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"],
+                                  media_tokens=value["media_tokens"])
     if discovering:
         config = single_with_discovery(args.backend, routing, discovery_from_args(args), args.endpoint_name,
                                        args.variant_name)
@@ -331,7 +343,8 @@ def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
 #: Routing flags and their argparse destinations.
 _ROUTING_FLAGS = {"--prefix-length": "prefix_length", "--concurrency-threshold": "concurrency_threshold",
                   "--block-size": "block_size", "--max-prefix-length": "max_prefix_length",
-                  "--instance-cache-tokens": "instance_cache_tokens", "--load-weight": "load_weight"}
+                  "--instance-cache-tokens": "instance_cache_tokens", "--load-weight": "load_weight",
+                  "--media-tokens": "media_tokens"}
 #: The routing flags a strategy cannot do without, and what each one is.
 _REQUIRED_FLAGS = {
     RoutingStrategy.PREFIX_AWARE: {
@@ -347,7 +360,7 @@ _REQUIRED_FLAGS = {
 _STRATEGY_FLAGS = {
     RoutingStrategy.PREFIX_AWARE: {"--prefix-length", "--concurrency-threshold"},
     RoutingStrategy.CACHE_AWARE: {"--concurrency-threshold", "--block-size", "--max-prefix-length",
-                                  "--instance-cache-tokens", "--load-weight"},
+                                  "--instance-cache-tokens", "--load-weight", "--media-tokens"},
 }
 
 
