@@ -402,7 +402,9 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
         exe = status.executable if status else ""
         # Start the replicas in parallel: each waits for readiness on its own.
         with ThreadPoolExecutor(max_workers=replicas) as pool:
-            futures = [pool.submit(spec.start, tracker, initial, exe, urls) for _ in range(replicas)]
+            # (start_retrying: a port taken between its choice and the router's bind, which
+            # 8 replicas started at once beside other processes meet, is tried again elsewhere)
+            futures = [pool.submit(spec.start_retrying, tracker, initial, exe, urls) for _ in range(replicas)]
             routers: list[RunningRouter] = []
             errors = []
             for f in futures:
