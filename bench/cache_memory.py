@@ -46,7 +46,7 @@ def _measured_bytes(strategy: CacheAwareStrategy) -> int:
     index: dict[int, int] = {}
     copies = []
     for bit, cache in enumerate(strategy.caches.values()):
-        c = ApproxPrefixCache(cache.capacity, index, 1 << bit)
+        c = ApproxPrefixCache(cache.capacity, index, 1 << bit, cache.max_blocks)
         # The same state built from new objects; an int object the view shares between
         # entries (a parent's hash, one stamp for a whole chain) is shared in the copy too.
         fresh: dict[int, int] = {}
@@ -57,6 +57,7 @@ def _measured_bytes(strategy: CacheAwareStrategy) -> int:
         c._nodes = {new(h): (new(size), None if parent is None else new(parent), children, new(stamp))
                     for h, (size, parent, children, stamp) in cache._nodes.items()}
         c._heap = [(new(stamp), new(h)) for stamp, h in cache._heap]
+        c._tails = {new(h): (new(units), new(rest)) for h, (units, rest) in cache._tails.items()}
         c.used, c._leaves, c._tick = cache.used, cache._leaves, cache._tick
         for h in c._nodes:
             index[h] = index.get(h, 0) | c._bit

@@ -34,6 +34,11 @@ def test_tiny_prompts_stay_within_each_views_memory():
     per_view = [len(c) for c in pool.strategy.caches.values()]
     assert max(per_view) <= 128 and min(per_view) >= 100, per_view
     assert stats["approx_cache_bytes"] == sum(per_view) * BYTES_PER_BLOCK_ENTRY <= 4 * 128 * BYTES_PER_BLOCK_ENTRY
+    # the same memory per instance, each under its own ceiling of 128 blocks
+    per_instance = pool.strategy.instance_stats()
+    assert sorted(per_instance) == sorted(pool.strategy.caches)
+    assert sum(v["approx_cache_instance_bytes"] for v in per_instance.values()) == stats["approx_cache_bytes"]
+    assert {v["approx_cache_instance_max_bytes"] for v in per_instance.values()} == {128 * BYTES_PER_BLOCK_ENTRY}
 
 
 def test_a_router_wide_ceiling_bounds_every_view_together():

@@ -24,13 +24,15 @@ from prefixroute.core.keys import BlockChain
 __all__ = ["ApproxPrefixCache", "ViewBudget", "BYTES_PER_BLOCK_ENTRY", "DEFAULT_ROUTER_VIEW_BYTES"]
 
 #: Approximate memory of one remembered block: its dict entry and node (a tuple: size,
-#: parent, children, stamp), the int hash and size, its share of the leaves' heap, of
-#: the fleet-wide index (a dict slot and a bitmask) and of the tails, measured with
-#: tracemalloc by ``bench/cache_memory.py`` on views filled to their budget (CPython 3.11).
-BYTES_PER_BLOCK_ENTRY = 195
+#: parent, children, stamp), the int hash and size, its share of the leaves' heap (stale
+#: entries included), of the fleet-wide index (a dict slot and a bitmask) and of the
+#: tails. Measured with tracemalloc (CPython 3.11) between 175 and 250 B depending on the
+#: traffic: 225 B by ``bench/cache_memory.py`` on views filled to their budget, 175-250 B
+#: by tests/test_core_cache_aware.py's documents; 210 is within 20 % of both ends.
+BYTES_PER_BLOCK_ENTRY = 210
 
 #: Default ceiling on the memory of all approximate views of one router process
-#: (``prefixroute serve --cache-aware-memory-mib``): 512 MiB, about 2.75 million blocks.
+#: (``prefixroute serve --cache-aware-memory-mib``): 512 MiB, about 2.5 million blocks.
 DEFAULT_ROUTER_VIEW_BYTES = 512 * 1024 * 1024
 
 

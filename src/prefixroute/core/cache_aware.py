@@ -579,6 +579,11 @@ class CacheAwareStrategy(Strategy):
         if cache is not None:
             cache.clear()
 
+    def instance_stats(self) -> dict[str, dict[str, float]]:
+        return {iid: {"approx_cache_instance_bytes": float(len(c) * BYTES_PER_BLOCK_ENTRY),
+                      "approx_cache_instance_max_bytes": float(c.max_blocks * BYTES_PER_BLOCK_ENTRY)}
+                for iid, c in self.caches.items()}
+
     def stats(self) -> dict[str, float]:
         blocks = sum(len(c) for c in self.caches.values())
         return {

@@ -180,6 +180,11 @@ class Strategy(ABC):
         """Gauges worth exporting (e.g. memory of learned state); empty by default."""
         return {}
 
+    def instance_stats(self) -> dict[str, dict[str, float]]:
+        """Per-instance gauges (instance id -> name -> value), e.g. the memory of what
+        was learned about each instance's cache; empty by default."""
+        return {}
+
 
 STRATEGIES: dict[RoutingStrategy, type[Strategy]] = {}
 

@@ -107,7 +107,7 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--instance-cache-tokens", type=int, metavar="N",
                    help="CACHE_AWARE InstanceCacheTokens: prompt tokens the router remembers per instance, "
                         "set near the engine's KV capacity; a view holds at most InstanceCacheTokens x 4 / BlockSize "
-                        "blocks of about 195 bytes each (all views of the router together also stay under "
+                        "blocks of about 210 bytes each (all views of the router together also stay under "
                         "--cache-aware-memory-mib) (default: 1200000)")
     g.add_argument("--load-weight", type=float, metavar="W",
                    help="CACHE_AWARE LoadWeight: blocks of prefill one more request in flight on an instance costs "

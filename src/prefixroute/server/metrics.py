@@ -52,6 +52,8 @@ METRIC_NAMES = (
     "prefixroute_instance_healthy",
     "prefixroute_approx_cache_blocks",
     "prefixroute_approx_cache_bytes",
+    "prefixroute_approx_cache_instance_bytes",
+    "prefixroute_approx_cache_instance_max_bytes",
     "prefixroute_approx_cache_capacity_blocks",
     "prefixroute_routing_decision_seconds",
     "prefixroute_ttft_seconds",
@@ -96,6 +98,13 @@ _STRATEGY_STATS = {
     "approx_cache_capacity_blocks": "CACHE_AWARE: most blocks the views may hold (InstanceCacheTokens x 4 / "
                                     "BlockSize per instance).",
 }
+# CACHE_AWARE's per-instance view (Strategy.instance_stats()).
+_INSTANCE_STATS = {
+    "approx_cache_instance_bytes": "CACHE_AWARE: estimated memory of one instance's approximate cache view, "
+                                   "bytes (blocks x BYTES_PER_BLOCK_ENTRY).",
+    "approx_cache_instance_max_bytes": "CACHE_AWARE: most memory one instance's view may take, bytes (its block "
+                                       "limit x BYTES_PER_BLOCK_ENTRY).",
+}
 
 
 class _PoolCollector(Collector):
@@ -114,6 +123,8 @@ class _PoolCollector(Collector):
         # CACHE_AWARE's learned view (Strategy.stats()); other strategies keep no state.
         state = {name: GaugeMetricFamily(f"prefixroute_{name}", doc, labels=("endpoint", "variant"))
                  for name, doc in _STRATEGY_STATS.items()}
+        per = {name: GaugeMetricFamily(f"prefixroute_{name}", doc, labels=("endpoint", "variant", "instance"))
+               for name, doc in _INSTANCE_STATS.items()}
         for endpoint, pool in self._fleet().all_pools():
             for inst in pool.instances:
                 labels = (endpoint, pool.name, inst.instance_id)
@@ -122,7 +133,11 @@ class _PoolCollector(Collector):
             for name, value in pool.strategy.stats().items():
                 if name in state:
                     state[name].add_metric((endpoint, pool.name), value)
-        return [in_flight, healthy, *state.values()]
+            for instance, values in pool.strategy.instance_stats().items():
+                for name, value in values.items():
+                    if name in per:
+                        per[name].add_metric((endpoint, pool.name, instance), value)
+        return [in_flight, healthy, *state.values(), *per.values()]
 
 
 class _BackendCollector(Collector):
