@@ -42,7 +42,7 @@ from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body
 from prefixroute.core.pool import VariantPool
 from prefixroute.server import headers as H
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
-from prefixroute.server.health import health_check_loop
+from prefixroute.server.health import health_check_loop, readiness
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
 from prefixroute.server.scrape import scrape_loop
@@ -556,11 +556,17 @@ async def invocations_response_stream(request: web.Request) -> web.StreamRespons
 
 
 async def health(request: web.Request) -> web.Response:
-    """``GET /health`` and ``GET /ping``: 200 if at least one instance is healthy, else 503."""
-    healthy, total = request.app[STATE].healthy_counts()
-    ok = healthy > 0
-    return json_response(200 if ok else 503,
-                         {"status": "ok" if ok else "unavailable", "healthy_instances": healthy, "instances": total})
+    """``GET /health`` and ``GET /ping``: 200 ``ok`` when every production variant has a
+    healthy instance, 200 ``degraded`` naming the variants that have none, 503
+    ``starting`` until a round of health checks has found every variant with a healthy
+    instance, 503 ``unavailable`` when no instance is healthy
+    (:func:`prefixroute.server.health.readiness`).
+
+    Body: ``{"status", "message", "variants_down": ["endpoint/variant", ...],
+    "healthy_instances", "instances"}``."""
+    r = readiness(request.app[STATE])
+    return json_response(r.http_status, {"status": r.status, "message": r.message(), "variants_down": list(r.down),
+                                         "healthy_instances": r.healthy, "instances": r.total})
 
 
 async def metrics(request: web.Request) -> web.Response:

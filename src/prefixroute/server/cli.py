@@ -143,7 +143,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
 
     o = p.add_argument_group("health, timeouts, limits, shutdown, logging")
     o.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between active health checks of every instance; 0 disables them (default: 5)")
+                   help="seconds between active health checks of every instance, the first round at start; "
+                        "0 disables them (default: 5)")
     o.add_argument("--health-check-path", default="/health",
                    help="path probed with GET on each instance; 2xx = healthy: /health for vLLM and SGLang, "
                         "/ping for SageMaker containers (default: /health)")

@@ -201,15 +201,6 @@ class RouterState:
                 seen.setdefault(inst.instance_id, None)
         return list(seen)
 
-    def healthy_counts(self) -> tuple[int, int]:
-        """``(healthy, total)`` instances over the fleet (an instance in two variants counts twice)."""
-        healthy = total = 0
-        for _, pool in self.fleet.all_pools():
-            for inst in pool.instances:
-                total += 1
-                healthy += inst.healthy
-        return healthy, total
-
 
 #: Production variants the "configuration applied" line names; the rest are counted.
 _SUMMARY_VARIANTS = 20
