@@ -660,8 +660,16 @@ async def test_threshold_holds_across_workers_and_admin_reaches_all(backends):
         assert scrapes == {float(rounds * n)}
         assert await serve.metric("prefixroute_in_flight") == 0
 
-        # A change through the public admin API reaches every worker.
         async with aiohttp.ClientSession() as http:
+            # The status page's data adds every worker's requests up.
+            async with http.get(serve.admin + "/admin/status.json") as r:
+                assert r.status == 200
+                status = await r.json()
+            v = status["endpoints"][0]["variants"][0]
+            assert (status["router"]["workers"], v["requests"]) == (2, rounds * n)
+            assert sum(i["requests"] for i in v["instances"]) == rounds * n == v["responses"]["2xx"]
+            assert v["ttft"]["n"] == rounds * n
+            # A change through the public admin API reaches every worker.
             async with http.put(serve.admin + "/admin/endpoints/default/variants/AllTraffic/routing", json={
                     "RoutingStrategy": "PREFIX_AWARE",
                     "PrefixAwareRoutingConfig": {"PrefixLength": 1024, "ConcurrencyThreshold": 2}}) as r:

@@ -151,9 +151,26 @@ def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Resp
     ``responses_total`` and, as every answer, in ``request_duration_seconds``
     (``t0``: ``time.perf_counter()`` at the request's arrival). Returns ``resp``."""
     m = state.metrics
+    t_end = time.perf_counter()
     m.responses.labels(endpoint, variant, str(resp.status)).inc()
-    m.duration_seconds.labels(endpoint, variant).observe(time.perf_counter() - t0)
+    m.duration_seconds.labels(endpoint, variant).observe(t_end - t0)
+    state.observers.refused(endpoint, variant, resp.status, _message_of(resp), resp.headers.get(H.REQUEST_ID), t0,
+                            t_end)
     return resp
+
+
+def _message_of(resp: web.Response) -> str:
+    """The ``message`` of one of the router's own JSON error answers (OpenAI's or
+    SageMaker's shape), or ``""``."""
+    try:
+        doc = orjson.loads(resp.body) if isinstance(resp.body, bytes) else None
+    except orjson.JSONDecodeError:
+        return ""
+    if isinstance(doc, dict):
+        inner = doc.get("error")
+        msg = inner.get("message") if isinstance(inner, dict) else doc.get("message")
+        return msg if isinstance(msg, str) else ""
+    return ""
 
 
 #: The request Content-Encodings decoded, one coding per request, by

@@ -77,6 +77,7 @@ from prefixroute.server.app import (
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, ends_with_done, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
+from prefixroute.server.record import RequestRecord
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
@@ -224,9 +225,10 @@ class _Reply:
     body chunk was framed (0.0 until then), ``tail`` the last bytes of an SSE stream,
     ``overhead_s`` the router's time on the request (``X-Prefixroute-Overhead-Ms``)."""
 
-    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s")
+    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s", "record")
 
-    def __init__(self) -> None:
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record  # the request's: its first byte and bytes out are counted here
         self.status = 0
         self.head = b""
         self.framed = self.sse = self.chunked = self.bodyless = False
@@ -237,7 +239,8 @@ class _Reply:
     def encode(self, chunk: bytes) -> tuple[bytes, ...]:
         """``chunk`` of the instance's body as written to the client."""
         if not self.first_s:
-            self.first_s = time.perf_counter()
+            self.first_s = self.record.t_first = time.perf_counter()
+        self.record.bytes_out += len(chunk)
         if self.sse:
             self.tail = (self.tail + chunk)[-_TAIL:]
         if self.bodyless:
@@ -1346,6 +1349,7 @@ class FrontServer:
             lease = started.lease = pool.acquire(rr.key, (), rr.blocks, learn=False)
         except NoHealthyInstance:
             return False  # the task answers 503
+        rr.record.decision = lease.decision
         target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
         if up is None and self.upstreams.due:  # the connection of an answer written this loop turn, maybe
@@ -1355,7 +1359,8 @@ class FrontServer:
             if rr.blocks:
                 self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
             return False
-        started.router_s = time.perf_counter() - rr.t0
+        rr.record.t_sent = t_send = time.perf_counter()
+        started.router_s = t_send - rr.t0
         self._send(client, up, rr, target, self._head_tail(rr), lease.decision, started.router_s, inc.keep_alive)
         client.busy = True
         client.detached = started
@@ -1578,6 +1583,7 @@ class FrontServer:
         up: _Upstream | None = started.up if started is not None else None
         if up is not None:
             router_s = started.router_s  # type: ignore[union-attr]
+        record = rr.record
         try:
             for _attempt in range(1 + settings.max_retries):
                 if lease is None:
@@ -1585,6 +1591,7 @@ class FrontServer:
                         lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
                     except NoHealthyInstance as exc:
                         code = 503
+                        record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
                         msg = (f"no instance of production variant {variant!r} could take the request (tried "
                                f"{', '.join(sorted(exclude))})") if exclude else str(exc)
                         self._error(client, rr, 503, msg, "upstream_unavailable" if exclude else
@@ -1594,19 +1601,20 @@ class FrontServer:
                         self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
                 if retry is not None:
                     m.retries.labels(rr.endpoint, variant, retry).inc()
+                    record.retries += 1
                 try:
-                    decision = lease.decision
+                    decision = record.decision = lease.decision
                     instance = decision.instance.instance_id
                     if up is None:
                         target = self._target(instance)
-                        t_send = time.perf_counter()
+                        t_send = record.t_sent = time.perf_counter()
                         router_s += t_send - mark
                         try:
                             up = self.upstreams.take(target[:3]) or \
                                 await self.upstreams.connect(target[:3], settings.connect_timeout_s)
                         except (OSError, TimeoutError) as exc:
                             mark = time.perf_counter()
-                            retry = "connect"
+                            retry = record.error = "connect"
                             connect_failed(state, instance, exc, exclude)
                             continue
                         head_tail = head_tail or self._head_tail(rr)
@@ -1614,6 +1622,7 @@ class FrontServer:
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
+                        record.error = "headers_timeout"
                         m.upstream_errors.labels(instance, "headers_timeout").inc()
                         m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                         state.health.passive_failure(instance)
@@ -1623,12 +1632,12 @@ class FrontServer:
                                     {**base_headers, H.INSTANCE: instance}, keep_alive)
                         return
                     except _UpstreamLost as lost:
-                        kind = _error_kind(lost.exc)
+                        kind = record.error = _error_kind(lost.exc)
                         state.health.passive_failure(instance)
                         if not lost.sent:
                             mark = time.perf_counter()
                             m.upstream_errors.labels(instance, "send").inc()
-                            retry = "send"
+                            retry = record.error = "send"
                             log.warning("instance %s: connection lost while sending the request (%s)", instance,
                                         kind)
                             exclude.add(instance)
@@ -1651,6 +1660,7 @@ class FrontServer:
                         up.finish()
                         up = None
             code = 503
+            record.error = "upstream_unavailable"
             self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
                         f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
         except _ClientGone:
@@ -1673,6 +1683,7 @@ class FrontServer:
         self.state.metrics.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
         if status >= 500:
             self.state.metrics.upstream_errors.labels(instance, "http_5xx").inc()
+            rr.record.error = "http_5xx"
 
     def _account_whole(self, rr: RoutedRequest, reply: _Reply, instance: str) -> int:
         """Metrics of an answer :meth:`_whole` wrote; returns its status."""
@@ -1682,6 +1693,7 @@ class FrontServer:
         m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
         if reply.sse and rr.api is Api.OPENAI and not ends_with_done(reply.tail):
             m.upstream_errors.labels(instance, "no_done").inc()
+            rr.record.error = "no_done"
         return reply.status
 
     def _released(self, rr: RoutedRequest, decision: Any) -> None:
@@ -1691,9 +1703,11 @@ class FrontServer:
         """The request is over (at ``t_end``, ``time.perf_counter()``; default now): its
         response code (a status, ``499``, ``stream_aborted``) and its duration."""
         m = self.state.metrics
+        if t_end is None:
+            t_end = time.perf_counter()
         m.responses.labels(rr.endpoint, rr.pool.name, str(code)).inc()
-        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(
-            (time.perf_counter() if t_end is None else t_end) - rr.t0)
+        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(t_end - rr.t0)
+        self.state.observers.finished(rr, code, t_end)
 
     def _error(self, client: _Client, rr: RoutedRequest, status: int, message: str, code: str,
                headers: dict[str, str], keep_alive: bool) -> None:
@@ -1779,9 +1793,11 @@ class FrontServer:
                 client.write(b"".join(parts))
             return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
         if not reply.first_s:
-            ttft.observe(time.perf_counter() - rr.t0)
+            reply.first_s = rr.record.t_first = time.perf_counter()
+            ttft.observe(reply.first_s - rr.t0)
         if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
             m.upstream_errors.labels(instance, "no_done").inc()
+            rr.record.error = "no_done"
         if client.closed:
             return rr.completed_status or 499
         if reply.chunked:
@@ -1802,7 +1818,7 @@ class FrontServer:
         else:
             theirs = H.header_lines(H.native_response_headers(up.resp_headers, stream=framed))
         sse = not framed and up.content_type.startswith(b"text/event-stream")
-        reply = _Reply()
+        reply = _Reply(rr.record)
         reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
         # An event-stream answer always has a body (the events, maybe none), framed chunked.
         reply.bodyless = bodyless = status in (204, 304) and not framed
@@ -1845,8 +1861,9 @@ class FrontServer:
                 parts.append(b"0\r\n\r\n")
         else:  # the body as it came (what encode() would give for each chunk)
             parts = [reply.head, *up.chunks]
+            rr.record.bytes_out += sum(map(len, up.chunks))
         if not reply.first_s:
-            reply.first_s = time.perf_counter()
+            reply.first_s = rr.record.t_first = time.perf_counter()
         up.chunks = []
         up.reply = reply
         transport = client.transport  # client.write(), inline (the client is there: checked above)
@@ -1857,7 +1874,7 @@ class FrontServer:
                     sse: bool, tail: bytes, idle_s: float, framed: bool) -> str:
         """As proxy._end_broken: the status is sent; end in the stream's own terms."""
         timeout = isinstance(exc, TimeoutError)
-        kind = "idle_timeout" if timeout else _error_kind(exc)
+        kind = rr.record.error = "idle_timeout" if timeout else _error_kind(exc)
         up.abort()
         self.state.metrics.upstream_errors.labels(instance, kind).inc()
         self.state.health.passive_failure(instance)

@@ -93,6 +93,12 @@ class HealthTracker:
             c = self._counts[instance_id] = _Counts()
         return c
 
+    def state(self, instance_id: str) -> tuple[int, int, bool]:
+        """``(consecutive failures, consecutive successful checks, seen up)`` of an
+        instance (what the status page shows next to its health)."""
+        c = self._counts.get(instance_id)
+        return (c.failures, c.successes, c.seen_up) if c is not None else (0, 0, False)
+
     def forget(self, keep: set[str]) -> None:
         """Drop the counts of instances no longer configured."""
         for i in [i for i in self._counts if i not in keep]:

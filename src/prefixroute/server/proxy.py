@@ -41,7 +41,7 @@ import logging
 import select
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import aiohttp
@@ -53,6 +53,7 @@ from prefixroute.core.pool import Decision, NoHealthyInstance, VariantPool
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.errors import openai_error, sagemaker_error
+from prefixroute.server.record import RequestRecord
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -124,6 +125,7 @@ class RoutedRequest:
             then; :func:`ends_with_done`). A client that closes after it (the ``openai``
             client does, before the instance ends its body) had the whole answer: its
             ``responses_total`` code is this status, not 499.
+        record: what happened to it so far (:class:`RequestRecord`), read when it ends.
     """
 
     request: web.Request | None
@@ -140,6 +142,7 @@ class RoutedRequest:
     blocks: Sequence[int] = ()
     decoded: bool = False
     completed_status: int = 0
+    record: RequestRecord = field(default_factory=RequestRecord)
 
 
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
@@ -299,12 +302,14 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     mark = rr.t0
     code: int | str = 0
     retry: str | None = None  # why the previous attempt is being retried
+    record = rr.record
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
                 lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False)
             except NoHealthyInstance as exc:
                 code = 503
+                record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
                 if exclude:
                     return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the "
                                   f"request (tried {', '.join(sorted(exclude))})", "upstream_unavailable",
@@ -316,11 +321,12 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 asyncio.get_running_loop().call_soon(pool.learn, lease.decision.instance, rr.blocks)
             if retry is not None:
                 m.retries.labels(rr.endpoint, variant, retry).inc()
+                record.retries += 1
             try:
-                decision = lease.decision
+                decision = record.decision = lease.decision
                 instance = decision.instance.instance_id
                 m.decision_seconds.labels(rr.endpoint, variant).observe(decision.decision_s)
-                t_send = time.perf_counter()
+                t_send = record.t_sent = time.perf_counter()
                 router_s += t_send - mark
                 tracker = _UploadTracker() if _UploadTracker is not None else None
                 kwargs: dict[str, Any] = {"upload_tracker": tracker} if tracker is not None else {}
@@ -331,10 +337,11 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                             **kwargs)
                 except CONNECT_ERRORS as exc:
                     mark = time.perf_counter()
-                    retry = "connect"
+                    retry = record.error = "connect"
                     connect_failed(state, instance, exc, exclude)
                     continue  # the finally below releases this lease first
                 except TimeoutError:
+                    record.error = "headers_timeout"
                     m.upstream_errors.labels(instance, "headers_timeout").inc()
                     m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                     state.health.passive_failure(instance)
@@ -343,12 +350,12 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                                   f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
                                   {**base_headers, H.INSTANCE: instance})
                 except _UPSTREAM_ERRORS as exc:
-                    kind = _error_kind(exc)
+                    kind = record.error = _error_kind(exc)
                     state.health.passive_failure(instance)
                     if _not_sent(tracker):
                         mark = time.perf_counter()
                         m.upstream_errors.labels(instance, "send").inc()
-                        retry = "send"
+                        retry = record.error = "send"
                         log.warning("instance %s: connection lost while sending the request (%s)", instance, kind)
                         exclude.add(instance)
                         continue
@@ -368,14 +375,17 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
             finally:
                 lease.release()
         code = 503
+        record.error = "upstream_unavailable"
         return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
                       f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers)
     except asyncio.CancelledError:
         code = rr.completed_status or 499  # the client went away (handler cancelled)
         raise
     finally:
+        t_end = time.perf_counter()
         m.responses.labels(rr.endpoint, variant, str(code or 500)).inc()
-        m.duration_seconds.labels(rr.endpoint, variant).observe(time.perf_counter() - rr.t0)
+        m.duration_seconds.labels(rr.endpoint, variant).observe(t_end - rr.t0)
+        state.observers.finished(rr, code or 500, t_end)
 
 
 def _response_headers(rr: RoutedRequest, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
@@ -405,6 +415,7 @@ async def _relay(
     status = upstream.status
     if status >= 500:
         m.upstream_errors.labels(instance, "http_5xx").inc()
+        rr.record.error = "http_5xx"
     if rr.api is not Api.OPENAI and not 200 <= status < 300:
         return await _model_error(state, rr, upstream, decision, router_s, t_headers), 424
 
@@ -434,6 +445,7 @@ async def _relay(
     except ConnectionError:
         return resp, 499
     ttft = m.ttft_seconds.labels(rr.endpoint, variant)
+    record = rr.record
     idle_s = state.settings.stream_idle_timeout_s
     first = True
     tail = b""
@@ -455,7 +467,9 @@ async def _relay(
             return resp, STREAM_ABORTED
         if first:
             first = False
-            ttft.observe(time.perf_counter() - rr.t0)
+            record.t_first = t = time.perf_counter()
+            ttft.observe(t - rr.t0)
+        record.bytes_out += len(chunk)
         if sse:
             tail = (tail + chunk)[-_TAIL:]
         try:
@@ -465,10 +479,12 @@ async def _relay(
         if sse and rr.api is Api.OPENAI and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status
     if first:
-        ttft.observe(time.perf_counter() - rr.t0)
+        record.t_first = t = time.perf_counter()
+        ttft.observe(t - rr.t0)
     upstream.release()
     if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
         m.upstream_errors.labels(instance, "no_done").inc()
+        record.error = "no_done"
     try:
         await resp.write_eof()
     except ConnectionError:
@@ -489,7 +505,7 @@ async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamRes
       so the client sees a truncated body rather than a complete-looking one.
     """
     timeout = isinstance(exc, asyncio.TimeoutError)
-    kind = "idle_timeout" if timeout else _error_kind(exc)
+    kind = rr.record.error = "idle_timeout" if timeout else _error_kind(exc)
     state.metrics.upstream_errors.labels(instance, kind).inc()
     state.health.passive_failure(instance)
     log.warning("instance %s: response broken mid-body (%s)", instance, kind)
@@ -534,6 +550,8 @@ def model_error(state: RouterState, rr: RoutedRequest, decision: Decision, statu
     ``perf_counter()`` when the model's headers came)."""
     t_back = time.perf_counter()
     instance = decision.instance.instance_id
+    rr.record.first_byte(t_headers)
+    rr.record.bytes_out += len(raw)
     original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
     side = "client" if status < 500 else "server"
     overhead = router_s + (time.perf_counter() - t_back)

@@ -19,6 +19,7 @@ from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
+from prefixroute.server.observe import Observers
 from prefixroute.server.scrape import BackendStats
 from prefixroute.server.settings import ServerSettings
 
@@ -46,6 +47,8 @@ class RouterState:
         backend_stats: the latest scraped engine metrics per instance URL
             (:class:`BackendStats`: prefix-cache counters, requests running/waiting).
         session: the pooled upstream ``aiohttp.ClientSession``; set while the app runs.
+        observers: what is told of each request's end (:class:`Observers`: the live
+            status counters...).
     """
 
     def __init__(self, config: FleetConfig, settings: ServerSettings, *, counters: InFlightTable | None = None,
@@ -60,6 +63,7 @@ class RouterState:
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
+        self.observers = Observers()
 
     @property
     def config(self) -> FleetConfig:
@@ -93,6 +97,8 @@ class RouterState:
             except InFlightTableLocked as exc:  # the change is made; the slots are let go of next time
                 log.warning("configuration applied, but the slots of removed instances are kept for now: %s", exc)
         self.publish_engine_load()
+        self.observers.stats.retain((e.name, v.name, i) for e in config.endpoints for v in e.variants
+                                    for i in v.instances)
         log.info("configuration applied: %s", _summary(config))
 
     def _held_slot_keys(self) -> list[int]:

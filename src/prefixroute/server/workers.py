@@ -766,7 +766,7 @@ class Supervisor:
             return r.status, await r.read()
 
     def _admin_app(self) -> web.Application:
-        from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, admin_middlewares
+        from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, add_status_routes, admin_middlewares
         from prefixroute.server.app import close_receiving_on_shutdown
 
         app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
@@ -777,6 +777,7 @@ class Supervisor:
         app.router.add_put("/admin/config", self._change)
         app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", self._change)
         app.router.add_post("/admin/reload", self._change)
+        add_status_routes(app, self._get_status)
         return app
 
     async def _gather(self, method: str, path: str, body: bytes | None = None
@@ -802,6 +803,20 @@ class Supervisor:
         for key, st in _instance_states(docs[0]):
             st["Served"] = served[key]
         return json_response(200, docs[0])
+
+    async def _get_status(self, request: web.Request) -> web.Response:
+        """``GET /admin/status.json``: every live worker's status document added up
+        (:func:`prefixroute.server.status.merge_documents`)."""
+        from prefixroute.server.errors import json_response
+        from prefixroute.server.status import STATUS_JSON_PATH, merge_documents
+
+        docs = [orjson.loads(r[1]) for _, r in await self._gather("GET", STATUS_JSON_PATH + "?raw=1")
+                if not isinstance(r, BaseException) and r[0] == 200]
+        if not docs:
+            return json_response(503, {"message": "no worker answered"})
+        doc = merge_documents(docs)
+        doc["router"]["pid"] = os.getpid()
+        return json_response(200, doc)
 
     async def _get_workers(self, request: web.Request) -> web.Response:
         """``GET /admin/workers``: each worker's pid, state, restarts, requests in
