@@ -140,7 +140,8 @@ def _drive(proc: subprocess.Popen, cfg) -> None:
                              proc.stdout.readline())
         assert admin
         admin_url = admin.group(1)
-        assert _get(url + "/health") == (200, {"status": "ok", "healthy_instances": 1, "instances": 1})
+        assert _get(url + "/health") == (200, {"status": "ok", "message": "1 of 1 instances healthy",
+                                               "variants_down": [], "healthy_instances": 1, "instances": 1})
 
         def strategy() -> str:
             return _get(admin_url + "/admin/config")[1]["Endpoints"][0]["ProductionVariants"][0][

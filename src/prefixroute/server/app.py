@@ -47,7 +47,6 @@ from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
-from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
 __all__ = ["STATE", "DECODED_CODINGS", "ACCEPTED_CODINGS", "BodyNotDecoded", "BodyTimedOut", "BodyTooLarge", "build_app",
            "decode_request_body", "request_coding", "coding_refusal", "transfer_coding", "transfer_refused",
@@ -155,7 +154,7 @@ def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Resp
     m.responses.labels(endpoint, variant, str(resp.status)).inc()
     m.duration_seconds.labels(endpoint, variant).observe(t_end - t0)
     state.observers.refused(endpoint, variant, resp.status, _message_of(resp), resp.headers.get(H.REQUEST_ID), t0,
-                            t_end)
+                            t_end, len(resp.body) if isinstance(resp.body, bytes) else 0)
     return resp
 
 
@@ -511,15 +510,6 @@ async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.
         if isinstance(body, BodyTimedOut):
             rr.force_close()  # (what is left of the body is unread)
         return rr
-    recorder = request.app.get(TRACE_RECORDER)
-    if recorder is not None:  # --record-trace: digests of the routing text, never the text
-        if api is Api.OPENAI:
-            return await recorder.forward_openai(forward(state, rr), orjson.loads(rr.body), chat, rr.endpoint,
-                                                 rr.pool.name)
-        component = request.headers.get(H.INFERENCE_COMPONENT)
-        scope = f"{rr.endpoint}:{component}" if component else rr.endpoint
-        tenant = validate_tenant_id(request.headers.get(H.PREFIX_AWARE_ID))
-        return await recorder.forward_native(forward(state, rr), rr.body, scope, tenant, rr.endpoint, rr.pool.name)
     return await forward(state, rr)
 
 
@@ -664,6 +654,8 @@ async def _error_shapes(request: web.Request,
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
+    s = state.settings
+    state.observers.open(s.access_log, s.record_trace, s.otel_traces)
     state.session = make_client_session(state.settings)
     tasks: list[asyncio.Task[None]] = []
     if state.settings.health_check_interval_s > 0:
@@ -680,6 +672,7 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
                 await task
         await state.session.close()
         state.session = None
+        state.observers.close()
 
 
 def build_app(state: RouterState) -> web.Application:
@@ -694,8 +687,6 @@ def build_app(state: RouterState) -> web.Application:
     app[STATE] = state
     close_receiving_on_shutdown(app)
     app.cleanup_ctx.append(_background_tasks)
-    if state.settings.record_trace:
-        app.cleanup_ctx.append(recorder_context(state.settings.record_trace))
     r = app.router
     for prefix in ("", "/endpoints/{endpoint}/openai", "/endpoints/{endpoint}/inference-components/{component}/openai"):
         r.add_post(prefix + "/v1/chat/completions", chat_completions, expect_handler=_expect(Api.OPENAI, True))

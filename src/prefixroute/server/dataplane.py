@@ -18,7 +18,7 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)
                  │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
-                 │ unknown paths, --record-trace, https instances)
+                 │ unknown paths, https instances)
                  └──► the aiohttp app on a private Unix socket (same process), relayed
 
 Behaviour is the aiohttp path's (:func:`prefixroute.server.proxy.forward`), which stays
@@ -1274,7 +1274,7 @@ class FrontServer:
         """``(path, route)``: the request's path and its inference route, or ``None``
         if the aiohttp app answers it (see the module's diagram)."""
         path = inc.url.decode("latin-1").split("?", 1)[0]
-        if inc.method != b"POST" or inc.version != "1.1" or self.state.settings.record_trace is not None:
+        if inc.method != b"POST" or inc.version != "1.1":
             return path, None
         route = match_route(path)
         return path, route if route is not None and self._all_plain_http() else None
@@ -1483,7 +1483,7 @@ class FrontServer:
         if route is None:
             cut = self._cut(inc)
             inference = match_route(path) if cut is not None and inc.method == b"POST" else None
-            if inference is not None:  # (HTTP/1.0, --record-trace...): counted as the aiohttp app counts it
+            if inference is not None:  # (HTTP/1.0, https instances): counted as the aiohttp app counts it
                 client.write(_serialize(self._prepare(inc, inference), keep_alive=False))
                 return
             if cut is not None:
@@ -1547,7 +1547,7 @@ class FrontServer:
         ``Content-Length`` and the blank line."""
         if rr.api is Api.OPENAI:
             lines = H.openai_upstream_lines(rr.raw_headers, rr.request_id, self.state.settings.admin_token,
-                                            rr.decoded)
+                                            rr.decoded) + rr.record.trace_context(rr.headers).upstream_lines()
         else:
             lines = H.header_lines(upstream_headers(self.state, rr))
         return lines + b"Content-Length: %d\r\n\r\n" % len(rr.body)

@@ -270,12 +270,13 @@ def connect_failed(state: RouterState, instance: str, exc: BaseException, exclud
 def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes, bytes]]:
     """The headers ``rr`` is sent to an instance with (raw pairs, no ``Host`` or
     ``Content-Length``): :mod:`headers`' rules for its API, without any header that
-    carries the router's admin token."""
+    carries the router's admin token, and the router's ``traceparent``
+    (:mod:`prefixroute.server.tracecontext`)."""
     if rr.api is Api.OPENAI:
         out = H.openai_upstream_headers(rr.raw_headers, rr.request_id, rr.decoded)
     else:
         out = H.native_upstream_headers(rr.raw_headers, rr.request_id, stream=rr.api is Api.NATIVE_STREAM)
-    return H.strip_secrets(out, state.settings.admin_token)
+    return H.strip_secrets(out, state.settings.admin_token) + rr.record.trace_context(rr.headers).upstream_pairs()
 
 
 async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:

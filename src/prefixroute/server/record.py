@@ -12,7 +12,9 @@ it already is, and nothing of the body or the prompt.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Mapping
+
+from prefixroute.server.tracecontext import TraceContext
 
 if TYPE_CHECKING:
     from prefixroute.core.pool import Decision
@@ -39,8 +41,8 @@ class RequestRecord:
         client: the name of the API key the request was admitted with, or ``None``
             (keys off).
         tenant: the tenant of that key, or ``None``.
-        trace: the request's W3C trace context
-            (:class:`prefixroute.server.tracecontext.TraceContext`), or ``None``.
+        trace: the request's W3C trace context (:class:`TraceContext`), or ``None``
+            until :meth:`trace_context` made it.
         admission: the client limits' claim to give back when the request ends
             (anything with ``release()``), or ``None``.
     """
@@ -59,6 +61,14 @@ class RequestRecord:
         self.tenant: str | None = None
         self.trace: Any = None
         self.admission: Any = None
+
+    def trace_context(self, headers: Mapping[str, str]) -> TraceContext:
+        """The request's trace context, made from its headers the first time it is
+        asked for (when the request is sent, or when it ends if it never was)."""
+        trace = self.trace
+        if trace is None:
+            trace = self.trace = TraceContext.for_request(headers)
+        return trace
 
     def first_byte(self, t: float) -> None:
         """The first byte of the answer came at ``t`` (later calls are ignored)."""

@@ -112,6 +112,11 @@ class ServerSettings:
         record_trace: append a JSONL trace of routed requests (digests, never prompt
             text; :mod:`prefixroute.server.trace`) to this file, or ``None``. With
             several workers each writes its own file (``NAME.worker-I.EXT``).
+        access_log: append one JSON line per request (:mod:`prefixroute.server.accesslog`)
+            to this file, ``"-"`` for standard output, or ``None``. Several workers
+            append to the same file (whole lines per write).
+        otel_traces: export OpenTelemetry spans of each request
+            (:mod:`prefixroute.server.otel`; the ``otel`` extra, ``OTEL_*`` variables).
         workers: router processes sharing the port (1-64). ``1``: one process, as
             always. More: a supervisor starts that many worker processes on the same
             port (``SO_REUSEPORT``) sharing their in-flight counts
@@ -157,6 +162,8 @@ class ServerSettings:
     log_prompts: bool = False
     config_path: str | None = None
     record_trace: str | None = None
+    access_log: str | None = None
+    otel_traces: bool = False
     workers: int = 1
     worker_timeout_s: float = 60.0
     data_plane: str = "fast"
@@ -192,6 +199,8 @@ class ServerSettings:
                               "(at least 1 s, or 0 to disable)")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+        if self.access_log is not None and not self.access_log:
+            raise ConfigError("access log: give a file path, or '-' for standard output")
         if self.admin_token is not None and not self.admin_token:
             raise ConfigError("admin token: must not be empty")
         if self.admin_enabled and not is_loopback(self.admin_host) and not self.admin_token:
