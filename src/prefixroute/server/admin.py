@@ -196,11 +196,14 @@ async def put_routing(request: web.Request) -> web.Response:
 
 
 async def reload(request: web.Request) -> web.Response:
-    """``POST /admin/reload``: re-read the configuration file."""
+    """``POST /admin/reload``: re-read the configuration file and the API keys (what
+    SIGHUP does); answers the configuration in force."""
     state = request.app[_STATE]
     try:
-        config = state.read_config_file()  # once: only applying it is tried again
-        await apply_waiting(lambda: state.apply_config(config))
+        state.reload_keys()
+        if state.settings.config_path is not None or state.clients is None:
+            config = state.read_config_file()  # once: only applying it is tried again
+            await apply_waiting(lambda: state.apply_config(config))
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))

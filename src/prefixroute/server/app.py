@@ -41,7 +41,9 @@ from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body
                                    validate_tenant_id)
 from prefixroute.core.pool import VariantPool
 from prefixroute.server import headers as H
+from prefixroute.server.clientkeys import Identity
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
+from prefixroute.server.limits import Refusal
 from prefixroute.server.health import health_check_loop, readiness
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
@@ -145,17 +147,49 @@ def request_id(headers: Mapping[str, str]) -> str:
     return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
 
 
-def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float) -> web.Response:
+def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float,
+                 who: Identity | None = None) -> web.Response:
     """An answer of the router's own, before anything was sent upstream: counted in
     ``responses_total`` and, as every answer, in ``request_duration_seconds``
-    (``t0``: ``time.perf_counter()`` at the request's arrival). Returns ``resp``."""
+    (``t0``: ``time.perf_counter()`` at the request's arrival), and reported to the
+    observers (``who``: the API key it came with, if known). Returns ``resp``."""
     m = state.metrics
     t_end = time.perf_counter()
     m.responses.labels(endpoint, variant, str(resp.status)).inc()
     m.duration_seconds.labels(endpoint, variant).observe(t_end - t0)
     state.observers.refused(endpoint, variant, resp.status, _message_of(resp), resp.headers.get(H.REQUEST_ID), t0,
-                            t_end, len(resp.body) if isinstance(resp.body, bytes) else 0)
+                            t_end, len(resp.body) if isinstance(resp.body, bytes) else 0,
+                            None if who is None else {"client": who.name, "tenant": who.tenant})
     return resp
+
+
+def unauthorized(api: Api, why: str, rid: str) -> web.Response:
+    """The 401 for a request without a valid API key (``why``: ``missing`` or
+    ``wrong``), in its API's shape, with ``WWW-Authenticate: Bearer``."""
+    hdrs = {H.REQUEST_ID: rid, "WWW-Authenticate": "Bearer"}
+    if why == "missing":
+        msg = "missing API key: send Authorization: Bearer <key> or x-api-key: <key>"
+    else:
+        msg = "invalid API key"
+    if api is Api.OPENAI:
+        return openai_error(401, msg, code="invalid_api_key", headers=hdrs)
+    kind = "MissingAuthenticationTokenException" if why == "missing" else "UnrecognizedClientException"
+    return sagemaker_error(kind, msg, status=401, headers=hdrs)
+
+
+def throttled(api: Api, refusal: Refusal, rid: str, variant: str | None = None) -> web.Response:
+    """The 429 for a request over its key's or tenant's limit, in its API's shape
+    (OpenAI: type ``requests``, code ``rate_limit_exceeded``; SageMaker:
+    ``ThrottlingException``), with ``Retry-After`` (whole seconds)."""
+    hdrs = {H.REQUEST_ID: rid, "Retry-After": str(refusal.retry_after_s)}
+    if variant:
+        hdrs[H.INVOKED_VARIANT] = variant
+    what = "requests per second" if refusal.reason == "rate" else "concurrent requests"
+    msg = (f"{'tenant' if refusal.scope == 'tenant' else 'API key'} limit on {what} reached; "
+           f"retry after {refusal.retry_after_s} s")
+    if api is Api.OPENAI:
+        return openai_error(429, msg, type_="requests", code="rate_limit_exceeded", headers=hdrs)
+    return sagemaker_error("ThrottlingException", msg, status=429, headers=hdrs)
 
 
 def _message_of(resp: web.Response) -> str:
@@ -430,6 +464,13 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     """
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
+    clients = state.clients
+    who: Identity | None = None
+    if clients is not None:  # the key first: no other answer tells a caller without one anything
+        found = clients.identify(headers)
+        if not isinstance(found, Identity):
+            return count_answer(state, "unknown", "", unauthorized(api, found, rid), t0)
+        who = found
     try:
         endpoint = state.fleet.endpoint(endpoint_name)
         pool = endpoint.variant(headers.get(H.TARGET_VARIANT))
@@ -488,10 +529,22 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         scope = f"{endpoint.name}:{component}" if component else endpoint.name
         key, blocks = native_request_key(body, pool.routing, scope, tenant)
         path = "/invocations"
+    if who is not None:
+        assert clients is not None
+        admitted = clients.admit(who)
+        if isinstance(admitted, Refusal):
+            return count_answer(state, endpoint.name, pool.name,
+                                throttled(api, admitted, rid, pool.name), t0, who)
+        # The key is the router's: it does not go on to the engine.
+        raw_headers = [(k, v) for k, v in raw_headers if k.lower() != who.header.encode()]
     if state.settings.log_prompts:
         _log_prompt(rid, body)
-    return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
-                         decoded)
+    rr = RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
+                       decoded)
+    if who is not None:
+        rec = rr.record
+        rec.client, rec.tenant, rec.admission = who.name, who.tenant, admitted
+    return rr
 
 
 async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.StreamResponse:
@@ -527,13 +580,19 @@ async def models(request: web.Request) -> web.Response:
     """``GET .../v1/models``: the model list of one healthy instance of the endpoint."""
     state = request.app[STATE]
     rid = request_id(request.headers)
+    drop = None
+    if state.clients is not None:
+        found = state.clients.identify(request.headers)
+        if not isinstance(found, Identity):
+            return unauthorized(Api.OPENAI, found, rid)
+        drop = found.header
     try:
         _, pool = _resolve(state, request)
     except UnknownEndpoint as exc:
         return openai_error(404, str(exc), code="endpoint_not_found", headers={H.REQUEST_ID: rid})
     except UnknownVariant as exc:
         return openai_error(400, str(exc), code="variant_not_found", headers={H.REQUEST_ID: rid})
-    return await forward_get(state, request, pool, "/v1/models", rid)
+    return await forward_get(state, request, pool, "/v1/models", rid, drop)
 
 
 def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, VariantPool]:

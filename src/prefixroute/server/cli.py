@@ -201,6 +201,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help="append one JSON line per request to PATH ('-': standard output) as it ends: request "
                         "id, trace id, endpoint, variant, instance, decision, key digest, status, TTFT, duration, "
                         "bytes in and out, retries; never prompt text (docs/OPERATIONS.md)")
+    o.add_argument("--api-keys-file", metavar="PATH",
+                   help="YAML file of client API keys (Authorization: Bearer or x-api-key) with per-key and "
+                        "per-tenant limits on requests per second and concurrent requests (429 over them); "
+                        "re-read on SIGHUP. Keys may also come from $PREFIXROUTE_API_KEYS (name:key,...). "
+                        "Without either the inference routes are open (docs/OPERATIONS.md)")
     o.add_argument("--otel-traces", action="store_true",
                    help="export OpenTelemetry spans of each request (route decision, upstream, first byte) over "
                         "OTLP/HTTP, configured by the standard OTEL_* environment variables "
@@ -299,7 +304,8 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
         config_path=args.config, record_trace=args.record_trace, access_log=getattr(args, "access_log", None),
-        otel_traces=getattr(args, "otel_traces", False), workers=getattr(args, "workers", 1),
+        otel_traces=getattr(args, "otel_traces", False), api_keys_file=getattr(args, "api_keys_file", None),
+        workers=getattr(args, "workers", 1),
         worker_timeout_s=getattr(args, "worker_timeout", 60.0), data_plane=getattr(args, "data_plane", "fast"),
     )
 
@@ -372,7 +378,7 @@ def _loop_factory() -> Any:
 
 def check_outputs(settings: ServerSettings) -> None:
     """Fail early, with a message naming the flag, when a file the router will write
-    cannot be opened or ``--otel-traces`` lacks its extra.
+    cannot be opened, the API keys are invalid or ``--otel-traces`` lacks its extra.
 
     Raises:
         ConfigError: what is wrong.
@@ -385,6 +391,9 @@ def check_outputs(settings: ServerSettings) -> None:
                 pass
         except OSError as exc:
             raise ConfigError(f"{flag} {path}: cannot open it for appending ({exc.strerror or exc})") from None
+    from prefixroute.server.clientkeys import load_keys
+
+    load_keys(settings.api_keys_file)  # ConfigError naming the file, line or field
     if settings.otel_traces:
         from prefixroute.server.otel import OtelUnavailable, check_available
 

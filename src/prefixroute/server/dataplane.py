@@ -688,6 +688,8 @@ class _Started:
 
     def drop(self) -> None:
         """Never handled (its client connection ended first): free what it holds."""
+        if isinstance(self.prepared, RoutedRequest) and self.prepared.record.admission is not None:
+            self.prepared.record.admission.release()  # its client's limits
         if self.lease is not None:
             self.lease.release()
             self.lease = None

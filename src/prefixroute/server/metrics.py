@@ -64,6 +64,8 @@ METRIC_NAMES = (
     "prefixroute_backend_requests_running",
     "prefixroute_backend_requests_waiting",
     "prefixroute_backend_scrape_ok",
+    "prefixroute_client_requests_total",
+    "prefixroute_client_in_flight",
 )
 
 # A routing decision takes microseconds; start at 1 µs.
@@ -377,6 +379,11 @@ class RouterMetrics:
             "prefixroute_router_overhead_seconds",
             "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
             ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r))
+        self.client_requests = _Labelled(Counter(
+            "prefixroute_client_requests",
+            "Requests per client API key and outcome: admitted, unauthorized (client 'unknown'), rate_limited, "
+            "concurrency_limited, tenant_rate_limited, tenant_concurrency_limited.",
+            ("client", "tenant", "outcome"), registry=r))
         #: Called before each :meth:`render`: the data plane's metrics not recorded yet
         #: (:meth:`prefixroute.server.dataplane.FrontServer.account`).
         self.pending: list[Callable[[], None]] = []
@@ -395,6 +402,17 @@ class RouterMetrics:
             MultiProcessCollector(self._exposed, path=multiprocess_dir)
             self._exposed.register(pool_collector)
             self._exposed.register(backend_collector)
+
+    def client_outcome(self, client: str, tenant: str, outcome: str) -> None:
+        """Count one API key decision (``prefixroute_client_requests_total``)."""
+        self.client_requests.labels(client, tenant, outcome).inc()
+
+    def add_collector(self, collector: Collector) -> None:
+        """Export ``collector``'s metrics too (in every worker's ``/metrics`` with
+        ``--workers N``: read from the worker that answers)."""
+        self.registry.register(collector)
+        if self._exposed is not self.registry:
+            self._exposed.register(collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

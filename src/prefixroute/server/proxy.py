@@ -576,13 +576,17 @@ def broken_message(instance: str, kind: str, idle_s: float) -> str:
 
 
 async def forward_get(state: RouterState, request: web.Request, pool: VariantPool, path: str,
-                      request_id: str) -> web.Response:
+                      request_id: str, drop_header: str | None = None) -> web.Response:
     """``GET path`` on one healthy instance of ``pool`` (e.g. ``/v1/models``); no in-flight
     slot is claimed, as this is not inference. Retries (idempotent) on another instance
-    after any failure to get an answer."""
+    after any failure to get an answer. ``drop_header``: a request header not passed on
+    (the one that carried the client's API key)."""
     session = state.session
     assert session is not None, "the router app is not running"
-    up_headers = H.to_multidict(H.strip_secrets(H.openai_upstream_headers(request.raw_headers, request_id),
+    raw = request.raw_headers
+    if drop_header is not None:
+        raw = tuple((k, v) for k, v in raw if k.lower() != drop_header.encode())
+    up_headers = H.to_multidict(H.strip_secrets(H.openai_upstream_headers(raw, request_id),
                                                 state.settings.admin_token))
     exclude: set[str] = set()
     rid = {H.REQUEST_ID: request_id}

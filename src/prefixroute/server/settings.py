@@ -117,6 +117,10 @@ class ServerSettings:
             append to the same file (whole lines per write).
         otel_traces: export OpenTelemetry spans of each request
             (:mod:`prefixroute.server.otel`; the ``otel`` extra, ``OTEL_*`` variables).
+        api_keys_file: YAML file of client API keys and their limits
+            (:mod:`prefixroute.server.clientkeys`), re-read on SIGHUP; with it (or keys
+            in ``$PREFIXROUTE_API_KEYS``) the inference routes and ``/v1/models``
+            require a key. ``None``: keys from the environment only, if any.
         workers: router processes sharing the port (1-64). ``1``: one process, as
             always. More: a supervisor starts that many worker processes on the same
             port (``SO_REUSEPORT``) sharing their in-flight counts
@@ -164,6 +168,7 @@ class ServerSettings:
     record_trace: str | None = None
     access_log: str | None = None
     otel_traces: bool = False
+    api_keys_file: str | None = None
     workers: int = 1
     worker_timeout_s: float = 60.0
     data_plane: str = "fast"

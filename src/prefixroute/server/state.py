@@ -11,17 +11,22 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import aiohttp
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
+from prefixroute.server.clientkeys import ClientAuth, load_keys
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
 from prefixroute.server.observe import Observers
 from prefixroute.server.scrape import BackendStats
 from prefixroute.server.settings import ServerSettings
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["RouterState"]
 
@@ -49,6 +54,12 @@ class RouterState:
         session: the pooled upstream ``aiohttp.ClientSession``; set while the app runs.
         observers: what is told of each request's end (:class:`Observers`: the live
             status counters...).
+        clients: the client API keys and their limits (:class:`ClientAuth`), or
+            ``None`` when no key is configured (the inference routes are open).
+
+    Raises:
+        ConfigError: the API keys file (``settings.api_keys_file``) or
+            ``$PREFIXROUTE_API_KEYS`` is invalid.
     """
 
     def __init__(self, config: FleetConfig, settings: ServerSettings, *, counters: InFlightTable | None = None,
@@ -64,6 +75,9 @@ class RouterState:
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
         self.observers = Observers()
+        keys = load_keys(settings.api_keys_file)
+        self.clients = None if keys is None else ClientAuth(keys, self.metrics.client_outcome)
+        self.metrics.add_collector(_ClientCollector(lambda: self.clients))
 
     @property
     def config(self) -> FleetConfig:
@@ -141,6 +155,21 @@ class RouterState:
         self.apply_config(config)
         return config
 
+    def reload_keys(self) -> str | None:
+        """Re-read the API keys (file and environment), keeping the limit state of the
+        keys and tenants that stay; returns what changed (names only), or ``None``
+        when keys are off (they are turned on or off only by a restart).
+
+        Raises:
+            ConfigError: the new keys are invalid (the keys in force are kept).
+        """
+        if self.clients is None:
+            return None
+        keys = load_keys(self.settings.api_keys_file)
+        if keys is None:
+            raise ConfigError("no API keys left: the keys in force are kept (keys are turned off by a restart)")
+        return self.clients.reload(keys)
+
     def read_config_file(self) -> FleetConfig:
         """``settings.config_path`` read and validated, not applied.
 
@@ -206,6 +235,23 @@ class RouterState:
             for inst in pool.instances:
                 seen.setdefault(inst.instance_id, None)
         return list(seen)
+
+
+class _ClientCollector:
+    """``prefixroute_client_in_flight{client,tenant}``: each API key's requests in flight."""
+
+    def __init__(self, clients: "Callable[[], ClientAuth | None]") -> None:
+        self._clients = clients
+
+    def collect(self) -> "Iterable[Metric]":
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("prefixroute_client_in_flight", "Requests in flight per client API key.",
+                              labels=("client", "tenant"))
+        clients = self._clients()
+        for name, tenant, n in clients.in_flight() if clients is not None else ():
+            g.add_metric((name, tenant), n)
+        return [g]
 
 
 #: Production variants the "configuration applied" line names; the rest are counted.
