@@ -31,6 +31,7 @@ from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import RouterHandle, reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
+from prefixroute.server.summary import draining_message, startup_summary
 
 __all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers"]
 
@@ -74,7 +75,7 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "SIGHUP re-reads it. Excludes --backend and the routing flags below.")
     g.add_argument("--backend", action="append", metavar="URL", default=[],
                    help="base URL of one engine instance, e.g. http://127.0.0.1:8001; repeat for each instance")
-    g.add_argument("--strategy", default="random",
+    g.add_argument("--strategy", default=None,
                    help="routing strategy of the variant: random, least-outstanding-requests, prefix-aware or "
                         "cache-aware (SageMaker spellings such as PREFIX_AWARE also work; default: random)")
     g.add_argument("--prefix-length", type=int, metavar="N",
@@ -99,9 +100,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--load-weight", type=float, metavar="W",
                    help="CACHE_AWARE LoadWeight: matched blocks one extra request in flight is worth; higher "
                         "spreads load, lower chases cache hits (default: 16)")
-    g.add_argument("--endpoint-name", default="default",
+    g.add_argument("--endpoint-name", default=None,
                    help="endpoint name (the EndpointName of /endpoints/NAME/invocations; default: default)")
-    g.add_argument("--variant-name", default="AllTraffic",
+    g.add_argument("--variant-name", default=None,
                    help="production variant name, returned in X-Amzn-Invoked-Production-Variant "
                         "(default: AllTraffic)")
 
@@ -188,8 +189,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "cuts them at once (default: 30)")
     o.add_argument("--seed", type=int, default=None,
                    help="seed of the random choices (RANDOM routing, weighted variants, ties); default: random")
-    o.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error"],
-                   help="log level of stderr logs (default: warning)")
+    o.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+                   help="log level of stderr logs: info shows health changes, reloads and what they changed, "
+                        "startup and shutdown; no request is logged at any level but with --access-log "
+                        "(default: info)")
     o.add_argument("--log-prompts", action="store_true",
                    help="allow prompt text (the first 512 bytes of a request body, every API) in DEBUG logs "
                         "(default: off, prompts never reach the logs)")
@@ -221,14 +224,21 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     if args.config:
         if args.backend:
             raise ConfigError("use either --config or --backend, not both")
+        overridden = [flag for flag, dest in _CONFIG_FLAGS.items() if getattr(args, dest, None) is not None]
+        if overridden:  # refused rather than ignored: the file would silently win
+            raise ConfigError(f"{', '.join(overridden)} cannot be used with --config: the configuration file sets "
+                              "each production variant's RoutingConfig and names (edit the file, or use --backend "
+                              "and the flags instead)")
         try:
             text = Path(args.config).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read configuration file {args.config}: {exc.strerror or exc}") from None
-        return FleetConfig.from_yaml(text)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"configuration file {args.config} is not UTF-8 text (byte {exc.start})") from None
+        return FleetConfig.from_yaml(text, source=args.config)
     if not args.backend:
         raise ConfigError("no instances: give --backend URL (repeatable) or --config PATH")
-    strategy = RoutingStrategy.parse(args.strategy)
+    strategy = RoutingStrategy.parse(args.strategy or "random")
     uses = _STRATEGY_FLAGS.get(strategy, set())
     given = {flag for flag, dest in _ROUTING_FLAGS.items() if getattr(args, dest) is not None}
     if given - uses:  # the same rule for every flag another strategy takes: warn, do not fail
@@ -236,14 +246,20 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     value = {dest: (getattr(args, dest) if flag in uses else None) for flag, dest in _ROUTING_FLAGS.items()}
     missing = [flag for flag in _REQUIRED_FLAGS.get(strategy, ()) if value[_ROUTING_FLAGS[flag]] is None]
     if missing:
-        raise ConfigError(f"--strategy {args.strategy} needs {' and '.join(missing)} "
+        raise ConfigError(f"--strategy {args.strategy or 'random'} needs {' and '.join(missing)} "
                           f"({'; '.join(_REQUIRED_FLAGS[strategy][f] for f in missing)})")
     routing = RoutingConfig.build(strategy, value["prefix_length"], value["concurrency_threshold"],
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
                                   instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"])
-    return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
+    return FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name or "default",
+                              variant=args.variant_name or "AllTraffic")
 
 
+#: Flags a --config file overrides (their argparse destinations; None when not given).
+_CONFIG_FLAGS = {"--strategy": "strategy", "--prefix-length": "prefix_length",
+                 "--concurrency-threshold": "concurrency_threshold", "--block-size": "block_size",
+                 "--max-prefix-length": "max_prefix_length", "--instance-cache-tokens": "instance_cache_tokens",
+                 "--load-weight": "load_weight", "--endpoint-name": "endpoint_name", "--variant-name": "variant_name"}
 #: Routing flags and their argparse destinations.
 _ROUTING_FLAGS = {"--prefix-length": "prefix_length", "--concurrency-threshold": "concurrency_threshold",
                   "--block-size": "block_size", "--max-prefix-length": "max_prefix_length",
@@ -318,11 +334,13 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port} or its admin port: {exc}", file=sys.stderr)
         return 1
     stop = asyncio.Event()
+    stopped_by = [int(signal.SIGTERM)]
 
     def on_stop(signum: int = signal.SIGTERM) -> None:
         if stop.is_set():  # a second one (dispatched with the first, from one read of the loop)
             _hurry(loop, handle, signum)
             return
+        stopped_by[0] = signum
         stop.set()
         for sig in _STOPS:  # from now on a second one does not wait for the drain
             loop.add_signal_handler(sig, _hurry, loop, handle, sig)
@@ -339,9 +357,12 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         print(f"prefixroute-serve listening on {handle.url}", flush=True)
         if handle.admin_url:
             print(f"prefixroute-admin listening on {handle.admin_url}", flush=True)
+        await _print_summary(handle, config, settings, stop)
     try:
         await stop.wait()
-        log.info("shutting down: waiting up to %.1f s for requests in flight", settings.shutdown_timeout_s)
+        busy = sum(pool.total_in_flight() for _, pool in handle.fleet.all_pools())
+        print(draining_message(signal.Signals(stopped_by[0]).name, busy, settings.shutdown_timeout_s),
+              file=sys.stderr, flush=True)
     finally:
         signals.replace(loop, (signal.SIGHUP,), signal.SIG_IGN)  # draining: a SIGHUP no longer kills it
         if not stop.is_set():
@@ -356,6 +377,33 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
 
 
 _STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def keys_description(settings: ServerSettings, state: Any) -> str | None:
+    """How client API keys are set up, for the startup summary (names and counts only)."""
+    clients = getattr(state, "clients", None)
+    if clients is None:
+        return None
+    n = len(clients.config.keys)
+    where = f"from {settings.api_keys_file}" if settings.api_keys_file else "from $PREFIXROUTE_API_KEYS"
+    return f"{n} key{'s' if n != 1 else ''} {where}" + (
+        f", {len(clients.config.tenants)} tenant limit(s)" if clients.config.tenants else "")
+
+
+async def _print_summary(handle: RouterHandle, config: FleetConfig, settings: ServerSettings,
+                         stop: asyncio.Event) -> None:
+    """The startup summary on stderr, once the first round of health checks has told
+    each instance's health (at most a check timeout and a second later)."""
+    from prefixroute.server.status import status_document
+
+    if settings.health_check_interval_s > 0:
+        deadline = asyncio.get_running_loop().time() + settings.health_check_timeout_s + 1.0
+        while handle.state.health.rounds == 0 and not stop.is_set() and \
+                asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+    status = status_document(handle.state)
+    print(startup_summary(handle.state.config, settings, handle.url, handle.admin_url, status,
+                          keys_description(settings, handle.state), os.getpid()), file=sys.stderr, flush=True)
 
 
 def _hurry(loop: asyncio.AbstractEventLoop, handle: RouterHandle, signum: int) -> None:

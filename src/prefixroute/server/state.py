@@ -96,6 +96,7 @@ class RouterState:
             prefixroute.core.counters.InFlightTableFull: (``--workers N``) the shared
                 in-flight table has no room for the new instances; nothing changed.
         """
+        old = self.fleet.config
         counters = self.counters
         if counters is not None:
             # Removed instances whose requests have finished since need their slots no
@@ -113,7 +114,7 @@ class RouterState:
         self.publish_engine_load()
         self.observers.stats.retain((e.name, v.name, i) for e in config.endpoints for v in e.variants
                                     for i in v.instances)
-        log.info("configuration applied: %s", _summary(config))
+        log.info("configuration applied: %s", describe_changes(old, config))
 
     def _held_slot_keys(self) -> list[int]:
         """The shared slots this process's pools need: their instances' and their
@@ -185,7 +186,7 @@ class RouterState:
             raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"configuration file {path} is not UTF-8 text (byte {exc.start})") from None
-        return FleetConfig.from_yaml(text)
+        return FleetConfig.from_yaml(text, source=path)
 
     # -- health -------------------------------------------------------------------
 
@@ -254,16 +255,61 @@ class _ClientCollector:
         return [g]
 
 
-#: Production variants the "configuration applied" line names; the rest are counted.
-_SUMMARY_VARIANTS = 20
+#: Changes the "configuration applied" line names; the rest are counted.
+_SUMMARY_CHANGES = 20
 
 
-def _summary(config: FleetConfig) -> str:
-    parts = []
-    for e in config.endpoints:
-        for v in e.variants:
-            parts.append(f"{e.name}/{v.name}: {v.routing.strategy.value}, {len(v.instances)} instance(s)")
-    if len(parts) > _SUMMARY_VARIANTS:
-        more = len(parts) - _SUMMARY_VARIANTS
-        parts = [*parts[:_SUMMARY_VARIANTS], f"... and {more:,} more production variant{'s' if more > 1 else ''}"]
-    return "; ".join(parts)
+def routing_text(routing: RoutingConfig) -> str:
+    """A routing configuration in one short phrase, e.g. ``PREFIX_AWARE PrefixLength=4096
+    ConcurrencyThreshold=12``."""
+    api = routing.to_api()
+    settings = [f"{k}={v}" for sub in api.values() if isinstance(sub, dict) for k, v in sub.items()]
+    return " ".join([routing.strategy.value, *settings])
+
+
+def _urls(urls: "Iterable[str]", limit: int = 5) -> str:
+    urls = list(urls)
+    shown = ", ".join(urls[:limit])
+    return shown + (f" and {len(urls) - limit} more" if len(urls) > limit else "")
+
+
+def describe_changes(old: FleetConfig, new: FleetConfig) -> str:
+    """What changed from ``old`` to ``new``, in one line for the log: endpoints and
+    production variants added or removed; per variant kept, routing (before -> after),
+    weight, and instances added or removed. ``no change`` when there is none."""
+    changes: list[str] = []
+    before = {e.name: e for e in old.endpoints}
+    after = {e.name: e for e in new.endpoints}
+    for name in after.keys() - before.keys():
+        e = after[name]
+        changes.append(f"endpoint {name} added ({len(e.variants)} variant(s), "
+                       f"{sum(len(v.instances) for v in e.variants)} instance(s))")
+    for name in before.keys() - after.keys():
+        changes.append(f"endpoint {name} removed")
+    for name in [e.name for e in new.endpoints if e.name in before]:
+        vb = {v.name: v for v in before[name].variants}
+        va = {v.name: v for v in after[name].variants}
+        for v in va.keys() - vb.keys():
+            changes.append(f"{name}/{v} added ({routing_text(va[v].routing)}, {len(va[v].instances)} instance(s))")
+        for v in vb.keys() - va.keys():
+            changes.append(f"{name}/{v} removed")
+        for v in [x.name for x in after[name].variants if x.name in vb]:
+            o, n = vb[v], va[v]
+            if o.routing != n.routing:
+                changes.append(f"{name}/{v} routing {routing_text(o.routing)} -> {routing_text(n.routing)}")
+            if o.weight != n.weight:
+                changes.append(f"{name}/{v} weight {o.weight:g} -> {n.weight:g}")
+            added = [i for i in n.instances if i not in o.instances]
+            removed = [i for i in o.instances if i not in n.instances]
+            if added:
+                changes.append(f"{name}/{v} instances added: {_urls(added)}")
+            if removed:
+                changes.append(f"{name}/{v} instances removed: {_urls(removed)}")
+    if new.endpoints[0].name != old.endpoints[0].name:
+        changes.append(f"default endpoint {old.endpoints[0].name} -> {new.endpoints[0].name}")
+    if not changes:
+        return "no change"
+    if len(changes) > _SUMMARY_CHANGES:
+        more = len(changes) - _SUMMARY_CHANGES
+        changes = [*changes[:_SUMMARY_CHANGES], f"... and {more:,} more change{'s' if more > 1 else ''}"]
+    return "; ".join(changes)
