@@ -105,6 +105,8 @@ class Observers:
         client got, ``499`` (it left first) or ``stream_aborted``. Called exactly once per
         routed request."""
         rec = rr.record
+        if rec.admission is not None:  # first: the client's limits get their slot back whatever follows
+            rec.admission.release()
         decision = rec.decision
         instance = decision.instance.instance_id if decision is not None else None
         kind = decision.kind.value if decision is not None else None
@@ -112,8 +114,6 @@ class Observers:
         try:
             self.stats.routed(rr.endpoint, rr.pool.name, instance, kind, code, ttft, rec.bytes_out, rec.retries,
                               rec.error, rr.request_id)
-            if rec.admission is not None:
-                rec.admission.release()
             if self.access_log is not None:
                 from prefixroute.server.accesslog import access_entry
 
