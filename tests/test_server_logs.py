@@ -73,11 +73,15 @@ async def test_access_log_one_json_line_per_request(instances, data_plane, tmp_p
             await call("/invocations", data=b'{"inputs": "' + SECRET.encode() + b'"}')
             await call("/v1/chat/completions", data=b'{"model": "m", "messages": "' + SECRET.encode())
             await call("/endpoints/nope/invocations", data=b"x")
-        assert await eventually(lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 7, 3)
+            async with http.get(handle.url + "/no/such/path", headers={"X-Request-Id": "lost-1"}) as r:
+                assert (r.status, r.headers["X-Request-Id"]) == (404, "lost-1")
+        assert await eventually(lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 8, 3)
     finally:
         await handle.close()
     by_id = {line["request_id"]: line for line in _lines(log_path)}  # (written in order of completion)
     assert SECRET not in log_path.read_text()
+    lost = by_id.pop("lost-1")  # an unknown path: the router's own 404, logged with the id it answered with
+    assert (lost["status"], lost["endpoint"], lost["error"]) == (404, "unknown", "refused")
     assert len(by_id) == 7 and set(by_id) == {rid for _, rid, _ in sent}  # the X-Request-Id the client got
     lines = [by_id[rid] for _, rid, _ in sent]
     assert [line["status"] for line in lines] == [s for s, _, _ in sent] == [200] * 5 + [400, 404]

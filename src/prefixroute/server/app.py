@@ -670,7 +670,7 @@ def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[w
         expect = request.headers.get("Expect", "")
         if expect.strip().lower() != "100-continue":
             resp = error_for_path(request.path, 417, f"Expect {expect[:64]!r} is not supported: only 100-continue",
-                                  "expectation_failed")
+                                  "expectation_failed", headers={H.REQUEST_ID: request_id(request.headers)})
             resp.force_close()
             return count_answer(state, "unknown", "", resp, t0)
         limit, declared = state.settings.max_body_bytes, request.content_length
@@ -708,6 +708,7 @@ async def _error_shapes(request: web.Request,
         limit = request.app[STATE].settings.max_body_bytes
         resp = error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
                               "(--max-body-size)", "request_too_large")
+    resp.headers[H.REQUEST_ID] = request_id(request.headers)  # (the access log's line names it too)
     return count_answer(request.app[STATE], "unknown", "", resp, t0)
 
 

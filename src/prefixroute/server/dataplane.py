@@ -1491,7 +1491,8 @@ class FrontServer:
             if cut is not None:
                 status, code = (408, "request_timeout") if isinstance(cut, BodyTimedOut) else \
                     (413, "request_too_large")
-                resp = error_for_path(path, status, str(cut), code)
+                resp = error_for_path(path, status, str(cut), code,
+                                      headers={H.REQUEST_ID: request_id(H.RawHeaderView(inc.headers, inc.index))})
                 client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
                 return
             await self._delegate(client, inc)
