@@ -110,8 +110,13 @@ async def test_no_prompt_text_in_any_log_unless_asked(instances, data_plane, tmp
     handle = await start_router(FleetConfig.single([dead, instances[0].url], PA),
                                 settings(data_plane=data_plane, access_log=str(log_path),
                                          record_trace=str(trace_path), admin_port=None))
+    pool = handle.fleet.endpoint().variant()
+    for n in range(200):  # a prompt whose key prefers the dead instance: a retry, and its WARNING
+        first = {"model": "m", "messages": [{"role": "user", "content": SECRET * 40 + str(n)}]}
+        if pool.choose(openai_route(first, True, PA)[0]).instance.instance_id == dead:
+            break
     bodies = [
-        {"json": {"model": "m", "messages": [{"role": "user", "content": SECRET * 40}]}},
+        {"json": first},
         {"json": {"model": "m", "prompt": SECRET * 40, "stream": True}},
         {"data": b'{"model": "m", "prompt": "' + SECRET.encode() + b'"'},  # cut short: 400
         {"json": {"model": "m", "prompt": SECRET, "prompt_cache_key": [SECRET]}},  # a key of the wrong type: 400
