@@ -21,7 +21,9 @@ What it can do (:class:`Fault`, chosen per request):
 :meth:`FaultBackend.kill` also resets the open connections, and
 :meth:`FaultBackend.listen` starts again on the same port.
 
-Every request is recorded (:class:`Received`): method, path, headers, body, whether the
+``GET /health`` (the router's active check) is answered 200 and only counted
+(``health_checks``): it takes no fault from the script. Every other request is recorded
+(:class:`Received`): method, path, headers, body, whether the
 body came chunked, its ``X-Request-Id``, when it arrived and when the client's
 connection closed (``time.monotonic()``) — how the tests see that the router aborted.
 """
@@ -207,6 +209,7 @@ class FaultBackend:
         self.port = 0
         self.url = ""
         self.accepted = 0  # connections accepted since start
+        self.health_checks = 0  # GET /health answered (active checks: 200, never recorded or scripted)
         self._server: asyncio.base_events.Server | None = None
         self._conns: set[_Conn] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -291,6 +294,9 @@ class FaultBackend:
                 headers.add(k.strip(), v.strip())
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         rec = Received(method, path, headers, b"", chunked, Fault(), time.monotonic())
+        if method == "GET" and path == "/health":  # the router's active check: 200, not recorded
+            self.health_checks += 1
+            return rec
         fault = None
         if self.script:
             fault = self.script.pop(0)

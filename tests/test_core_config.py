@@ -163,12 +163,39 @@ def test_a_list_of_many_wrong_items_names_the_first_ten_and_counts_the_rest():
     assert len(str(exc.value)) < 200
 
 
-def test_the_applied_configuration_line_names_twenty_variants_and_counts_the_rest():
-    from prefixroute.server.state import _summary
+def test_the_applied_configuration_line_names_twenty_changes_and_counts_the_rest():
+    from prefixroute.server.state import describe_changes
 
+    one = FleetConfig.from_yaml("Endpoints:\n  - EndpointName: e0\n    ProductionVariants:\n      - VariantName: v\n"
+                                "        Instances: [\"http://127.0.0.1:9000\"]\n")
     doc = "Endpoints:\n" + "".join(
         f"  - EndpointName: e{i}\n    ProductionVariants:\n      - VariantName: v\n"
-        f"        Instances: [\"http://127.0.0.1:{9000 + i}\"]\n" for i in range(25))
-    parts = _summary(FleetConfig.from_yaml(doc)).split("; ")
-    assert len(parts) == 21 and parts[0] == "e0/v: RANDOM, 1 instance(s)"
-    assert parts[-1] == "... and 5 more production variants"
+        f"        Instances: [\"http://127.0.0.1:{9000 + i}\"]\n" for i in range(26))
+    parts = describe_changes(one, FleetConfig.from_yaml(doc)).split("; ")
+    assert len(parts) == 21 and all(p.endswith("added (1 variant(s), 1 instance(s))") for p in parts[:20])
+    assert parts[-1] == "... and 5 more changes"
+    assert describe_changes(one, one) == "no change"
+
+
+def test_the_applied_configuration_line_says_what_changed():
+    from prefixroute.server.state import describe_changes
+
+    old = FleetConfig.from_yaml(YAML)
+    text = YAML.replace("PrefixLength: 4096", "PrefixLength: 8192").replace("InitialVariantWeight: 3",
+                                                                             "InitialVariantWeight: 2")
+    new = FleetConfig.from_yaml(text)
+    said = describe_changes(old, new)
+    assert "routing PREFIX_AWARE PrefixLength=4096" in said and "-> PREFIX_AWARE PrefixLength=8192" in said
+    assert "weight 3 -> 2" in said
+
+
+def test_yaml_errors_name_the_file_and_line():
+    with pytest.raises(ConfigError) as err:
+        FleetConfig.from_yaml("Endpoints:\n  - EndpointName: a\n    ProductionVariants: [\n", source="fleet.yaml")
+    assert str(err.value).startswith("fleet.yaml line 4, column 1: not valid YAML")
+    bad = YAML.replace("PrefixLength: 4096", "PrefixLength: 100")
+    with pytest.raises(ConfigError) as err:
+        FleetConfig.from_yaml(bad, source="fleet.yaml")
+    line = bad.splitlines().index(next(x for x in bad.splitlines() if "PrefixLength: 100" in x)) + 1
+    assert str(err.value).startswith(f"fleet.yaml line {line}: Endpoints.0.ProductionVariants.0.RoutingConfig."
+                                     "PrefixAwareRoutingConfig.PrefixLength: 100 is out of range")

@@ -49,13 +49,17 @@ async def backends():
 
 
 async def _router(urls, routing=None, **kw):
-    # Active checks on (so passive failures count) but never due during a test.
+    # Active checks on (so passive failures count): the first round at start, the next
+    # never due during a test.
     base = dict(port=0, admin_port=0, health_check_interval_s=3600, metrics_scrape_interval_s=0,
                 shutdown_timeout_s=1.0, seed=3, response_headers_timeout_s=HEADERS_TIMEOUT,
                 stream_idle_timeout_s=IDLE_TIMEOUT, unhealthy_threshold=1)
     base.update(kw)
-    return await start_router(FleetConfig.single(urls, routing or RoutingConfig.build("random")),
-                              ServerSettings(**base))
+    handle = await start_router(FleetConfig.single(urls, routing or RoutingConfig.build("random")),
+                                ServerSettings(**base))
+    if base["health_check_interval_s"] > 0:  # the first round is over before the test's requests
+        assert await eventually(lambda: handle.state.health.rounds >= 1, 3)
+    return handle
 
 
 @pytest.fixture

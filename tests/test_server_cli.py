@@ -140,7 +140,8 @@ def _drive(proc: subprocess.Popen, cfg) -> None:
                              proc.stdout.readline())
         assert admin
         admin_url = admin.group(1)
-        assert _get(url + "/health") == (200, {"status": "ok", "healthy_instances": 1, "instances": 1})
+        assert _get(url + "/health") == (200, {"status": "ok", "message": "1 of 1 instances healthy",
+                                               "variants_down": [], "healthy_instances": 1, "instances": 1})
 
         def strategy() -> str:
             return _get(admin_url + "/admin/config")[1]["Endpoints"][0]["ProductionVariants"][0][
@@ -162,7 +163,13 @@ def _drive(proc: subprocess.Popen, cfg) -> None:
         assert proc.wait(timeout=10) == 0
         assert proc.stdout.read() == ""  # nothing else on stdout
         err = proc.stderr.read() if proc.stderr else ""
-        assert "configuration reload failed" in err and "not valid YAML" in err
+        assert "configuration reload failed" in err and f"{cfg} line 1, column 17: not valid YAML (expected" in err
+        # The first hour: a summary at start, what a reload changed, and what stopping does.
+        assert f"serving on {url} (data plane" in err and f"live status page: {admin_url}/" in err
+        assert "variant AllTraffic: RANDOM" in err and "http://127.0.0.1:9" in err
+        assert "configuration applied: default/AllTraffic routing RANDOM -> LEAST_OUTSTANDING_REQUESTS" in err
+        assert ("SIGTERM received, stopping. new connections refused; waiting for 0 requests in flight to "
+                "finish, at most") in err
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -418,3 +425,46 @@ def test_group_sighup_reloads_each_worker_once(tmp_path):
         err = proc.stderr.read()
     failed = [line for line in err.splitlines() if "configuration reload failed" in line]
     assert sorted(re.search(r"\[worker (\d)\]", line).group(1) for line in failed) == ["0", "1"], err
+
+
+@pytest.mark.parametrize("flags", [["--strategy", "prefix-aware"], ["--prefix-length", "4096"],
+                                   ["--concurrency-threshold", "8"], ["--variant-name", "V"],
+                                   ["--endpoint-name", "e"], ["--load-weight", "2"]])
+def test_flags_the_config_file_overrides_are_refused(tmp_path, capsys, flags):
+    cfg = tmp_path / "fleet.yaml"
+    _write(cfg, "http://127.0.0.1:9", {"RoutingStrategy": "RANDOM"})
+    from prefixroute.server.cli import main
+
+    assert main(["--config", str(cfg), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {flags[0]} cannot be used with --config" in err
+
+
+def test_a_wrong_flag_prints_the_subcommands_usage():
+    for cmd in (["serve", "--bogus"], ["demo", "--nope"], ["emulate", "--backend", "x"]):
+        out = subprocess.run([sys.executable, "-m", "prefixroute", *cmd], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2
+        assert out.stderr.startswith(f"usage: prefixroute {cmd[0]} "), out.stderr[:200]
+        assert f"prefixroute {cmd[0]}: error: unrecognized arguments: {cmd[1]}" in out.stderr
+
+
+def test_startup_summary_and_draining_text():
+    from prefixroute.core.config import FleetConfig, RoutingConfig
+    from prefixroute.server.settings import ServerSettings
+    from prefixroute.server.summary import draining_message, startup_summary
+
+    cfg = FleetConfig.single(["http://10.0.0.1:8001", "http://10.0.0.2:8001"],
+                             RoutingConfig.build("prefix-aware", 4096, 12))
+    status = {"router": {"health": {"status": "degraded", "message": "degraded: no healthy instance in x"}},
+              "endpoints": [{"name": "default", "variants": [{"name": "AllTraffic", "instances": [
+                  {"url": "http://10.0.0.1:8001", "state": "up"}, {"url": "http://10.0.0.2:8001", "state": "down"}]}]}]}
+    text = startup_summary(cfg, ServerSettings(access_log="-", api_keys_file="k.yaml"), "http://0.0.0.0:8080",
+                           "http://127.0.0.1:8081", status, "3 keys from k.yaml", 42)
+    assert "serving on http://0.0.0.0:8080 (data plane fast)" in text
+    assert "variant AllTraffic: PREFIX_AWARE PrefixLength=4096 ConcurrencyThreshold=12" in text
+    assert "http://10.0.0.1:8001  up" in text and "http://10.0.0.2:8001  DOWN" in text
+    assert "readiness (GET /health): degraded: no healthy instance in x" in text
+    assert "client API keys: 3 keys from k.yaml" in text and "access log -" in text
+    assert draining_message("SIGINT", 3, 30) == (
+        "prefixroute: SIGINT received, stopping. new connections refused; waiting for 3 requests in flight to "
+        "finish, at most 30 s (--shutdown-timeout). SIGINT again stops at once.")

@@ -255,7 +255,8 @@ async def test_other_routes_and_http10_go_through_aiohttp(router, backend):
     async with aiohttp.ClientSession() as http:
         async with http.get(router.url + "/health") as r:
             assert r.status == 200
-            assert await r.json() == {"status": "ok", "healthy_instances": 1, "instances": 1}
+            assert await r.json() == {"status": "ok", "message": "1 of 1 instances healthy", "variants_down": [],
+                                      "healthy_instances": 1, "instances": 1}
         async with http.get(router.url + "/metrics") as r:
             assert r.status == 200
             assert "prefixroute_responses_total" in await r.text()
@@ -760,7 +761,8 @@ async def test_http10_check_without_host_is_answered(router, backend, request_li
     if request_line.startswith(b"HEAD"):
         assert body == b""
     else:
-        assert orjson.loads(body) == {"status": "ok", "healthy_instances": 1, "instances": 1}
+        assert orjson.loads(body) == {"status": "ok", "message": "1 of 1 instances healthy", "variants_down": [],
+                                      "healthy_instances": 1, "instances": 1}
     writer.close()
 
 

@@ -70,6 +70,7 @@ def test_tracker_thresholds_and_backpressure():
     state = {"a": True}
     t = HealthTracker(lambda i, h: state.__setitem__(i, h), lambda i: state[i], unhealthy_threshold=3,
                       healthy_threshold=2)
+    t.probe("a", ProbeResult.OK)  # seen up: from now on the thresholds apply
     t.probe("a", ProbeResult.FAILED)
     t.passive_failure("a")
     assert state["a"]  # two failures: still in
@@ -90,6 +91,26 @@ def test_tracker_thresholds_and_backpressure():
     assert state["a"]  # two successes in a row: back
     t.passive_failure("a", definitive=True)  # a refused connection: out at once
     assert not state["a"]
+
+
+def test_tracker_instance_never_seen_up_needs_no_threshold():
+    from prefixroute.server.health import HealthTracker
+
+    state = {"a": True, "b": True}
+    t = HealthTracker(lambda i, h: state.__setitem__(i, h), lambda i: state[i], unhealthy_threshold=3,
+                      healthy_threshold=3)
+    t.probe("a", ProbeResult.FAILED)  # down at start: out at its first failed check
+    assert not state["a"]
+    t.probe("a", ProbeResult.OK)  # up at last: in at its first success
+    assert state["a"]
+    t.probe("a", ProbeResult.FAILED)  # seen up since: the threshold applies again
+    t.probe("a", ProbeResult.FAILED)
+    assert state["a"]
+    t.probe("a", ProbeResult.FAILED)
+    assert not state["a"]
+    t.passive_success("b")  # a request answered: seen up
+    t.probe("b", ProbeResult.FAILED)
+    assert state["b"]
 
 
 def test_tracker_without_active_checks_only_definitive_failures_eject():

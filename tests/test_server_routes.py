@@ -236,7 +236,9 @@ async def test_no_healthy_instance_503(router, http):
     for path in ("/health", "/ping"):
         async with http.get(router.url + path) as r:
             assert r.status == 503
-            assert (await r.json()) == {"status": "unavailable", "healthy_instances": 0, "instances": 2}
+            assert (await r.json()) == {"status": "unavailable", "message": "no instance is healthy",
+                                        "variants_down": ["default/AllTraffic"], "healthy_instances": 0,
+                                        "instances": 2}
     async with http.get(router.url + "/v1/models") as r:
         assert r.status == 503
 
@@ -244,7 +246,8 @@ async def test_no_healthy_instance_503(router, http):
 async def test_health_ok(router, http):
     async with http.get(router.url + "/health") as r:
         assert r.status == 200
-        assert await r.json() == {"status": "ok", "healthy_instances": 2, "instances": 2}
+        assert await r.json() == {"status": "ok", "message": "2 of 2 instances healthy", "variants_down": [],
+                                  "healthy_instances": 2, "instances": 2}
 
 
 async def test_upstream_error_status_passed_through(router, backends, http):

@@ -17,6 +17,7 @@ from prefixroute.workloads.traces import (
     chained_block_digests,
     load_trace,
     make_trace_record,
+    unpack_digests,
 )
 
 MOONCAKE = [
@@ -105,14 +106,30 @@ def test_trace_records_never_hold_prompt_text() -> None:
     line = orjson.dumps(rec)
     assert b"SECRET" not in line and b"acme" not in line
     assert rec["format"] == TRACE_FORMAT and rec["length"] == len(text) and rec["unit"] == "chars"
-    assert len(rec["blocks"]) == -(-len(text) // 64)
-    assert rec["blocks"] == [f"{d:016x}" for d in chained_block_digests(text)]
+    assert list(unpack_digests(rec["digests"])) == chained_block_digests(text)
+    assert len(unpack_digests(rec["digests"])) == -(-len(text) // 64)
     native = make_trace_record(timestamp=1.0, endpoint="e", variant="v", api="native", scope="e", tenant="",
                                instance="", decision="", routing_data=b'{"inputs": "x"}', max_tokens=None)
-    assert native["unit"] == "bytes" and native["length"] == 15 and len(native["blocks"]) == 1
+    assert native["unit"] == "bytes" and native["length"] == 15 and len(unpack_digests(native["digests"])) == 1
     tokens = make_trace_record(timestamp=1.0, endpoint="e", variant="v", api="openai-completions", scope="m",
                                tenant="", instance="", decision="", routing_data=list(range(130)), max_tokens=None)
-    assert tokens["unit"] == "tokens" and len(tokens["blocks"]) == 3
+    assert tokens["unit"] == "tokens" and len(unpack_digests(tokens["digests"])) == 3
+
+
+def test_version_1_lines_are_still_read(tmp_path) -> None:
+    text = "shared document " * 100
+    v2 = make_trace_record(timestamp=5.0, endpoint="e", variant="v", api="openai-chat", scope="m", tenant="",
+                           instance="http://x", decision="affinity", routing_data=text, max_tokens=3)
+    v1 = dict(v2, format="prefixroute-trace/1", timestamp=6.0,
+              blocks=[f"{d:016x}" for d in unpack_digests(v2["digests"])])
+    del v1["digests"]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(orjson.dumps(v1) + b"\n" + orjson.dumps(v2) + b"\n")
+    old, new = load_trace(path).records
+    assert list(old.prompt.digests) == list(new.prompt.digests) == chained_block_digests(text)
+    assert old.prompt.routing_key(1024) == new.prompt.routing_key(1024)
+    # The packed digests: 10.7 characters each instead of 19.
+    assert len(v2["digests"]) < 0.6 * len(orjson.dumps(v1["blocks"]))
 
 
 def test_chained_digests_identify_prefixes() -> None:

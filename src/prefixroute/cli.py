@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         mod = importlib.import_module(module)
         sp = subs.add_parser(name, help=help_text)
         mod.configure_parser(sp)
-        sp.set_defaults(_run=mod.run)
+        sp.set_defaults(_run=mod.run, _parser=sp)
     return parser
 
 
@@ -46,7 +46,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         signals.hold()
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage, not the top level's (argparse would print that one)
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return int(args._run(args) or 0)
 
 

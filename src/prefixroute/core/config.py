@@ -344,6 +344,36 @@ def _dupes(items: Sequence[Any]) -> str:
     return shown + (f" (and {len(repeated) - 10:,} more)" if len(repeated) > 10 else "")
 
 
+def _with_lines(message: str, text: str, source: str) -> str:
+    """``message`` (clauses ``path.to.Field: problem`` joined by ``; ``) with the file
+    named and each clause's line in it (the line of the deepest part of its path found
+    in the YAML document), e.g. ``fleet.yaml line 9: Endpoints.0...: problem``."""
+    import yaml
+
+    try:
+        root = yaml.compose(text)
+    except yaml.YAMLError:
+        root = None
+    clauses = message.split("; ")
+    out = []
+    for clause in clauses:
+        path, sep, _ = clause.partition(": ")
+        node = root
+        line = node.start_mark.line + 1 if node is not None and sep else None
+        for part in path.split(".") if sep else ():
+            child = None
+            if isinstance(node, yaml.MappingNode):
+                child = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+            elif isinstance(node, yaml.SequenceNode) and part.isdigit() and int(part) < len(node.value):
+                child = node.value[int(part)]
+            if child is None:
+                break
+            node = child
+            line = node.start_mark.line + 1
+        out.append(f"line {line}: {clause}" if line is not None else clause)
+    return f"{source} " + "; ".join(out) if out and out[0].startswith("line ") else f"{source}: " + "; ".join(out)
+
+
 def format_validation_error(exc: ValidationError, root: str = "") -> str:
     """One clause per problem, ``path.to.Field: message``, joined by ``; ``; at most
     :data:`MAX_ERROR_CLAUSES`, then ``... and N more problems``."""
@@ -498,8 +528,13 @@ class FleetConfig(BaseModel):
         return parse_model(cls, data)
 
     @classmethod
-    def from_yaml(cls, text: str) -> "FleetConfig":
+    def from_yaml(cls, text: str, source: str | None = None) -> "FleetConfig":
         """Parse and validate YAML text.
+
+        Args:
+            source: the file the text came from, named in errors with the line of the
+                problem (``fleet.yaml line 9: Endpoints.0...PrefixLength: 100 is out
+                of range``).
 
         Raises:
             ConfigError: YAML syntax error or invalid field.
@@ -509,8 +544,16 @@ class FleetConfig(BaseModel):
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
-            raise ConfigError(f"configuration is not valid YAML: {exc}") from None
-        return cls.from_mapping(data)
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            problem = getattr(exc, "problem", None) or str(exc)
+            raise ConfigError(f"{source or 'configuration'}{where}: not valid YAML ({problem})") from None
+        try:
+            return cls.from_mapping(data)
+        except ConfigError as exc:
+            if source is None:
+                raise
+            raise ConfigError(_with_lines(str(exc), text, source)) from None
 
     @classmethod
     def single(

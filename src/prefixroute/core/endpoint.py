@@ -2,7 +2,8 @@
 
 Sans-I/O. The HTTP router holds one :class:`Fleet`; it resolves an endpoint by name,
 picks a variant (the one targeted by ``X-Amzn-SageMaker-Target-Variant``, else by
-weight), and asks that variant's pool for an instance.
+weight among the variants that have a healthy instance), and asks that variant's pool
+for an instance.
 """
 
 from __future__ import annotations
@@ -76,6 +77,13 @@ class Endpoint:
     def variant(self, target: str | None = None) -> VariantPool:
         """The targeted variant, or one drawn by weight.
 
+        The draw is among the variants with at least one healthy instance: a variant
+        whose instances are all out of rotation gets no weight, so its share goes to
+        the others in proportion to theirs (as SageMaker moves traffic off a variant
+        that fails its health checks). When no variant has a healthy instance the draw
+        is over all of them (the pool then refuses: the drivers answer 503). A targeted
+        variant is returned whatever its health: the caller named it.
+
         Raises:
             UnknownVariant: ``target`` names no variant of this endpoint.
         """
@@ -89,8 +97,11 @@ class Endpoint:
             return pool
         if self._only is not None:
             return self._only
-        names = list(self._weights)
-        return self.pools[self._rng.choices(names, weights=[self._weights[n] for n in names])[0]]
+        pools = self.pools
+        names = [n for n in self._weights if pools[n].has_healthy] or list(self._weights)
+        if len(names) == 1:
+            return pools[names[0]]
+        return pools[self._rng.choices(names, weights=[self._weights[n] for n in names])[0]]
 
     def set_routing(self, variant: str, routing: RoutingConfig) -> None:
         """Switch one variant's routing without a restart.

@@ -220,6 +220,15 @@ class VariantPool:
         self._healthy = None
         self._strategy.on_membership_change(self._instances)
 
+    @property
+    def has_healthy(self) -> bool:
+        """Whether at least one instance is in rotation (a variant without one gets no
+        share of untargeted traffic: :meth:`prefixroute.core.endpoint.Endpoint.variant`)."""
+        healthy = self._healthy
+        if healthy is None:
+            healthy = self._healthy = tuple(s for s in self._instances if s.healthy)
+        return bool(healthy)
+
     def set_healthy(self, instance_id: str, healthy: bool) -> None:
         """Take an instance out of rotation (``False``) or put it back (``True``)."""
         inst = self._by_id.get(instance_id)

@@ -83,6 +83,8 @@ class ProcessGroup:
         deadline = time.monotonic() + ready_timeout_s
         seen: list[str] = []
         found = 0
+        pending = b""  # read from the pipe, not yet a whole line
+        fd = proc.stdout.fileno()
         try:
             while found < ready_lines:
                 left = deadline - time.monotonic()
@@ -92,17 +94,23 @@ class ProcessGroup:
                     if proc.poll() is not None:
                         break
                     continue
-                line = proc.stdout.readline()
-                if not line:
+                # Raw reads (a buffered readline would take the lines after this one
+                # into its buffer, where select() no longer sees them).
+                data = os.read(fd, 65536)
+                if not data:
                     break
-                seen.append(line)
-                m = _READY.search(line)
-                if m:
-                    if not child.url:
-                        child.url = m.group(2)
-                    else:
-                        child.extra_urls[m.group(1) + str(found)] = m.group(2)
-                    found += 1
+                pending += data
+                *lines, pending = pending.split(b"\n")
+                for raw in lines:
+                    line = raw.decode("utf-8", "replace") + "\n"
+                    seen.append(line)
+                    m = _READY.search(line)
+                    if m and found < ready_lines:
+                        if not child.url:
+                            child.url = m.group(2)
+                        else:
+                            child.extra_urls[m.group(1) + str(found)] = m.group(2)
+                        found += 1
             if found < ready_lines:
                 proc.wait(timeout=5)
                 raise StartupError(f"{name} exited with code {proc.returncode}; output:\n" + "".join(seen[-20:]))

@@ -12,12 +12,15 @@ Routes (JSON in and out; errors are ``{"message": ...}``):
 * ``POST /admin/reload``: re-read the ``--config`` file (what SIGHUP does).
 * ``GET /admin/kv-events``: precise mode's status, per instance: ``precise`` or
   ``approximate`` and why, and its KV-event stream's counters (:func:`kv_events_document`).
+* ``GET /admin/status``: the live status page (:mod:`prefixroute.server.status`; ``GET /``
+  redirects there); ``GET /admin/status.json``: its data.
 
 An invalid configuration is answered 400 with the validation message and the running
 configuration is kept. With ``serve --workers N`` every worker runs this app on a
 loopback port for the supervisor, which serves the public admin API, sends changes to
-every worker and adds ``GET /admin/workers`` (:mod:`prefixroute.server.workers`). If a token is set, every request needs
-``Authorization: Bearer <token>`` (compared in constant time).
+every worker and adds ``GET /admin/workers`` (:mod:`prefixroute.server.workers`). If a
+token is set, every request needs ``Authorization: Bearer <token>`` (compared in
+constant time), but for the status page's HTML and ``GET /``, which hold no data.
 """
 
 from __future__ import annotations
@@ -37,9 +40,10 @@ from prefixroute.server.app import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedO
                                     close_receiving_on_shutdown, coding_refusal, read_body)
 from prefixroute.server.errors import json_response
 from prefixroute.server.state import RouterState
+from prefixroute.server.status import STATUS_JSON_PATH, STATUS_PATH, status_document, status_page
 
 __all__ = ["build_admin_app", "config_document", "admin_middlewares", "strip_live_state", "apply_waiting",
-           "TABLE_FULL_WAIT_S"]
+           "TABLE_FULL_WAIT_S", "add_status_routes", "PUBLIC_PATHS"]
 
 _STATE = web.AppKey("prefixroute_admin_state", RouterState)
 
@@ -225,14 +229,47 @@ async def put_routing(request: web.Request) -> web.Response:
 
 
 async def reload(request: web.Request) -> web.Response:
-    """``POST /admin/reload``: re-read the configuration file."""
+    """``POST /admin/reload``: re-read the configuration file and the API keys (what
+    SIGHUP does); answers the configuration in force."""
     state = request.app[_STATE]
     try:
-        config = state.read_config_file()  # once: only applying it is tried again
-        await apply_waiting(lambda: state.apply_config(config))
+        state.reload_keys()
+        if state.settings.config_path is not None or state.clients is None:
+            config = state.read_config_file()  # once: only applying it is tried again
+            await apply_waiting(lambda: state.apply_config(config))
     except ConfigError as exc:
         return _error(400, str(exc))
     return json_response(200, config_document(state))
+
+
+#: Admin paths served without the token: the status page's HTML and the redirect to it
+#: hold no data (the page asks for the token before it reads any).
+PUBLIC_PATHS = frozenset({"/", STATUS_PATH})
+
+
+async def get_status(request: web.Request) -> web.Response:
+    """``GET /admin/status.json``: :func:`~prefixroute.server.status.status_document`
+    (``?raw=1`` adds the TTFT samples)."""
+    return json_response(200, status_document(request.app[_STATE], raw=request.query.get("raw") == "1"))
+
+
+async def get_status_page(request: web.Request) -> web.Response:
+    """``GET /admin/status``: the live status page (self-contained HTML)."""
+    return web.Response(body=status_page(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-store"})
+
+
+async def to_status_page(request: web.Request) -> web.Response:
+    """``GET /``: redirects to the status page."""
+    raise web.HTTPFound(STATUS_PATH)
+
+
+def add_status_routes(app: web.Application, json_handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                      ) -> None:
+    """The status page, its data (``json_handler``) and ``GET /`` on ``app``."""
+    app.router.add_get(STATUS_PATH, get_status_page, allow_head=False)
+    app.router.add_get(STATUS_JSON_PATH, json_handler, allow_head=False)
+    app.router.add_get("/", to_status_page, allow_head=False)
 
 
 def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]:
@@ -241,6 +278,8 @@ def _auth_middleware(token: str) -> Callable[..., Awaitable[web.StreamResponse]]
     @web.middleware
     async def check(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                     ) -> web.StreamResponse:
+        if request.method == "GET" and request.path in PUBLIC_PATHS:
+            return await handler(request)
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         # The scheme is case-insensitive (RFC 9110 §11.1); the token is compared in constant time.
         ok = hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), expected)
@@ -287,4 +326,5 @@ def build_admin_app(state: RouterState, token: str | None = None) -> web.Applica
     app.router.add_put("/admin/config", put_config)
     app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", put_routing)
     app.router.add_post("/admin/reload", reload)
+    add_status_routes(app, get_status)
     return app

@@ -43,13 +43,14 @@ from prefixroute.core.pool import VariantPool
 from prefixroute.core.sessions import SessionPin, parse_session_id
 from prefixroute.discovery.manager import start_discovery
 from prefixroute.server import headers as H
+from prefixroute.server.clientkeys import Identity
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
-from prefixroute.server.health import health_check_loop
+from prefixroute.server.limits import Refusal
+from prefixroute.server.health import health_check_loop, readiness
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
-from prefixroute.server.trace import TRACE_RECORDER, recorder_context
 
 __all__ = ["STATE", "DECODED_CODINGS", "ACCEPTED_CODINGS", "BodyNotDecoded", "BodyTimedOut", "BodyTooLarge", "build_app",
            "decode_request_body", "request_coding", "coding_refusal", "transfer_coding", "transfer_refused",
@@ -138,14 +139,63 @@ def request_id(headers: Mapping[str, str]) -> str:
     return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
 
 
-def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float) -> web.Response:
+def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float,
+                 who: Identity | None = None) -> web.Response:
     """An answer of the router's own, before anything was sent upstream: counted in
     ``responses_total`` and, as every answer, in ``request_duration_seconds``
-    (``t0``: ``time.perf_counter()`` at the request's arrival). Returns ``resp``."""
+    (``t0``: ``time.perf_counter()`` at the request's arrival), and reported to the
+    observers (``who``: the API key it came with, if known). Returns ``resp``."""
     m = state.metrics
+    t_end = time.perf_counter()
     m.responses.labels(endpoint, variant, str(resp.status)).inc()
-    m.duration_seconds.labels(endpoint, variant).observe(time.perf_counter() - t0)
+    m.duration_seconds.labels(endpoint, variant).observe(t_end - t0)
+    state.observers.refused(endpoint, variant, resp.status, _message_of(resp), resp.headers.get(H.REQUEST_ID), t0,
+                            t_end, len(resp.body) if isinstance(resp.body, bytes) else 0,
+                            None if who is None else {"client": who.name, "tenant": who.tenant})
     return resp
+
+
+def unauthorized(api: Api, why: str, rid: str) -> web.Response:
+    """The 401 for a request without a valid API key (``why``: ``missing`` or
+    ``wrong``), in its API's shape, with ``WWW-Authenticate: Bearer``."""
+    hdrs = {H.REQUEST_ID: rid, "WWW-Authenticate": "Bearer"}
+    if why == "missing":
+        msg = "missing API key: send Authorization: Bearer <key> or x-api-key: <key>"
+    else:
+        msg = "invalid API key"
+    if api is Api.OPENAI:
+        return openai_error(401, msg, code="invalid_api_key", headers=hdrs)
+    kind = "MissingAuthenticationTokenException" if why == "missing" else "UnrecognizedClientException"
+    return sagemaker_error(kind, msg, status=401, headers=hdrs)
+
+
+def throttled(api: Api, refusal: Refusal, rid: str, variant: str | None = None) -> web.Response:
+    """The 429 for a request over its key's or tenant's limit, in its API's shape
+    (OpenAI: type ``requests``, code ``rate_limit_exceeded``; SageMaker:
+    ``ThrottlingException``), with ``Retry-After`` (whole seconds)."""
+    hdrs = {H.REQUEST_ID: rid, "Retry-After": str(refusal.retry_after_s)}
+    if variant:
+        hdrs[H.INVOKED_VARIANT] = variant
+    what = "requests per second" if refusal.reason == "rate" else "concurrent requests"
+    msg = (f"{'tenant' if refusal.scope == 'tenant' else 'API key'} limit on {what} reached; "
+           f"retry after {refusal.retry_after_s} s")
+    if api is Api.OPENAI:
+        return openai_error(429, msg, type_="requests", code="rate_limit_exceeded", headers=hdrs)
+    return sagemaker_error("ThrottlingException", msg, status=429, headers=hdrs)
+
+
+def _message_of(resp: web.Response) -> str:
+    """The ``message`` of one of the router's own JSON error answers (OpenAI's or
+    SageMaker's shape), or ``""``."""
+    try:
+        doc = orjson.loads(resp.body) if isinstance(resp.body, bytes) else None
+    except orjson.JSONDecodeError:
+        return ""
+    if isinstance(doc, dict):
+        inner = doc.get("error")
+        msg = inner.get("message") if isinstance(inner, dict) else doc.get("message")
+        return msg if isinstance(msg, str) else ""
+    return ""
 
 
 #: The request Content-Encodings decoded, one coding per request, by
@@ -406,6 +456,13 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     """
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
+    clients = state.clients
+    who: Identity | None = None
+    if clients is not None:  # the key first: no other answer tells a caller without one anything
+        found = clients.identify(headers)
+        if not isinstance(found, Identity):
+            return count_answer(state, "unknown", "", unauthorized(api, found, rid), t0)
+        who = found
     try:
         endpoint = state.fleet.endpoint(endpoint_name)
         pool = endpoint.variant(headers.get(H.TARGET_VARIANT))
@@ -477,10 +534,22 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         scope = f"{endpoint.name}:{component}" if component else endpoint.name
         key, blocks = native_request_key(body, pool.routing, scope, tenant)
         path = "/invocations"
+    if who is not None:
+        assert clients is not None
+        admitted = clients.admit(who)
+        if isinstance(admitted, Refusal):
+            return count_answer(state, endpoint.name, pool.name,
+                                throttled(api, admitted, rid, pool.name), t0, who)
+        # The key is the router's: it does not go on to the engine.
+        raw_headers = [(k, v) for k, v in raw_headers if k.lower() != who.header.encode()]
     if state.settings.log_prompts:
         _log_prompt(rid, body)
-    return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
-                         decoded, session=session, new_session=new_session)
+    rr = RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
+                       decoded, session=session, new_session=new_session)
+    if who is not None:
+        rec = rr.record
+        rec.client, rec.tenant, rec.admission = who.name, who.tenant, admitted
+    return rr
 
 
 async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.StreamResponse:
@@ -499,15 +568,6 @@ async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.
         if isinstance(body, BodyTimedOut):
             rr.force_close()  # (what is left of the body is unread)
         return rr
-    recorder = request.app.get(TRACE_RECORDER)
-    if recorder is not None:  # --record-trace: digests of the routing text, never the text
-        if api is Api.OPENAI:
-            return await recorder.forward_openai(forward(state, rr), orjson.loads(rr.body), chat, rr.endpoint,
-                                                 rr.pool.name)
-        component = request.headers.get(H.INFERENCE_COMPONENT)
-        scope = f"{rr.endpoint}:{component}" if component else rr.endpoint
-        tenant = validate_tenant_id(request.headers.get(H.PREFIX_AWARE_ID))
-        return await recorder.forward_native(forward(state, rr), rr.body, scope, tenant, rr.endpoint, rr.pool.name)
     return await forward(state, rr)
 
 
@@ -525,13 +585,19 @@ async def models(request: web.Request) -> web.Response:
     """``GET .../v1/models``: the model list of one healthy instance of the endpoint."""
     state = request.app[STATE]
     rid = request_id(request.headers)
+    drop = None
+    if state.clients is not None:
+        found = state.clients.identify(request.headers)
+        if not isinstance(found, Identity):
+            return unauthorized(Api.OPENAI, found, rid)
+        drop = found.header
     try:
         _, pool = _resolve(state, request)
     except UnknownEndpoint as exc:
         return openai_error(404, str(exc), code="endpoint_not_found", headers={H.REQUEST_ID: rid})
     except UnknownVariant as exc:
         return openai_error(400, str(exc), code="variant_not_found", headers={H.REQUEST_ID: rid})
-    return await forward_get(state, request, pool, "/v1/models", rid)
+    return await forward_get(state, request, pool, "/v1/models", rid, drop)
 
 
 def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, VariantPool]:
@@ -561,11 +627,17 @@ async def invocations_response_stream(request: web.Request) -> web.StreamRespons
 
 
 async def health(request: web.Request) -> web.Response:
-    """``GET /health`` and ``GET /ping``: 200 if at least one instance is healthy, else 503."""
-    healthy, total = request.app[STATE].healthy_counts()
-    ok = healthy > 0
-    return json_response(200 if ok else 503,
-                         {"status": "ok" if ok else "unavailable", "healthy_instances": healthy, "instances": total})
+    """``GET /health`` and ``GET /ping``: 200 ``ok`` when every production variant has a
+    healthy instance, 200 ``degraded`` naming the variants that have none, 503
+    ``starting`` until a round of health checks has found every variant with a healthy
+    instance, 503 ``unavailable`` when no instance is healthy
+    (:func:`prefixroute.server.health.readiness`).
+
+    Body: ``{"status", "message", "variants_down": ["endpoint/variant", ...],
+    "healthy_instances", "instances"}``."""
+    r = readiness(request.app[STATE])
+    return json_response(r.http_status, {"status": r.status, "message": r.message(), "variants_down": list(r.down),
+                                         "healthy_instances": r.healthy, "instances": r.total})
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -603,7 +675,7 @@ def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[w
         expect = request.headers.get("Expect", "")
         if expect.strip().lower() != "100-continue":
             resp = error_for_path(request.path, 417, f"Expect {expect[:64]!r} is not supported: only 100-continue",
-                                  "expectation_failed")
+                                  "expectation_failed", headers={H.REQUEST_ID: request_id(request.headers)})
             resp.force_close()
             return count_answer(state, "unknown", "", resp, t0)
         limit, declared = state.settings.max_body_bytes, request.content_length
@@ -641,11 +713,14 @@ async def _error_shapes(request: web.Request,
         limit = request.app[STATE].settings.max_body_bytes
         resp = error_for_path(request.path, 413, f"request body too large; the limit is {limit:,} bytes "
                               "(--max-body-size)", "request_too_large")
+    resp.headers[H.REQUEST_ID] = request_id(request.headers)  # (the access log's line names it too)
     return count_answer(request.app[STATE], "unknown", "", resp, t0)
 
 
 async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
+    s = state.settings
+    state.observers.open(s.access_log, s.record_trace, s.otel_traces)
     state.session = make_client_session(state.settings)
     tasks: list[asyncio.Task[None]] = []
     if state.settings.health_check_interval_s > 0:
@@ -669,6 +744,7 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
         await state.stop_kv_events()
         await state.session.close()
         state.session = None
+        state.observers.close()
 
 
 def build_app(state: RouterState) -> web.Application:
@@ -684,8 +760,6 @@ def build_app(state: RouterState) -> web.Application:
     app[STATE] = state
     close_receiving_on_shutdown(app)
     app.cleanup_ctx.append(_background_tasks)
-    if state.settings.record_trace:
-        app.cleanup_ctx.append(recorder_context(state.settings.record_trace))
     r = app.router
     for prefix in ("", "/endpoints/{endpoint}/openai", "/endpoints/{endpoint}/inference-components/{component}/openai"):
         r.add_post(prefix + "/v1/chat/completions", chat_completions, expect_handler=_expect(Api.OPENAI, True))

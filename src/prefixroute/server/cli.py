@@ -34,6 +34,7 @@ from prefixroute.discovery.flags import (configure_discovery_flags, discovery_fr
 from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import RouterHandle, reload_logged, start_router
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
+from prefixroute.server.summary import draining_message, startup_summary
 
 __all__ = ["configure_parser", "run", "build_config", "build_settings", "parse_size", "parse_workers",
            "add_routing_flags", "kv_events_from_flags"]
@@ -87,7 +88,7 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "SIGHUP re-reads it. Excludes --backend and the routing flags below.")
     g.add_argument("--backend", action="append", metavar="URL", default=[],
                    help="base URL of one engine instance, e.g. http://127.0.0.1:8001; repeat for each instance")
-    g.add_argument("--strategy", default="random",
+    g.add_argument("--strategy", default=None,
                    help="routing strategy of the variant: random, least-outstanding-requests, prefix-aware or "
                         "cache-aware (SageMaker spellings such as PREFIX_AWARE also work; default: random)")
     g.add_argument("--prefix-length", type=int, metavar="N",
@@ -122,9 +123,9 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "(SageMaker's rule, the default), or a JSON body re-serialized canonically (sorted keys, no "
                         "whitespace, sampling fields left out) so clients that serialize the same prompt "
                         "differently share an instance")
-    g.add_argument("--endpoint-name", default="default",
+    g.add_argument("--endpoint-name", default=None,
                    help="endpoint name (the EndpointName of /endpoints/NAME/invocations; default: default)")
-    g.add_argument("--variant-name", default="AllTraffic",
+    g.add_argument("--variant-name", default=None,
                    help="production variant name, returned in X-Amzn-Invoked-Production-Variant "
                         "(default: AllTraffic)")
 
@@ -191,7 +192,8 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
 
     o = p.add_argument_group("health, timeouts, limits, shutdown, logging")
     o.add_argument("--health-check-interval", type=float, default=5.0, metavar="SECONDS",
-                   help="seconds between active health checks of every instance; 0 disables them (default: 5)")
+                   help="seconds between active health checks of every instance, the first round at start; "
+                        "0 disables them (default: 5)")
     o.add_argument("--health-check-path", default="/health",
                    help="path probed with GET on each instance; 2xx = healthy: /health for vLLM and SGLang, "
                         "/ping for SageMaker containers (default: /health)")
@@ -235,8 +237,10 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
                         "cuts them at once (default: 30)")
     o.add_argument("--seed", type=int, default=None,
                    help="seed of the random choices (RANDOM routing, weighted variants, ties); default: random")
-    o.add_argument("--log-level", default="warning", type=str.lower, choices=["debug", "info", "warning", "error"],
-                   help="log level of stderr logs (default: warning)")
+    o.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+                   help="log level of stderr logs: info shows health changes, reloads and what they changed, "
+                        "startup and shutdown; no request is logged at any level but with --access-log "
+                        "(default: info)")
     o.add_argument("--log-prompts", action="store_true",
                    help="allow prompt text (the first 512 bytes of a request body, every API) in DEBUG logs "
                         "(default: off, prompts never reach the logs)")
@@ -250,9 +254,22 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
                         "MiB: each view holds at most an equal share, as well as its own InstanceCacheTokens "
                         "(default: 512; per worker with --workers)")
     o.add_argument("--record-trace", metavar="PATH",
-                   help="append one JSONL line per routed request to PATH (time, instance, decision, length and "
-                        "digests of 64-character blocks of the routing text, never the text) for "
-                        "`prefixroute tune --trace PATH`")
+                   help="append one JSONL line per routed request to PATH as it ends (time, instance, decision, "
+                        "length and digests of 64-character blocks of the routing text, never the text; about "
+                        "0.17 bytes per character of routing text) for `prefixroute tune --trace PATH`")
+    o.add_argument("--access-log", metavar="PATH",
+                   help="append one JSON line per request to PATH ('-': standard output) as it ends: request "
+                        "id, trace id, endpoint, variant, instance, decision, key digest, status, TTFT, duration, "
+                        "bytes in and out, retries; never prompt text (docs/OPERATIONS.md)")
+    o.add_argument("--api-keys-file", metavar="PATH",
+                   help="YAML file of client API keys (Authorization: Bearer or x-api-key) with per-key and "
+                        "per-tenant limits on requests per second and concurrent requests (429 over them); "
+                        "re-read on SIGHUP. Keys may also come from $PREFIXROUTE_API_KEYS (name:key,...). "
+                        "Without either the inference routes are open (docs/OPERATIONS.md)")
+    o.add_argument("--otel-traces", action="store_true",
+                   help="export OpenTelemetry spans of each request (route decision, upstream, first byte) over "
+                        "OTLP/HTTP, configured by the standard OTEL_* environment variables "
+                        "(OTEL_EXPORTER_OTLP_ENDPOINT...); needs the otel extra (default: off)")
 
 
 def build_config(args: argparse.Namespace) -> FleetConfig:
@@ -275,15 +292,22 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
                               "Discovery: on the production variant")
         if kv_flags:
             raise ConfigError(f"{'/'.join(kv_flags)}: with --config, precise mode is the YAML's KvEvents section")
+        overridden = [flag for flag, dest in _CONFIG_FLAGS.items() if getattr(args, dest, None) is not None]
+        if overridden:  # refused rather than ignored: the file would silently win
+            raise ConfigError(f"{', '.join(overridden)} cannot be used with --config: the configuration file sets "
+                              "each production variant's RoutingConfig and names (edit the file, or use --backend "
+                              "and the flags instead)")
         try:
             text = Path(args.config).read_text(encoding="utf-8")
         except OSError as exc:
             raise ConfigError(f"cannot read configuration file {args.config}: {exc.strerror or exc}") from None
-        return FleetConfig.from_yaml(text)
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"configuration file {args.config} is not UTF-8 text (byte {exc.start})") from None
+        return FleetConfig.from_yaml(text, source=args.config)
     if not args.backend and not discovering:
         raise ConfigError("no instances: give --backend URL (repeatable), --config PATH, or a discovery source "
                           "(--dns NAME, --k8s-service NAME)")
-    strategy = RoutingStrategy.parse(args.strategy)
+    strategy = RoutingStrategy.parse(args.strategy or "random")
     uses = _STRATEGY_FLAGS.get(strategy, set())
     given = {flag for flag, dest in _ROUTING_FLAGS.items() if getattr(args, dest) is not None}
     if given - uses:  # the same rule for every flag another strategy takes: warn, do not fail
@@ -291,18 +315,18 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
     value = {dest: (getattr(args, dest) if flag in uses else None) for flag, dest in _ROUTING_FLAGS.items()}
     missing = [flag for flag in _REQUIRED_FLAGS.get(strategy, ()) if value[_ROUTING_FLAGS[flag]] is None]
     if missing:
-        raise ConfigError(f"--strategy {args.strategy} needs {' and '.join(missing)} "
+        raise ConfigError(f"--strategy {args.strategy or 'random'} needs {' and '.join(missing)} "
                           f"({'; '.join(_REQUIRED_FLAGS[strategy][f] for f in missing)})")
     routing = RoutingConfig.build(strategy, value["prefix_length"], value["concurrency_threshold"],
                                   native_key=getattr(args, "native_key", None),
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
                                   instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"],
                                   media_tokens=value["media_tokens"])
+    endpoint, variant = args.endpoint_name or "default", args.variant_name or "AllTraffic"
     if discovering:
-        config = single_with_discovery(args.backend, routing, discovery_from_args(args), args.endpoint_name,
-                                       args.variant_name)
+        config = single_with_discovery(args.backend, routing, discovery_from_args(args), endpoint, variant)
     else:
-        config = FleetConfig.single(args.backend, routing, endpoint=args.endpoint_name, variant=args.variant_name)
+        config = FleetConfig.single(args.backend, routing, endpoint=endpoint, variant=variant)
     if kv_flags:
         config = config.model_copy(update={"kv_events": kv_events_from_flags(args)})
     return config
@@ -340,6 +364,12 @@ def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
     return parse_model(KvEventsConfig, data, "KvEvents")
 
 
+#: Flags a --config file overrides (their argparse destinations; None when not given).
+_CONFIG_FLAGS = {"--strategy": "strategy", "--prefix-length": "prefix_length",
+                 "--concurrency-threshold": "concurrency_threshold", "--block-size": "block_size",
+                 "--max-prefix-length": "max_prefix_length", "--instance-cache-tokens": "instance_cache_tokens",
+                 "--load-weight": "load_weight", "--media-tokens": "media_tokens", "--native-key": "native_key",
+                 "--endpoint-name": "endpoint_name", "--variant-name": "variant_name"}
 #: Routing flags and their argparse destinations.
 _ROUTING_FLAGS = {"--prefix-length": "prefix_length", "--concurrency-threshold": "concurrency_threshold",
                   "--block-size": "block_size", "--max-prefix-length": "max_prefix_length",
@@ -410,7 +440,9 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         session_header=getattr(args, "session_header", None),
         **({} if getattr(args, "cache_aware_memory_mib", None) is None
            else {"cache_aware_memory_bytes": _mib(args.cache_aware_memory_mib, "--cache-aware-memory-mib")}),
-        config_path=args.config, record_trace=args.record_trace, workers=getattr(args, "workers", 1),
+        config_path=args.config, record_trace=args.record_trace, access_log=getattr(args, "access_log", None),
+        otel_traces=getattr(args, "otel_traces", False), api_keys_file=getattr(args, "api_keys_file", None),
+        workers=getattr(args, "workers", 1),
         worker_timeout_s=getattr(args, "worker_timeout", 60.0), data_plane=getattr(args, "data_plane", "fast"),
     )
 
@@ -423,11 +455,13 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         print(f"error: cannot listen on {settings.host}:{settings.port} or its admin port: {exc}", file=sys.stderr)
         return 1
     stop = asyncio.Event()
+    stopped_by = [int(signal.SIGTERM)]
 
     def on_stop(signum: int = signal.SIGTERM) -> None:
         if stop.is_set():  # a second one (dispatched with the first, from one read of the loop)
             _hurry(loop, handle, signum)
             return
+        stopped_by[0] = signum
         stop.set()
         for sig in _STOPS:  # from now on a second one does not wait for the drain
             loop.add_signal_handler(sig, _hurry, loop, handle, sig)
@@ -444,9 +478,12 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
         print(f"prefixroute-serve listening on {handle.url}", flush=True)
         if handle.admin_url:
             print(f"prefixroute-admin listening on {handle.admin_url}", flush=True)
+        await _print_summary(handle, config, settings, stop)
     try:
         await stop.wait()
-        log.info("shutting down: waiting up to %.1f s for requests in flight", settings.shutdown_timeout_s)
+        busy = sum(pool.total_in_flight() for _, pool in handle.fleet.all_pools())
+        print(draining_message(signal.Signals(stopped_by[0]).name, busy, settings.shutdown_timeout_s),
+              file=sys.stderr, flush=True)
     finally:
         signals.replace(loop, (signal.SIGHUP,), signal.SIG_IGN)  # draining: a SIGHUP no longer kills it
         if not stop.is_set():
@@ -461,6 +498,33 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
 
 
 _STOPS = (signal.SIGTERM, signal.SIGINT)
+
+
+def keys_description(settings: ServerSettings, state: Any) -> str | None:
+    """How client API keys are set up, for the startup summary (names and counts only)."""
+    clients = getattr(state, "clients", None)
+    if clients is None:
+        return None
+    n = len(clients.config.keys)
+    where = f"from {settings.api_keys_file}" if settings.api_keys_file else "from $PREFIXROUTE_API_KEYS"
+    return f"{n} key{'s' if n != 1 else ''} {where}" + (
+        f", {len(clients.config.tenants)} tenant limit(s)" if clients.config.tenants else "")
+
+
+async def _print_summary(handle: RouterHandle, config: FleetConfig, settings: ServerSettings,
+                         stop: asyncio.Event) -> None:
+    """The startup summary on stderr, once the first round of health checks has told
+    each instance's health (at most a check timeout and a second later)."""
+    from prefixroute.server.status import status_document
+
+    if settings.health_check_interval_s > 0:
+        deadline = asyncio.get_running_loop().time() + settings.health_check_timeout_s + 1.0
+        while handle.state.health.rounds == 0 and not stop.is_set() and \
+                asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.02)
+    status = status_document(handle.state)
+    print(startup_summary(handle.state.config, settings, handle.url, handle.admin_url, status,
+                          keys_description(settings, handle.state), os.getpid()), file=sys.stderr, flush=True)
 
 
 def _hurry(loop: asyncio.AbstractEventLoop, handle: RouterHandle, signum: int) -> None:
@@ -481,6 +545,33 @@ def _loop_factory() -> Any:
     return uvloop.new_event_loop
 
 
+def check_outputs(settings: ServerSettings) -> None:
+    """Fail early, with a message naming the flag, when a file the router will write
+    cannot be opened, the API keys are invalid or ``--otel-traces`` lacks its extra.
+
+    Raises:
+        ConfigError: what is wrong.
+    """
+    for flag, path in (("--access-log", settings.access_log), ("--record-trace", settings.record_trace)):
+        if path is None or path == "-":
+            continue
+        try:
+            with open(path, "ab"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"{flag} {path}: cannot open it for appending ({exc.strerror or exc})") from None
+    from prefixroute.server.clientkeys import load_keys
+
+    load_keys(settings.api_keys_file)  # ConfigError naming the file, line or field
+    if settings.otel_traces:
+        from prefixroute.server.otel import OtelUnavailable, check_available
+
+        try:
+            check_available()
+        except OtelUnavailable as exc:
+            raise ConfigError(str(exc)) from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the router until SIGTERM/SIGINT; returns the exit status."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
@@ -495,6 +586,7 @@ def run(args: argparse.Namespace) -> int:
             except ImportError:
                 raise ConfigError("precise mode (KvEvents) needs pyzmq and msgpack: "
                                   "pip install 'prefixroute[precise]'") from None
+        check_outputs(settings)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

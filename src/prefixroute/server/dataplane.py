@@ -18,7 +18,7 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)
                  │ anything else (GET /metrics, /health, /v1/models, HTTP/1.0,
-                 │ unknown paths, --record-trace, https instances)
+                 │ unknown paths, https instances)
                  └──► the aiohttp app on a private Unix socket (same process), relayed
 
 Behaviour is the aiohttp path's (:func:`prefixroute.server.proxy.forward`), which stays
@@ -77,6 +77,7 @@ from prefixroute.server.app import (
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
     connect_failed, ends_with_done, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
+from prefixroute.server.record import RequestRecord
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
@@ -224,9 +225,11 @@ class _Reply:
     body chunk was framed (0.0 until then), ``tail`` the last bytes of an SSE stream,
     ``overhead_s`` the router's time on the request (``X-Prefixroute-Overhead-Ms``)."""
 
-    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s", "lease")
+    __slots__ = ("status", "head", "framed", "sse", "chunked", "bodyless", "tail", "first_s", "overhead_s", "record",
+                 "lease")
 
-    def __init__(self) -> None:
+    def __init__(self, record: RequestRecord) -> None:
+        self.record = record  # the request's: its first byte and bytes out are counted here
         self.status = 0
         self.head = b""
         self.framed = self.sse = self.chunked = self.bodyless = False
@@ -236,8 +239,9 @@ class _Reply:
         self.lease: Any = None  # told of the first body byte (Lease.first_token)
 
     def first(self) -> None:
-        """The first body byte is relayed now: ``first_s`` and the lease's prefill end."""
-        self.first_s = time.perf_counter()
+        """The first body byte is relayed now: ``first_s`` (the record's ``t_first``) and the
+        lease's prefill end."""
+        self.first_s = self.record.t_first = time.perf_counter()
         if self.lease is not None:
             self.lease.first_token()
 
@@ -245,6 +249,7 @@ class _Reply:
         """``chunk`` of the instance's body as written to the client."""
         if not self.first_s:
             self.first()
+        self.record.bytes_out += len(chunk)
         if self.sse:
             self.tail = (self.tail + chunk)[-_TAIL:]
         if self.bodyless:
@@ -692,6 +697,8 @@ class _Started:
 
     def drop(self) -> None:
         """Never handled (its client connection ended first): free what it holds."""
+        if isinstance(self.prepared, RoutedRequest) and self.prepared.record.admission is not None:
+            self.prepared.record.admission.release()  # its client's limits
         if self.lease is not None:
             self.lease.release()
             self.lease = None
@@ -1278,7 +1285,7 @@ class FrontServer:
         """``(path, route)``: the request's path and its inference route, or ``None``
         if the aiohttp app answers it (see the module's diagram)."""
         path = inc.url.decode("latin-1").split("?", 1)[0]
-        if inc.method != b"POST" or inc.version != "1.1" or self.state.settings.record_trace is not None:
+        if inc.method != b"POST" or inc.version != "1.1":
             return path, None
         route = match_route(path)
         return path, route if route is not None and self._all_plain_http() else None
@@ -1353,6 +1360,7 @@ class FrontServer:
             lease = started.lease = rr.lease = pool.acquire(rr.key, (), rr.blocks, learn=False, session=rr.session)
         except NoHealthyInstance:
             return False  # the task answers 503
+        rr.record.decision = lease.decision
         target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
         if up is None and self.upstreams.due:  # the connection of an answer written this loop turn, maybe
@@ -1362,7 +1370,8 @@ class FrontServer:
             if rr.blocks:
                 self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
             return False
-        started.router_s = time.perf_counter() - rr.t0
+        rr.record.t_sent = t_send = time.perf_counter()
+        started.router_s = t_send - rr.t0
         self._send(client, up, rr, target, self._head_tail(rr), lease.decision, started.router_s, inc.keep_alive)
         client.busy = True
         client.detached = started
@@ -1485,13 +1494,14 @@ class FrontServer:
         if route is None:
             cut = self._cut(inc)
             inference = match_route(path) if cut is not None and inc.method == b"POST" else None
-            if inference is not None:  # (HTTP/1.0, --record-trace...): counted as the aiohttp app counts it
+            if inference is not None:  # (HTTP/1.0, https instances): counted as the aiohttp app counts it
                 client.write(_serialize(self._prepare(inc, inference), keep_alive=False))
                 return
             if cut is not None:
                 status, code = (408, "request_timeout") if isinstance(cut, BodyTimedOut) else \
                     (413, "request_too_large")
-                resp = error_for_path(path, status, str(cut), code)
+                resp = error_for_path(path, status, str(cut), code,
+                                      headers={H.REQUEST_ID: request_id(H.RawHeaderView(inc.headers, inc.index))})
                 client.write(_serialize(count_answer(self.state, "unknown", "", resp, inc.t0), keep_alive=False))
                 return
             await self._delegate(client, inc)
@@ -1549,7 +1559,7 @@ class FrontServer:
         ``Content-Length`` and the blank line."""
         if rr.api is Api.OPENAI:
             lines = H.openai_upstream_lines(rr.raw_headers, rr.request_id, self.state.settings.admin_token,
-                                            rr.decoded)
+                                            rr.decoded) + rr.record.trace_context(rr.headers).upstream_lines()
         else:
             lines = H.header_lines(upstream_headers(self.state, rr))
         return lines + b"Content-Length: %d\r\n\r\n" % len(rr.body)
@@ -1585,6 +1595,7 @@ class FrontServer:
         up: _Upstream | None = started.up if started is not None else None
         if up is not None:
             router_s = started.router_s  # type: ignore[union-attr]
+        record = rr.record
         try:
             for _attempt in range(1 + settings.max_retries):
                 if lease is None:
@@ -1593,6 +1604,7 @@ class FrontServer:
                                                         session=rr.session)
                     except NoHealthyInstance as exc:
                         code = 503
+                        record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
                         msg = (f"no instance of production variant {variant!r} could take the request (tried "
                                f"{', '.join(sorted(exclude))})") if exclude else str(exc)
                         self._error(client, rr, 503, msg, "upstream_unavailable" if exclude else
@@ -1602,19 +1614,20 @@ class FrontServer:
                         self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
                 if retry is not None:
                     m.retries.labels(rr.endpoint, variant, retry).inc()
+                    record.retries += 1
                 try:
-                    decision = lease.decision
+                    decision = record.decision = lease.decision
                     instance = decision.instance.instance_id
                     if up is None:
                         target = self._target(instance)
-                        t_send = time.perf_counter()
+                        t_send = record.t_sent = time.perf_counter()
                         router_s += t_send - mark
                         try:
                             up = self.upstreams.take(target[:3]) or \
                                 await self.upstreams.connect(target[:3], settings.connect_timeout_s)
                         except (OSError, TimeoutError) as exc:
                             mark = time.perf_counter()
-                            retry = "connect"
+                            retry = record.error = "connect"
                             connect_failed(state, instance, exc, exclude)
                             continue
                         head_tail = head_tail or self._head_tail(rr)
@@ -1622,6 +1635,7 @@ class FrontServer:
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
+                        record.error = "headers_timeout"
                         m.upstream_errors.labels(instance, "headers_timeout").inc()
                         m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                         state.health.passive_failure(instance)
@@ -1631,12 +1645,12 @@ class FrontServer:
                                     {**base_headers, H.INSTANCE: instance}, keep_alive)
                         return
                     except _UpstreamLost as lost:
-                        kind = _error_kind(lost.exc)
+                        kind = record.error = _error_kind(lost.exc)
                         state.health.passive_failure(instance)
                         if not lost.sent:
                             mark = time.perf_counter()
                             m.upstream_errors.labels(instance, "send").inc()
-                            retry = "send"
+                            retry = record.error = "send"
                             log.warning("instance %s: connection lost while sending the request (%s)", instance,
                                         kind)
                             exclude.add(instance)
@@ -1659,6 +1673,7 @@ class FrontServer:
                         up.finish()
                         up = None
             code = 503
+            record.error = "upstream_unavailable"
             self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
                         f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
         except _ClientGone:
@@ -1681,6 +1696,7 @@ class FrontServer:
         self.state.metrics.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
         if status >= 500:
             self.state.metrics.upstream_errors.labels(instance, "http_5xx").inc()
+            rr.record.error = "http_5xx"
 
     def _account_whole(self, rr: RoutedRequest, reply: _Reply, instance: str) -> int:
         """Metrics of an answer :meth:`_whole` wrote; returns its status."""
@@ -1690,6 +1706,7 @@ class FrontServer:
         m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
         if reply.sse and rr.api is Api.OPENAI and not ends_with_done(reply.tail):
             m.upstream_errors.labels(instance, "no_done").inc()
+            rr.record.error = "no_done"
         return reply.status
 
     def _released(self, rr: RoutedRequest, decision: Any) -> None:
@@ -1699,9 +1716,11 @@ class FrontServer:
         """The request is over (at ``t_end``, ``time.perf_counter()``; default now): its
         response code (a status, ``499``, ``stream_aborted``) and its duration."""
         m = self.state.metrics
+        if t_end is None:
+            t_end = time.perf_counter()
         m.responses.labels(rr.endpoint, rr.pool.name, str(code)).inc()
-        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(
-            (time.perf_counter() if t_end is None else t_end) - rr.t0)
+        m.duration_seconds.labels(rr.endpoint, rr.pool.name).observe(t_end - rr.t0)
+        self.state.observers.finished(rr, code, t_end)
 
     def _error(self, client: _Client, rr: RoutedRequest, status: int, message: str, code: str,
                headers: dict[str, str], keep_alive: bool) -> None:
@@ -1787,9 +1806,11 @@ class FrontServer:
                 client.write(b"".join(parts))
             return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
         if not reply.first_s:
-            ttft.observe(time.perf_counter() - rr.t0)
+            reply.first_s = rr.record.t_first = time.perf_counter()
+            ttft.observe(reply.first_s - rr.t0)
         if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
             m.upstream_errors.labels(instance, "no_done").inc()
+            rr.record.error = "no_done"
         if client.closed:
             return rr.completed_status or 499
         if reply.chunked:
@@ -1813,7 +1834,7 @@ class FrontServer:
         else:
             theirs = H.header_lines(H.native_response_headers(resp_headers, stream=framed))
         sse = not framed and up.content_type.startswith(b"text/event-stream")
-        reply = _Reply()
+        reply = _Reply(rr.record)
         reply.lease = rr.lease
         reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
         # An event-stream answer always has a body (the events, maybe none), framed chunked.
@@ -1857,6 +1878,7 @@ class FrontServer:
                 parts.append(b"0\r\n\r\n")
         else:  # the body as it came (what encode() would give for each chunk)
             parts = [reply.head, *up.chunks]
+            rr.record.bytes_out += sum(map(len, up.chunks))
         if not reply.first_s:
             reply.first()
         up.chunks = []
@@ -1869,7 +1891,7 @@ class FrontServer:
                     sse: bool, tail: bytes, idle_s: float, framed: bool) -> str:
         """As proxy._end_broken: the status is sent; end in the stream's own terms."""
         timeout = isinstance(exc, TimeoutError)
-        kind = "idle_timeout" if timeout else _error_kind(exc)
+        kind = rr.record.error = "idle_timeout" if timeout else _error_kind(exc)
         up.abort()
         self.state.metrics.upstream_errors.labels(instance, kind).inc()
         self.state.health.passive_failure(instance)

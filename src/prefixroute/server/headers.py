@@ -75,7 +75,9 @@ _HOP_BY_HOP = frozenset({
 # Our own response headers: an upstream (e.g. another prefixroute) must not override them.
 _OURS = frozenset({INVOKED_VARIANT.lower().encode(), INSTANCE.lower().encode(), DECISION.lower().encode(),
                    OVERHEAD_MS.lower().encode(), REQUEST_ID.lower().encode(), b"date", b"server"})
-_DROP_UPSTREAM = frozenset({b"x-request-id", b"content-encoding"})
+# The caller's trace context is replaced by the router's (tracecontext.py), which names
+# the router's span as the engine's parent.
+_DROP_UPSTREAM = frozenset({b"x-request-id", b"content-encoding", b"traceparent", b"tracestate"})
 # Integrity fields computed over the body as the client encoded it (RFC 9530's
 # Content-Digest and Repr-Digest, RFC 3230's Digest, RFC 1864's Content-MD5): wrong next
 # to the decoded body sent on, so they are dropped with its Content-Encoding.

@@ -66,6 +66,8 @@ METRIC_NAMES = (
     "prefixroute_backend_requests_running",
     "prefixroute_backend_requests_waiting",
     "prefixroute_backend_scrape_ok",
+    "prefixroute_client_requests_total",
+    "prefixroute_client_in_flight",
 )
 
 #: The families precise mode adds (exported while the configuration has ``KvEvents``).
@@ -133,8 +135,8 @@ class _PoolCollector(Collector):
             for name, value in pool.strategy.stats().items():
                 if name in state:
                     state[name].add_metric((endpoint, pool.name), value)
-            for instance, values in pool.strategy.instance_stats().items():
-                for name, value in values.items():
+            for instance, gauges in pool.strategy.instance_stats().items():
+                for name, value in gauges.items():
                     if name in per:
                         per[name].add_metric((endpoint, pool.name, instance), value)
         return [in_flight, healthy, *state.values(), *per.values()]
@@ -461,6 +463,11 @@ class RouterMetrics:
             "prefixroute_router_overhead_seconds",
             "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
             ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r))
+        self.client_requests = _Labelled(Counter(
+            "prefixroute_client_requests",
+            "Requests per client API key and outcome: admitted, unauthorized (client 'unknown'), rate_limited, "
+            "concurrency_limited, tenant_rate_limited, tenant_concurrency_limited.",
+            ("client", "tenant", "outcome"), registry=r))
         #: Called before each :meth:`render`: the data plane's metrics not recorded yet
         #: (:meth:`prefixroute.server.dataplane.FrontServer.account`).
         self.pending: list[Callable[[], None]] = []
@@ -482,6 +489,17 @@ class RouterMetrics:
             self._exposed.register(pool_collector)
             self._exposed.register(backend_collector)
             self._exposed.register(kv_collector)
+
+    def client_outcome(self, client: str, tenant: str, outcome: str) -> None:
+        """Count one API key decision (``prefixroute_client_requests_total``)."""
+        self.client_requests.labels(client, tenant, outcome).inc()
+
+    def add_collector(self, collector: Collector) -> None:
+        """Export ``collector``'s metrics too (in every worker's ``/metrics`` with
+        ``--workers N``: read from the worker that answers)."""
+        self.registry.register(collector)
+        if self._exposed is not self.registry:
+            self._exposed.register(collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

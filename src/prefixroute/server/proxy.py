@@ -41,7 +41,7 @@ import logging
 import select
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import aiohttp
@@ -53,6 +53,7 @@ from prefixroute.core.pool import Decision, NoHealthyInstance, VariantPool
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.errors import openai_error, sagemaker_error
+from prefixroute.server.record import RequestRecord
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -131,6 +132,7 @@ class RoutedRequest:
             (:class:`prefixroute.core.sessions.SessionPin`), or ``None``.
         new_session: the request asked for a session (``NEW_SESSION``): the answer
             names it (:func:`prefixroute.server.headers.pin_new_session`).
+        record: what happened to it so far (:class:`RequestRecord`), read when it ends.
     """
 
     request: web.Request | None
@@ -150,6 +152,7 @@ class RoutedRequest:
     lease: Any = None
     session: Any = None
     new_session: bool = False
+    record: RequestRecord = field(default_factory=RequestRecord)
 
 
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
@@ -277,12 +280,13 @@ def connect_failed(state: RouterState, instance: str, exc: BaseException, exclud
 def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes, bytes]]:
     """The headers ``rr`` is sent to an instance with (raw pairs, no ``Host`` or
     ``Content-Length``): :mod:`headers`' rules for its API, without any header that
-    carries the router's admin token."""
+    carries the router's admin token, and the router's ``traceparent``
+    (:mod:`prefixroute.server.tracecontext`)."""
     if rr.api is Api.OPENAI:
         out = H.openai_upstream_headers(rr.raw_headers, rr.request_id, rr.decoded)
     else:
         out = H.native_upstream_headers(rr.raw_headers, rr.request_id, stream=rr.api is Api.NATIVE_STREAM)
-    return H.strip_secrets(out, state.settings.admin_token)
+    return H.strip_secrets(out, state.settings.admin_token) + rr.record.trace_context(rr.headers).upstream_pairs()
 
 
 async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
@@ -309,12 +313,14 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     mark = rr.t0
     code: int | str = 0
     retry: str | None = None  # why the previous attempt is being retried
+    record = rr.record
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
                 lease = rr.lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session)
             except NoHealthyInstance as exc:
                 code = 503
+                record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
                 if exclude:
                     return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the "
                                   f"request (tried {', '.join(sorted(exclude))})", "upstream_unavailable",
@@ -326,11 +332,12 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 asyncio.get_running_loop().call_soon(pool.learn, lease.decision.instance, rr.blocks)
             if retry is not None:
                 m.retries.labels(rr.endpoint, variant, retry).inc()
+                record.retries += 1
             try:
-                decision = lease.decision
+                decision = record.decision = lease.decision
                 instance = decision.instance.instance_id
                 m.decision_seconds.labels(rr.endpoint, variant).observe(decision.decision_s)
-                t_send = time.perf_counter()
+                t_send = record.t_sent = time.perf_counter()
                 router_s += t_send - mark
                 tracker = _UploadTracker() if _UploadTracker is not None else None
                 kwargs: dict[str, Any] = {"upload_tracker": tracker} if tracker is not None else {}
@@ -341,10 +348,11 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                             **kwargs)
                 except CONNECT_ERRORS as exc:
                     mark = time.perf_counter()
-                    retry = "connect"
+                    retry = record.error = "connect"
                     connect_failed(state, instance, exc, exclude)
                     continue  # the finally below releases this lease first
                 except TimeoutError:
+                    record.error = "headers_timeout"
                     m.upstream_errors.labels(instance, "headers_timeout").inc()
                     m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
                     state.health.passive_failure(instance)
@@ -353,12 +361,12 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                                   f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
                                   {**base_headers, H.INSTANCE: instance})
                 except _UPSTREAM_ERRORS as exc:
-                    kind = _error_kind(exc)
+                    kind = record.error = _error_kind(exc)
                     state.health.passive_failure(instance)
                     if _not_sent(tracker):
                         mark = time.perf_counter()
                         m.upstream_errors.labels(instance, "send").inc()
-                        retry = "send"
+                        retry = record.error = "send"
                         log.warning("instance %s: connection lost while sending the request (%s)", instance, kind)
                         exclude.add(instance)
                         continue
@@ -378,14 +386,17 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
             finally:
                 lease.release()
         code = 503
+        record.error = "upstream_unavailable"
         return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
                       f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers)
     except asyncio.CancelledError:
         code = rr.completed_status or 499  # the client went away (handler cancelled)
         raise
     finally:
+        t_end = time.perf_counter()
         m.responses.labels(rr.endpoint, variant, str(code or 500)).inc()
-        m.duration_seconds.labels(rr.endpoint, variant).observe(time.perf_counter() - rr.t0)
+        m.duration_seconds.labels(rr.endpoint, variant).observe(t_end - rr.t0)
+        state.observers.finished(rr, code or 500, t_end)
 
 
 def _response_headers(rr: RoutedRequest, upstream: aiohttp.ClientResponse) -> CIMultiDict[str]:
@@ -422,6 +433,7 @@ async def _relay(
     status = upstream.status
     if status >= 500:
         m.upstream_errors.labels(instance, "http_5xx").inc()
+        rr.record.error = "http_5xx"
     if rr.api is not Api.OPENAI and not 200 <= status < 300:
         return await _model_error(state, rr, upstream, decision, router_s, t_headers), 424
 
@@ -451,6 +463,7 @@ async def _relay(
     except ConnectionError:
         return resp, 499
     ttft = m.ttft_seconds.labels(rr.endpoint, variant)
+    record = rr.record
     idle_s = state.settings.stream_idle_timeout_s
     first = True
     tail = b""
@@ -472,9 +485,11 @@ async def _relay(
             return resp, STREAM_ABORTED
         if first:
             first = False
-            ttft.observe(time.perf_counter() - rr.t0)
+            record.t_first = t = time.perf_counter()
+            ttft.observe(t - rr.t0)
             if rr.lease is not None:
                 rr.lease.first_token()
+        record.bytes_out += len(chunk)
         if sse:
             tail = (tail + chunk)[-_TAIL:]
         try:
@@ -484,10 +499,12 @@ async def _relay(
         if sse and rr.api is Api.OPENAI and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status
     if first:
-        ttft.observe(time.perf_counter() - rr.t0)
+        record.t_first = t = time.perf_counter()
+        ttft.observe(t - rr.t0)
     upstream.release()
     if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
         m.upstream_errors.labels(instance, "no_done").inc()
+        record.error = "no_done"
     try:
         await resp.write_eof()
     except ConnectionError:
@@ -508,7 +525,7 @@ async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamRes
       so the client sees a truncated body rather than a complete-looking one.
     """
     timeout = isinstance(exc, asyncio.TimeoutError)
-    kind = "idle_timeout" if timeout else _error_kind(exc)
+    kind = rr.record.error = "idle_timeout" if timeout else _error_kind(exc)
     state.metrics.upstream_errors.labels(instance, kind).inc()
     state.health.passive_failure(instance)
     log.warning("instance %s: response broken mid-body (%s)", instance, kind)
@@ -553,6 +570,8 @@ def model_error(state: RouterState, rr: RoutedRequest, decision: Decision, statu
     ``perf_counter()`` when the model's headers came)."""
     t_back = time.perf_counter()
     instance = decision.instance.instance_id
+    rr.record.first_byte(t_headers)
+    rr.record.bytes_out += len(raw)
     original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
     side = "client" if status < 500 else "server"
     overhead = router_s + (time.perf_counter() - t_back)
@@ -576,13 +595,17 @@ def broken_message(instance: str, kind: str, idle_s: float) -> str:
 
 
 async def forward_get(state: RouterState, request: web.Request, pool: VariantPool, path: str,
-                      request_id: str) -> web.Response:
+                      request_id: str, drop_header: str | None = None) -> web.Response:
     """``GET path`` on one healthy instance of ``pool`` (e.g. ``/v1/models``); no in-flight
     slot is claimed, as this is not inference. Retries (idempotent) on another instance
-    after any failure to get an answer."""
+    after any failure to get an answer. ``drop_header``: a request header not passed on
+    (the one that carried the client's API key)."""
     session = state.session
     assert session is not None, "the router app is not running"
-    up_headers = H.to_multidict(H.strip_secrets(H.openai_upstream_headers(request.raw_headers, request_id),
+    raw = request.raw_headers
+    if drop_header is not None:
+        raw = tuple((k, v) for k, v in raw if k.lower() != drop_header.encode())
+    up_headers = H.to_multidict(H.strip_secrets(H.openai_upstream_headers(raw, request_id),
                                                 state.settings.admin_token))
     exclude: set[str] = set()
     rid = {H.REQUEST_ID: request_id}

@@ -214,15 +214,32 @@ def _cut(runner: web.AppRunner) -> None:
             conn.force_close()
 
 
+def reload_keys_logged(state: RouterState) -> bool:
+    """Re-read the API keys (what SIGHUP does besides the configuration): log what
+    changed, or the error (the keys in force are kept). True unless it failed."""
+    try:
+        changed = state.reload_keys()
+    except ConfigError as exc:
+        log.error("API keys reload failed, keeping the keys in force: %s", exc)
+        return False
+    if changed is not None:
+        log.warning("API keys reloaded: %s", changed)
+    return True
+
+
 def reload_logged(state: RouterState) -> bool:
-    """SIGHUP's action: re-read the config file; on error log it and keep the running
-    configuration. Returns True if the new configuration is in force."""
+    """SIGHUP's action: re-read the config file (if the router was started with one)
+    and the API keys; on error log it and keep what is in force. Returns True if both
+    reloads that apply succeeded."""
+    ok = reload_keys_logged(state)
+    if state.settings.config_path is None and state.clients is not None:
+        return ok  # keys only: nothing else to re-read
     try:
         state.reload_config_file()
     except ConfigError as exc:
         log.error("configuration reload failed, keeping the running configuration: %s", exc)
         return False
-    return True
+    return ok
 
 
 async def reload_logged_waiting(state: RouterState) -> bool:
@@ -231,13 +248,16 @@ async def reload_logged_waiting(state: RouterState) -> bool:
     same time, to let go of slots (:func:`prefixroute.server.admin.apply_waiting`)."""
     from prefixroute.server.admin import apply_waiting
 
+    ok = reload_keys_logged(state)
+    if state.settings.config_path is None and state.clients is not None:
+        return ok
     try:
         config = state.read_config_file()  # once: only applying it is tried again
         await apply_waiting(lambda: state.apply_config(config))
     except ConfigError as exc:
         log.error("configuration reload failed, keeping the running configuration: %s", exc)
         return False
-    return True
+    return ok
 
 
 async def _start(app: web.Application, host: str, port: int, shutdown_timeout_s: float,

@@ -113,6 +113,15 @@ class ServerSettings:
         record_trace: append a JSONL trace of routed requests (digests, never prompt
             text; :mod:`prefixroute.server.trace`) to this file, or ``None``. With
             several workers each writes its own file (``NAME.worker-I.EXT``).
+        access_log: append one JSON line per request (:mod:`prefixroute.server.accesslog`)
+            to this file, ``"-"`` for standard output, or ``None``. Several workers
+            append to the same file (whole lines per write).
+        otel_traces: export OpenTelemetry spans of each request
+            (:mod:`prefixroute.server.otel`; the ``otel`` extra, ``OTEL_*`` variables).
+        api_keys_file: YAML file of client API keys and their limits
+            (:mod:`prefixroute.server.clientkeys`), re-read on SIGHUP; with it (or keys
+            in ``$PREFIXROUTE_API_KEYS``) the inference routes and ``/v1/models``
+            require a key. ``None``: keys from the environment only, if any.
         workers: router processes sharing the port (1-64). ``1``: one process, as
             always. More: a supervisor starts that many worker processes on the same
             port (``SO_REUSEPORT``) sharing their in-flight counts
@@ -164,6 +173,9 @@ class ServerSettings:
     log_prompts: bool = False
     config_path: str | None = None
     record_trace: str | None = None
+    access_log: str | None = None
+    otel_traces: bool = False
+    api_keys_file: str | None = None
     workers: int = 1
     worker_timeout_s: float = 60.0
     data_plane: str = "fast"
@@ -205,6 +217,8 @@ class ServerSettings:
         _count("CACHE_AWARE memory", self.cache_aware_memory_bytes, BYTES_PER_BLOCK_ENTRY)
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
+        if self.access_log is not None and not self.access_log:
+            raise ConfigError("access log: give a file path, or '-' for standard output")
         if self.admin_token is not None and not self.admin_token:
             raise ConfigError("admin token: must not be empty")
         if self.admin_enabled and not is_loopback(self.admin_host) and not self.admin_token:

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import aiohttp
 
@@ -22,13 +22,16 @@ from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
 from prefixroute.core.kvevents.view import PreciseCacheView
+from prefixroute.server.clientkeys import ClientAuth, load_keys
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
+from prefixroute.server.observe import Observers
 from prefixroute.server.scrape import BackendStats
 from prefixroute.server.settings import ServerSettings
 
 if TYPE_CHECKING:
     from prefixroute.server.kv_subscriber import KvEventSubscriber
+    from prometheus_client.metrics_core import Metric
 
 __all__ = ["RouterState"]
 
@@ -60,6 +63,14 @@ class RouterState:
             (``holdings``, ``mode``).
         kv_subscriber: the :class:`~prefixroute.server.kv_subscriber.KvEventSubscriber`
             feeding ``kv_view``; set while the app runs.
+        observers: what is told of each request's end (:class:`Observers`: the live
+            status counters...).
+        clients: the client API keys and their limits (:class:`ClientAuth`), or
+            ``None`` when no key is configured (the inference routes are open).
+
+    Raises:
+        ConfigError: the API keys file (``settings.api_keys_file``) or
+            ``$PREFIXROUTE_API_KEYS`` is invalid.
     """
 
     def __init__(self, config: FleetConfig, settings: ServerSettings, *, counters: InFlightTable | None = None,
@@ -89,6 +100,10 @@ class RouterState:
         self._kv_serving = False
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self._make_kv_view(config)
+        self.observers = Observers()
+        keys = load_keys(settings.api_keys_file)
+        self.clients = None if keys is None else ClientAuth(keys, self.metrics.client_outcome)
+        self.metrics.add_collector(_ClientCollector(lambda: self.clients))
 
     def _make_kv_view(self, config: FleetConfig) -> None:
         kv = config.kv_events
@@ -114,6 +129,7 @@ class RouterState:
             prefixroute.core.counters.InFlightTableFull: (``--workers N``) the shared
                 in-flight table has no room for the new instances; nothing changed.
         """
+        old = self.fleet.config
         config = self._with_discovered(config)
         counters = self.counters
         if counters is not None:
@@ -131,7 +147,9 @@ class RouterState:
             except InFlightTableLocked as exc:  # the change is made; the slots are let go of next time
                 log.warning("configuration applied, but the slots of removed instances are kept for now: %s", exc)
         self.publish_engine_load()
-        log.info("configuration applied: %s", _summary(config))
+        self.observers.stats.retain((e.name, v.name, i) for e in config.endpoints for v in e.variants
+                                    for i in v.instances)
+        log.info("configuration applied: %s", describe_changes(old, config))
         for listener in list(self.config_listeners):
             listener(config)
 
@@ -261,6 +279,21 @@ class RouterState:
         self.apply_config(config)
         return config
 
+    def reload_keys(self) -> str | None:
+        """Re-read the API keys (file and environment), keeping the limit state of the
+        keys and tenants that stay; returns what changed (names only), or ``None``
+        when keys are off (they are turned on or off only by a restart).
+
+        Raises:
+            ConfigError: the new keys are invalid (the keys in force are kept).
+        """
+        if self.clients is None:
+            return None
+        keys = load_keys(self.settings.api_keys_file)
+        if keys is None:
+            raise ConfigError("no API keys left: the keys in force are kept (keys are turned off by a restart)")
+        return self.clients.reload(keys)
+
     def read_config_file(self) -> FleetConfig:
         """``settings.config_path`` read and validated, not applied.
 
@@ -276,7 +309,7 @@ class RouterState:
             raise ConfigError(f"cannot read configuration file {path}: {exc.strerror or exc}") from None
         except UnicodeDecodeError as exc:
             raise ConfigError(f"configuration file {path} is not UTF-8 text (byte {exc.start})") from None
-        return FleetConfig.from_yaml(text)
+        return FleetConfig.from_yaml(text, source=path)
 
     # -- health -------------------------------------------------------------------
 
@@ -299,6 +332,15 @@ class RouterState:
             if inst is not None and inst.healthy:
                 return True
         return False
+
+    def healthy_counts(self) -> tuple[int, int]:
+        """``(healthy, total)`` instances over the fleet (an instance in two variants counts twice)."""
+        healthy = total = 0
+        for _, pool in self.fleet.all_pools():
+            for inst in pool.instances:
+                total += 1
+                healthy += inst.healthy
+        return healthy, total
 
     def engine_restarted(self, instance_id: str) -> None:
         """The instance's engine restarted (its scraped counters went back): every
@@ -331,26 +373,79 @@ class RouterState:
                 seen.setdefault(inst.instance_id, None)
         return list(seen)
 
-    def healthy_counts(self) -> tuple[int, int]:
-        """``(healthy, total)`` instances over the fleet (an instance in two variants counts twice)."""
-        healthy = total = 0
-        for _, pool in self.fleet.all_pools():
-            for inst in pool.instances:
-                total += 1
-                healthy += inst.healthy
-        return healthy, total
+
+class _ClientCollector:
+    """``prefixroute_client_in_flight{client,tenant}``: each API key's requests in flight."""
+
+    def __init__(self, clients: "Callable[[], ClientAuth | None]") -> None:
+        self._clients = clients
+
+    def collect(self) -> "Iterable[Metric]":
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("prefixroute_client_in_flight", "Requests in flight per client API key.",
+                              labels=("client", "tenant"))
+        clients = self._clients()
+        for name, tenant, n in clients.in_flight() if clients is not None else ():
+            g.add_metric((name, tenant), n)
+        return [g]
 
 
-#: Production variants the "configuration applied" line names; the rest are counted.
-_SUMMARY_VARIANTS = 20
+#: Changes the "configuration applied" line names; the rest are counted.
+_SUMMARY_CHANGES = 20
 
 
-def _summary(config: FleetConfig) -> str:
-    parts = []
-    for e in config.endpoints:
-        for v in e.variants:
-            parts.append(f"{e.name}/{v.name}: {v.routing.strategy.value}, {len(v.instances)} instance(s)")
-    if len(parts) > _SUMMARY_VARIANTS:
-        more = len(parts) - _SUMMARY_VARIANTS
-        parts = [*parts[:_SUMMARY_VARIANTS], f"... and {more:,} more production variant{'s' if more > 1 else ''}"]
-    return "; ".join(parts)
+def routing_text(routing: RoutingConfig) -> str:
+    """A routing configuration in one short phrase, e.g. ``PREFIX_AWARE PrefixLength=4096
+    ConcurrencyThreshold=12``."""
+    api = routing.to_api()
+    settings = [f"{k}={v}" for sub in api.values() if isinstance(sub, dict) for k, v in sub.items()]
+    return " ".join([routing.strategy.value, *settings])
+
+
+def _urls(urls: "Iterable[str]", limit: int = 5) -> str:
+    urls = list(urls)
+    shown = ", ".join(urls[:limit])
+    return shown + (f" and {len(urls) - limit} more" if len(urls) > limit else "")
+
+
+def describe_changes(old: FleetConfig, new: FleetConfig) -> str:
+    """What changed from ``old`` to ``new``, in one line for the log: endpoints and
+    production variants added or removed; per variant kept, routing (before -> after),
+    weight, and instances added or removed. ``no change`` when there is none."""
+    changes: list[str] = []
+    before = {e.name: e for e in old.endpoints}
+    after = {e.name: e for e in new.endpoints}
+    for name in after.keys() - before.keys():
+        e = after[name]
+        changes.append(f"endpoint {name} added ({len(e.variants)} variant(s), "
+                       f"{sum(len(v.instances) for v in e.variants)} instance(s))")
+    for name in before.keys() - after.keys():
+        changes.append(f"endpoint {name} removed")
+    for name in [e.name for e in new.endpoints if e.name in before]:
+        vb = {v.name: v for v in before[name].variants}
+        va = {v.name: v for v in after[name].variants}
+        for v in va.keys() - vb.keys():
+            changes.append(f"{name}/{v} added ({routing_text(va[v].routing)}, {len(va[v].instances)} instance(s))")
+        for v in vb.keys() - va.keys():
+            changes.append(f"{name}/{v} removed")
+        for v in [x.name for x in after[name].variants if x.name in vb]:
+            o, n = vb[v], va[v]
+            if o.routing != n.routing:
+                changes.append(f"{name}/{v} routing {routing_text(o.routing)} -> {routing_text(n.routing)}")
+            if o.weight != n.weight:
+                changes.append(f"{name}/{v} weight {o.weight:g} -> {n.weight:g}")
+            added = [i for i in n.instances if i not in o.instances]
+            removed = [i for i in o.instances if i not in n.instances]
+            if added:
+                changes.append(f"{name}/{v} instances added: {_urls(added)}")
+            if removed:
+                changes.append(f"{name}/{v} instances removed: {_urls(removed)}")
+    if new.endpoints[0].name != old.endpoints[0].name:
+        changes.append(f"default endpoint {old.endpoints[0].name} -> {new.endpoints[0].name}")
+    if not changes:
+        return "no change"
+    if len(changes) > _SUMMARY_CHANGES:
+        more = len(changes) - _SUMMARY_CHANGES
+        changes = [*changes[:_SUMMARY_CHANGES], f"... and {more:,} more change{'s' if more > 1 else ''}"]
+    return "; ".join(changes)

@@ -1,35 +1,47 @@
 """``prefixroute serve --record-trace PATH``: record routed requests for the tuning advisor.
 
 One JSONL line per request, in the format of :mod:`prefixroute.workloads.traces`
-(``prefixroute-trace/1``): arrival time, endpoint and production variant, the instance
+(``prefixroute-trace/2``): arrival time, endpoint and production variant, the instance
 and the router's decision, the length of the text the routing key is cut from and
 **chained xxh3-64 digests of its successive 64-character blocks** (64 bytes on the
-native API, 64 token ids for a token prompt). The digests let ``prefixroute tune``
-recompute the key of every request for any PrefixLength that is a multiple of 64, and
-rebuild which requests share which prefix, without the text: **prompt text is never
-written**, and the tenant id is stored as a digest.
+native API, 64 token ids for a token prompt), packed in base64. The digests let
+``prefixroute tune`` recompute the key of every request for any PrefixLength that is a
+multiple of 64, and rebuild which requests share which prefix, without the text:
+**prompt text is never written**, and the tenant id is stored as a digest.
 
-Lines are written when a request ends (so the file is in order of completion;
-``load_trace`` sorts by arrival). A recording error is logged once and recording stops;
-it never fails a request.
+A line is made when a request ends (:meth:`prefixroute.server.observe.Observers.finished`,
+on both data planes), so the file is in order of completion (``load_trace`` sorts by
+arrival), and is on disk within :data:`FLUSH_S` seconds, not only at shutdown. A line
+takes about 0.17 bytes per character of routing text plus about 330 bytes of fields
+(:attr:`TraceRecorder.bytes_written` / :attr:`TraceRecorder.records` is reported on the
+status page and logged when the router stops). A recording error is logged once and
+recording stops; it never fails a request.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import IO, Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import IO, TYPE_CHECKING, Any
 
 import orjson
-from aiohttp import web
 
-from prefixroute.core.keys import InvalidRequest, completion_prompt, openai_tenant, render_chat_text
+from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, openai_tenant, render_chat_text,
+                                   validate_tenant_id)
+from prefixroute.server import headers as H
 from prefixroute.workloads.traces import make_trace_record
 
-__all__ = ["TRACE_RECORDER", "TraceRecorder", "recorder_context"]
+if TYPE_CHECKING:
+    from prefixroute.server.proxy import RoutedRequest
+
+__all__ = ["TraceRecorder", "FLUSH_S"]
 
 log = logging.getLogger("prefixroute.server.trace")
+
+#: Longest a line waits in the buffer before it is written, seconds.
+FLUSH_S = 1.0
 
 
 class TraceRecorder:
@@ -45,87 +57,83 @@ class TraceRecorder:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self._fh: IO[bytes] | None = self.path.open("ab", buffering=1 << 16)
+        self._timer: asyncio.TimerHandle | None = None
         self.records = 0
+        self.bytes_written = 0
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._fh is None:
             return
         try:
-            self._fh.write(orjson.dumps(record) + b"\n")
+            line = orjson.dumps(record) + b"\n"
+            self._fh.write(line)
             self.records += 1
+            self.bytes_written += len(line)
         except (OSError, ValueError) as exc:
             log.error("trace recording to %s failed, recording stops: %s", self.path, exc)
             self.close()
+            return
+        if self._timer is None:
+            try:
+                self._timer = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
+            except RuntimeError:
+                self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered lines to the file."""
+        self._timer = None
+        if self._fh is not None:
+            try:
+                self._fh.flush()
+            except OSError as exc:
+                log.error("trace recording to %s failed, recording stops: %s", self.path, exc)
+                self.close()
 
     def close(self) -> None:
-        """Flush and close; later records are dropped."""
+        """Flush and close; later records are dropped. Logs the size per request."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._fh is not None:
             try:
                 self._fh.close()
             finally:
                 self._fh = None
+                if self.records:
+                    log.info("trace %s: %d requests recorded, %d bytes (%.0f bytes per request)", self.path,
+                             self.records, self.bytes_written, self.bytes_written / self.records)
 
-    async def _forward(self, response: Awaitable[web.StreamResponse], describe: Callable[[], dict[str, Any]],
-                       endpoint: str, variant: str) -> web.StreamResponse:
-        t = time.time()
-        resp: web.StreamResponse | None = None
+    def stats(self) -> dict[str, Any]:
+        """``{"path", "records", "bytes", "bytes_per_request"}`` since the router started."""
+        return {"path": str(self.path), "records": self.records, "bytes": self.bytes_written,
+                "bytes_per_request": self.bytes_written / self.records if self.records else None}
+
+    def record(self, rr: "RoutedRequest") -> None:
+        """Record ``rr`` (ended), if it carries something routable (a request answered
+        with an error before any instance was chosen for it is not recorded)."""
+        decision = rr.record.decision
+        if decision is None:
+            return
+        arrival = time.time() - (time.perf_counter() - rr.t0)
         try:
-            resp = await response
-            return resp
-        finally:
-            instance = decision = ""
-            if resp is not None:
-                instance = resp.headers.get("X-Prefixroute-Instance", "")
-                decision = resp.headers.get("X-Prefixroute-Decision", "")
-            try:
-                fields = describe()
-            except (InvalidRequest, TypeError, ValueError):
-                fields = None  # nothing routable to record (the request was answered with an error)
-            if fields is not None:
-                self._write(make_trace_record(timestamp=t, endpoint=endpoint, variant=variant, instance=instance,
-                                              decision=decision, **fields))
-
-    async def forward_openai(self, response: Awaitable[web.StreamResponse], payload: Mapping[str, Any], chat: bool,
-                             endpoint: str, variant: str) -> web.StreamResponse:
-        """Await ``response`` (the forwarding of an OpenAI request) and record it."""
-
-        def describe() -> dict[str, Any]:
-            data: Any = render_chat_text(payload) if chat else completion_prompt(payload)
-            try:
-                tenant = openai_tenant(payload)
-            except InvalidRequest:
-                tenant = ""
-            max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
-            return {"api": "openai-chat" if chat else "openai-completions", "scope": str(payload.get("model", "")),
-                    "tenant": tenant, "routing_data": data,
-                    "max_tokens": max_tokens if isinstance(max_tokens, int) else None}
-
-        return await self._forward(response, describe, endpoint, variant)
-
-    async def forward_native(self, response: Awaitable[web.StreamResponse], body: bytes, scope: str, tenant: str,
-                             endpoint: str, variant: str) -> web.StreamResponse:
-        """Await ``response`` (the forwarding of a native ``/invocations`` request) and record it."""
-
-        def describe() -> dict[str, Any]:
-            return {"api": "native", "scope": scope, "tenant": tenant, "routing_data": body, "max_tokens": None}
-
-        return await self._forward(response, describe, endpoint, variant)
-
-
-#: Where the :class:`TraceRecorder` lives in the router's app (absent when not recording).
-TRACE_RECORDER = web.AppKey("prefixroute_trace_recorder", TraceRecorder)
-
-
-def recorder_context(path: str | Path) -> Callable[[web.Application], AsyncIterator[None]]:
-    """An aiohttp ``cleanup_ctx`` that opens the recorder on startup and closes it on cleanup."""
-
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        recorder = TraceRecorder(path)
-        app[TRACE_RECORDER] = recorder
-        log.info("recording a request trace to %s (no prompt text)", path)
-        try:
-            yield
-        finally:
-            recorder.close()
-
-    return ctx
+            if rr.upstream_path.startswith("/v1/"):
+                payload = loads_body(rr.body)
+                if not isinstance(payload, dict):
+                    return
+                chat = rr.upstream_path == "/v1/chat/completions"
+                data: Any = render_chat_text(payload) if chat else completion_prompt(payload)
+                tenant = openai_tenant(payload, validate_tenant_id(rr.headers.get(H.PREFIX_AWARE_ID)))
+                max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
+                fields = {"api": "openai-chat" if chat else "openai-completions",
+                          "scope": str(payload.get("model", "")), "tenant": tenant,
+                          "routing_data": data, "max_tokens": max_tokens if isinstance(max_tokens, int) else None}
+            else:
+                component = rr.headers.get(H.INFERENCE_COMPONENT)
+                fields = {"api": "native", "scope": f"{rr.endpoint}:{component}" if component else rr.endpoint,
+                          "tenant": validate_tenant_id(rr.headers.get(H.PREFIX_AWARE_ID)), "routing_data": rr.body,
+                          "max_tokens": None}
+        except (InvalidRequest, TypeError, ValueError):
+            return  # nothing routable to record
+        self._write(make_trace_record(timestamp=arrival, endpoint=rr.endpoint, variant=rr.pool.name,
+                                      instance=decision.instance.instance_id, decision=decision.kind.value,
+                                      **fields))

@@ -407,6 +407,7 @@ class Supervisor:
         self._watch: asyncio.Future[None] | None = None
         self._stop = asyncio.Event()
         self._killed = False
+        self._stopped_by = int(signal.SIGTERM)  # the stop signal received (for the draining message)
         self._config_lock = asyncio.Lock()  # fan-outs and restarts, one at a time
         self._http: aiohttp.ClientSession | None = None
         self._admin_runner: web.AppRunner | None = None
@@ -437,9 +438,14 @@ class Supervisor:
                 print(f"prefixroute-admin listening on {self.admin_url}", flush=True)
             if self.settings.worker_timeout_s > 0:
                 self._watch = asyncio.ensure_future(self._watchdog(self.settings.worker_timeout_s))
+            await self._print_summary()
             await self._stop.wait()
-            log.info("shutting down %d workers: waiting up to %.1f s for requests in flight",
-                     len(self._workers), self.settings.shutdown_timeout_s)
+            from prefixroute.server.summary import draining_message
+
+            table = self.counters.table if self.counters is not None else None
+            busy = sum(table.worker_total(w.index) for w in self._workers) if table is not None else -1
+            print(draining_message(signal.Signals(self._stopped_by).name, busy, self.settings.shutdown_timeout_s,
+                                   len(self._workers)), file=sys.stderr, flush=True)
             return 0
         finally:
             await self._shutdown()
@@ -450,7 +456,41 @@ class Supervisor:
         log.warning("%s to the supervisor does nothing (it is how the supervisor tells a worker to reload); "
                     "SIGHUP reloads every worker", RELOAD_SIGNAL.name)
 
+    async def _print_summary(self) -> None:
+        """The startup summary on stderr, each instance's health as worker 0 sees it
+        once its first round of health checks is done."""
+        from prefixroute.server.clientkeys import load_keys
+        from prefixroute.server.status import STATUS_JSON_PATH
+        from prefixroute.server.summary import startup_summary
+
+        s = self.settings
+        status = None
+        deadline = time.monotonic() + (s.health_check_timeout_s + 1.0 if s.health_check_interval_s > 0 else 0.0)
+        first = next((w for w in self._workers if w.serving), None)
+        while first is not None and not self._stop.is_set():
+            try:
+                code, body = await self._call(first, "GET", STATUS_JSON_PATH)
+                status = orjson.loads(body) if code == 200 else None
+            except (aiohttp.ClientError, OSError, ValueError):
+                status = None
+            checked = status is not None and all(i["state"] != "unchecked" for e in status["endpoints"]
+                                                 for v in e["variants"] for i in v["instances"])
+            if checked or time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(0.05)
+        try:
+            keys = load_keys(s.api_keys_file)
+        except ConfigError:
+            keys = None
+        described = None
+        if keys is not None:
+            described = f"{len(keys.keys)} key(s) " + (f"from {s.api_keys_file}" if s.api_keys_file
+                                                       else "from $PREFIXROUTE_API_KEYS")
+        print(startup_summary(self.config, s, self.url, self.admin_url, status, described, os.getpid()),
+              file=sys.stderr, flush=True)
+
     def _on_stop_signal(self, signum: int = signal.SIGTERM) -> None:
+        self._stopped_by = signum
         self._stopping = True  # a worker that exits from now on is not restarted (a group signal stops it too)
         if self._stop.is_set() and not self._killed:  # a second signal: do not wait for the drain
             log.warning("%s again: killing the workers, not waiting for their requests in flight",
@@ -766,7 +806,7 @@ class Supervisor:
             return r.status, await r.read()
 
     def _admin_app(self) -> web.Application:
-        from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, admin_middlewares
+        from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, add_status_routes, admin_middlewares
         from prefixroute.server.app import close_receiving_on_shutdown
 
         app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
@@ -778,6 +818,7 @@ class Supervisor:
         app.router.add_put("/admin/config", self._change)
         app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", self._change)
         app.router.add_post("/admin/reload", self._change)
+        add_status_routes(app, self._get_status)
         return app
 
     async def _gather(self, method: str, path: str, body: bytes | None = None
@@ -816,6 +857,20 @@ class Supervisor:
         if not out:
             return json_response(503, {"message": "no worker answered"})
         return json_response(200, {"Workers": out})
+
+    async def _get_status(self, request: web.Request) -> web.Response:
+        """``GET /admin/status.json``: every live worker's status document added up
+        (:func:`prefixroute.server.status.merge_documents`)."""
+        from prefixroute.server.errors import json_response
+        from prefixroute.server.status import STATUS_JSON_PATH, merge_documents
+
+        docs = [orjson.loads(r[1]) for _, r in await self._gather("GET", STATUS_JSON_PATH + "?raw=1")
+                if not isinstance(r, BaseException) and r[0] == 200]
+        if not docs:
+            return json_response(503, {"message": "no worker answered"})
+        doc = merge_documents(docs)
+        doc["router"]["pid"] = os.getpid()
+        return json_response(200, doc)
 
     async def _get_workers(self, request: web.Request) -> web.Response:
         """``GET /admin/workers``: each worker's pid, state, restarts, requests in

@@ -14,18 +14,21 @@ requests share leading ids exactly as far as their prompts share a prefix.
 **prefixroute** (written by ``prefixroute serve --record-trace PATH``,
 :mod:`prefixroute.server.trace`)::
 
-    {"format": "prefixroute-trace/1", "timestamp": 1718000000.123, "endpoint": "default",
+    {"format": "prefixroute-trace/2", "timestamp": 1718000000.123, "endpoint": "default",
      "variant": "AllTraffic", "api": "openai-chat", "scope": "meta-llama/Llama-3.1-70B-Instruct",
      "tenant": "", "instance": "http://10.0.0.5:8000", "decision": "affinity",
-     "unit": "chars", "length": 32114, "block": 64, "blocks": ["9f0c...", ...], "max_tokens": 16}
+     "unit": "chars", "length": 32114, "block": 64, "digests": "base64...", "max_tokens": 16}
 
 ``timestamp`` is Unix seconds at arrival; ``length`` is the routing text's length in
 ``unit`` (characters of the text the OpenAI API keys on, bytes of a native body, token
-ids of a token prompt); ``blocks`` are **chained** xxh3-64 digests (16 hex digits) of
-successive ``block``-unit blocks of that text (the last may be partial): digest ``i``
-covers blocks ``0..i``, so two requests share digest ``i`` exactly when their first
-``64 (i + 1)`` characters are equal. ``tenant`` is a digest of the tenant id ("" for
-none). No prompt text is ever stored.
+ids of a token prompt); ``digests`` are **chained** xxh3-64 digests of successive
+``block``-unit blocks of that text (the last may be partial), packed as 8-byte
+little-endian integers and base64-encoded (about 0.17 bytes of trace per character of
+routing text): digest ``i`` covers blocks ``0..i``, so two requests share digest ``i``
+exactly when their first ``64 (i + 1)`` characters are equal. Version 1 lines, still
+read, had the same digests as a list of 16-hex-digit strings under ``blocks`` (twice
+the size). ``tenant`` is a digest of the tenant id ("" for none). No prompt text is ever
+stored.
 
 Replay in the simulator (:class:`TraceWorkload`): every record is a one-turn session at
 its recorded time. What is exact and what is approximated:
@@ -45,7 +48,9 @@ its recorded time. What is exact and what is approximated:
 from __future__ import annotations
 
 import array
+import base64
 import math
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Sequence
@@ -62,6 +67,8 @@ __all__ = [
     "MOONCAKE_BLOCK_TOKENS",
     "TraceError",
     "chained_block_digests",
+    "pack_digests",
+    "unpack_digests",
     "make_trace_record",
     "TraceRecord",
     "TraceWorkload",
@@ -69,7 +76,7 @@ __all__ = [
 ]
 
 #: The ``format`` field of prefixroute trace lines.
-TRACE_FORMAT = "prefixroute-trace/1"
+TRACE_FORMAT = "prefixroute-trace/2"
 #: Units (characters, bytes or token ids) per digested block of a prefixroute trace.
 TRACE_BLOCK = 64
 #: Tokens per ``hash_ids`` block of a Mooncake trace.
@@ -102,6 +109,24 @@ def chained_block_digests(data: bytes | str, block: int = TRACE_BLOCK) -> list[i
         chunk = data[start : start + block]
         h = _digest(chunk.encode("utf-8", "surrogatepass") if isinstance(chunk, str) else chunk, h)
         out.append(h)
+    return out
+
+
+def pack_digests(digests: Sequence[int]) -> str:
+    """``digests`` (64-bit) as base64 of 8-byte little-endian integers (version 2 lines)."""
+    return base64.b64encode(b"".join(d.to_bytes(8, "little") for d in digests)).decode("ascii")
+
+
+def unpack_digests(text: str) -> array.array:
+    """The inverse of :func:`pack_digests`. Raises ``ValueError`` if ``text`` is not
+    base64 of a whole number of 8-byte integers."""
+    raw = base64.b64decode(text, validate=True)
+    if len(raw) % 8:
+        raise ValueError(f"digests: {len(raw)} bytes is not a whole number of 8-byte digests")
+    out = array.array("Q")
+    out.frombytes(raw)
+    if sys.byteorder == "big":
+        out.byteswap()
     return out
 
 
@@ -144,7 +169,7 @@ def make_trace_record(
         "unit": unit,
         "length": len(routing_data),
         "block": TRACE_BLOCK,
-        "blocks": [f"{d:016x}" for d in chained_block_digests(data, block)],
+        "digests": pack_digests(chained_block_digests(data, block)),
         "max_tokens": max_tokens,
     }
 
@@ -396,7 +421,8 @@ def _prefixroute_record(obj: dict[str, Any], default_output: int, groups: dict[i
     length = int(obj["length"])
     if int(obj.get("block", TRACE_BLOCK)) != TRACE_BLOCK:
         raise ValueError(f"block {obj.get('block')} is not {TRACE_BLOCK}")
-    digests = array.array("Q", (int(d, 16) for d in obj["blocks"]))
+    digests = (unpack_digests(obj["digests"]) if "digests" in obj  # version 2
+               else array.array("Q", (int(d, 16) for d in obj["blocks"])))  # version 1
     unit = obj.get("unit", "chars")
     if unit == "tokens":  # PrefixLength counts token ids on a token prompt, as the router does
         tokens, per_token = max(1, length), 1
