@@ -1,0 +1,237 @@
+"""Verdicts of ``bench/policy_vs_peers.py`` runs against their own run-to-run noise.
+
+Reads the JSON of one or more runs of the benchmark (``--json PATH``), taken at
+different times with the same settings. Per (workload, replicas, router) it takes the
+median of each figure over the files; with two or more files it measures the noise:
+for each figure, the spread (largest minus smallest) of every cell over the files, and
+its 90th percentile over all cells (cache-hit rate in points, TTFT relative). Then
+``CACHE_AWARE`` against every **peer** (the routers that are not prefixroute's own
+strategies; llm-d's re-implemented scorers are a peer): it *leads* on a figure when it
+is better than every peer or worse by no more than that figure's noise. It also gives
+the hit rate with 4 and 8 router replicas against 1.
+
+Usage::
+
+    python bench/pvp_report.py docs/benchmarks/policy_vs_peers.json [earlier.json ...]
+
+The tables are Markdown, as docs/BENCHMARKS.md shows them. Without a second file the
+noise is taken as 0 (every loss counts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+#: The strategy every verdict is about.
+SUBJECT = "CACHE_AWARE"
+#: Figures compared: JSON field, label, whether higher is better, how its noise is measured.
+FIGURES = (("cache_hit_rate", "hit", True, "points"), ("p50_ttft_s", "P50", False, "relative"),
+           ("p90_ttft_s", "P90", False, "relative"))
+
+
+def is_peer(run: dict[str, Any]) -> bool:
+    """A router of the field (or the llm-d arm), not one of prefixroute's own strategies."""
+    return run["router"] != "prefixroute" or run["strategy"] == "LLMD_REFERENCE"
+
+
+def load_runs(paths: Sequence[Path]) -> list[list[dict[str, Any]]]:
+    """The ``runs`` of each file (a run repeated within one file is already its median).
+
+    Raises:
+        ValueError: a file is not a policy_vs_peers JSON.
+    """
+    out = []
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+            raise ValueError(f"{p}: not a bench/policy_vs_peers.py JSON (no 'runs' list)")
+        out.append(doc["runs"])
+    return out
+
+
+Cell = tuple[str, int, str]  # workload, replicas, label
+
+
+def cells(files: Sequence[Sequence[dict[str, Any]]]) -> dict[Cell, list[dict[str, Any]]]:
+    """Every (workload, replicas, label) and its run in each file that has it."""
+    out: dict[Cell, list[dict[str, Any]]] = {}
+    for runs in files:
+        for r in runs:
+            out.setdefault((r["workload"], int(r["replicas"]), r["label"]), []).append(r)
+    return out
+
+
+def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The first run with every compared figure and the error count replaced by their medians."""
+    m = dict(runs[0])
+    for field, *_ in FIGURES:
+        m[field] = statistics.median(r[field] for r in runs)
+    m["errors"] = max(r["errors"] for r in runs)
+    m["files"] = len(runs)
+    return m
+
+
+@dataclass(frozen=True)
+class Noise:
+    """Run-to-run spread of one figure: ``p90`` over all cells seen in 2+ files
+    (points for the hit rate, a fraction for TTFT), ``median`` likewise; ``cells``
+    how many cells it is measured on (0: no second file, the noise is taken as 0)."""
+
+    figure: str
+    median: float
+    p90: float
+    cells: int
+
+
+def noise(table: dict[Cell, list[dict[str, Any]]]) -> dict[str, Noise]:
+    """Per figure label (hit, P50, P90): its :class:`Noise`."""
+    out = {}
+    for field, label, _, kind in FIGURES:
+        spreads = []
+        for runs in table.values():
+            vals = [r[field] for r in runs if r.get(field) is not None and r[field] == r[field]]
+            if len(vals) < 2:
+                continue
+            lo, hi = min(vals), max(vals)
+            spreads.append((hi - lo) * 100 if kind == "points" else (hi / lo - 1 if lo > 0 else 0.0))
+        if spreads:
+            spreads.sort()
+            out[label] = Noise(label, statistics.median(spreads), spreads[min(len(spreads) - 1,
+                                                                                int(0.9 * len(spreads)))],
+                               len(spreads))
+        else:
+            out[label] = Noise(label, 0.0, 0.0, 0)
+    return out
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """CACHE_AWARE on one workload and replica count against the best peer per figure.
+
+    ``best[label] = (peer label, its value)``; ``subject[label]`` CACHE_AWARE's value;
+    ``leads[label]`` whether it is better or within the figure's noise; ``errors`` its
+    error count."""
+
+    workload: str
+    replicas: int
+    subject: dict[str, float]
+    best: dict[str, tuple[str, float]]
+    leads: dict[str, bool]
+    errors: int
+
+    @property
+    def all_lead(self) -> bool:
+        return all(self.leads.values()) and self.errors == 0
+
+
+def verdicts(medians: dict[Cell, dict[str, Any]], tolerance: dict[str, Noise]) -> list[Verdict]:
+    """One :class:`Verdict` per (workload, replicas) where CACHE_AWARE and a peer ran."""
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for (wl, reps, _), r in medians.items():
+        groups.setdefault((wl, reps), []).append(r)
+    out = []
+    for (wl, reps), runs in groups.items():
+        subj = next((r for r in runs if r["router"] == "prefixroute" and r["strategy"] == SUBJECT), None)
+        peers = [r for r in runs if is_peer(r)]
+        if subj is None or not peers:
+            continue
+        best, value, leads = {}, {}, {}
+        for field, label, higher, kind in FIGURES:
+            pick = max if higher else min
+            b = pick(peers, key=lambda r: r[field])
+            best[label] = (b["label"], b[field])
+            value[label] = subj[field]
+            tol = tolerance[label].p90
+            if higher:
+                leads[label] = subj[field] * 100 >= b[field] * 100 - tol - 1e-9
+            else:
+                leads[label] = subj[field] <= b[field] * (1 + tol) + 1e-12
+        out.append(Verdict(wl, reps, value, best, leads, int(subj["errors"])))
+    return out
+
+
+def replica_drift(medians: dict[Cell, dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """Per workload: CACHE_AWARE's hit rate (fraction) at each replica count."""
+    out: dict[str, dict[int, float]] = {}
+    for (wl, reps, _), r in medians.items():
+        if r["router"] == "prefixroute" and r["strategy"] == SUBJECT:
+            out.setdefault(wl, {})[reps] = r["cache_hit_rate"]
+    return out
+
+
+def _fmt(label: str, v: float) -> str:
+    return f"{v * 100:.1f} %" if label == "hit" else f"{v * 1000:.0f} ms"
+
+
+def _short(label: str) -> str:
+    return (label.replace(" (re-implementation)", "").replace("hash-balance-factor", "hash")
+            .replace("vllm-router ", "vllm ").replace("sglang-router ", "sglang "))
+
+
+def render(table: dict[Cell, list[dict[str, Any]]]) -> Iterable[str]:
+    """The report's lines: noise, verdicts, replica drift."""
+    tol = noise(table)
+    medians = {c: median_run(r) for c, r in table.items()}
+    files = max((len(r) for r in table.values()), default=0)
+    yield f"{files} run(s) per cell"
+    yield ""
+    yield "| figure | noise, median | noise, 90th percentile | cells |"
+    yield "|---|---:|---:|---:|"
+    for label, n in tol.items():
+        unit = (lambda x: f"{x:.1f} pts") if label == "hit" else (lambda x: f"{x * 100:.0f} %")
+        yield f"| {label} | {unit(n.median)} | {unit(n.p90)} | {n.cells} |"
+    yield ""
+    vs = sorted(verdicts(medians, tol), key=lambda v: (_order(v.workload, table), v.replicas))
+    yield "| workload | replicas | hit: CACHE_AWARE / best peer | P50 TTFT | P90 TTFT | leads |"
+    yield "|---|---:|---|---|---|---|"
+    for v in vs:
+        cols = []
+        for label in ("hit", "P50", "P90"):
+            who, b = v.best[label]
+            mark = "" if v.leads[label] else " **behind**"
+            cols.append(f"{_fmt(label, v.subject[label])} / {_fmt(label, b)} {_short(who)}{mark}")
+        verdict = "yes" if v.all_lead else ("errors" if v.errors else "no")
+        yield f"| {v.workload} | {v.replicas} | {cols[0]} | {cols[1]} | {cols[2]} | {verdict} |"
+    led = sum(v.all_lead for v in vs)
+    yield ""
+    yield f"CACHE_AWARE leads on hit rate, P50 and P90 TTFT (within the noise above) in {led} of {len(vs)} groups"
+    yield ""
+    yield "| workload | hit, 1 replica | 4 replicas | 8 replicas | largest change from 1 |"
+    yield "|---|---:|---:|---:|---:|"
+    for wl, by in sorted(replica_drift(medians).items(), key=lambda kv: _order(kv[0], table)):
+        if 1 not in by:
+            continue
+        drift = max(((by[r] - by[1]) * 100 for r in by if r != 1), key=abs, default=0.0)
+        yield (f"| {wl} | {by[1] * 100:.1f} % | " + " | ".join(f"{by[r] * 100:.1f} %" if r in by else "-"
+                                                           for r in (4, 8)) + f" | {drift:+.1f} pts |")
+
+
+def _order(workload: str, table: dict[Cell, list[dict[str, Any]]]) -> int:
+    seen: list[str] = []
+    for wl, _, _ in table:
+        if wl not in seen:
+            seen.append(wl)
+    return seen.index(workload) if workload in seen else len(seen)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("runs", nargs="+", type=Path, help="JSON of bench/policy_vs_peers.py runs (--json)")
+    args = p.parse_args(argv)
+    try:
+        table = cells(load_runs(args.runs))
+    except (OSError, ValueError) as exc:
+        p.error(str(exc))
+    for line in render(table):
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""bench/pvp_report.py: noise between runs, verdicts against peers only, replica drift."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import pvp_report as report  # noqa: E402
+
+
+def _run(label: str, strategy: str, reps: int, hit: float, p50: float, p90: float, errors: int = 0,
+         workload: str = "w") -> dict:
+    return {"workload": workload, "replicas": reps, "label": label, "router": label.split()[0],
+            "strategy": strategy, "cache_hit_rate": hit, "p50_ttft_s": p50, "p90_ttft_s": p90, "errors": errors}
+
+
+def _files(tmp_path: Path, *runs_per_file: list[dict]) -> list[Path]:
+    paths = []
+    for i, runs in enumerate(runs_per_file):
+        p = tmp_path / f"run{i}.json"
+        p.write_text(json.dumps({"runs": runs}))
+        paths.append(p)
+    return paths
+
+
+def test_noise_is_the_spread_between_runs_and_a_loss_within_it_still_leads(tmp_path):
+    a = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.940, 0.021, 0.030),
+         _run("vllm-router consistent_hash", "consistent_hash", 1, 0.945, 0.020, 0.030),
+         _run("prefixroute PREFIX_AWARE", "PREFIX_AWARE", 1, 0.990, 0.010, 0.010)]
+    b = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.930, 0.022, 0.031),
+         _run("vllm-router consistent_hash", "consistent_hash", 1, 0.950, 0.020, 0.033),
+         _run("prefixroute PREFIX_AWARE", "PREFIX_AWARE", 1, 0.990, 0.010, 0.010)]
+    table = report.cells(report.load_runs(_files(tmp_path, a, b)))
+    tol = report.noise(table)
+    # hit spreads 1.0, 0.5, 0.0 points: the 90th percentile of three is the largest
+    assert tol["hit"].p90 == pytest.approx(1.0) and tol["hit"].cells == 3
+    assert tol["P90"].p90 == pytest.approx(0.1)  # 33 / 30 - 1
+    medians = {c: report.median_run(r) for c, r in table.items()}
+    (v,) = report.verdicts(medians, tol)
+    # medians: CACHE_AWARE 93.5 % vs 94.75 %: 1.25 points behind, more than the noise of
+    # 1.0; P50 21.5 vs 20 ms: 7.5 % behind, more than the 4.8 % noise; P90 30.5 vs 31.5 ms
+    assert v.best["hit"] == ("vllm-router consistent_hash", pytest.approx(0.9475))
+    assert v.leads == {"hit": False, "P50": False, "P90": True}
+    # PREFIX_AWARE is prefixroute's own strategy, not a peer: never the best peer
+    assert all(who != "prefixroute PREFIX_AWARE" for who, _ in v.best.values())
+
+
+def test_one_file_takes_the_noise_as_zero_and_the_llmd_arm_is_a_peer(tmp_path):
+    runs = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.90, 0.030, 0.050),
+            _run("llm-d scorers (re-implementation)", "LLMD_REFERENCE", 1, 0.91, 0.040, 0.060),
+            _run("prefixroute CACHE_AWARE", "CACHE_AWARE", 8, 0.88, 0.030, 0.050),
+            _run("sglang-router cache_aware", "cache_aware", 8, 0.60, 0.200, 0.400)]
+    runs[1]["router"] = "prefixroute"
+    table = report.cells(report.load_runs(_files(tmp_path, runs)))
+    tol = report.noise(table)
+    assert tol["hit"].cells == 0 and tol["hit"].p90 == 0
+    medians = {c: report.median_run(r) for c, r in table.items()}
+    by = {v.replicas: v for v in report.verdicts(medians, tol)}
+    assert by[1].best["hit"][0] == "llm-d scorers (re-implementation)" and not by[1].leads["hit"]
+    assert by[8].all_lead
+    assert report.replica_drift(medians) == {"w": {1: 0.90, 8: 0.88}}
+    text = "\n".join(report.render(table))
+    assert "| w | 90.0 % | - | 88.0 % | -2.0 pts |" in text
+    assert "in 1 of 2 groups" in text
+
+
+def test_a_file_that_is_not_a_benchmark_json_is_refused(tmp_path, capsys):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    with pytest.raises(SystemExit):
+        report.main([str(bad)])
+    assert "not a bench/policy_vs_peers.py JSON" in capsys.readouterr().err
