@@ -15,7 +15,9 @@ Usage::
     python bench/pvp_report.py docs/benchmarks/policy_vs_peers.json [earlier.json ...]
 
 The tables are Markdown, as docs/BENCHMARKS.md shows them. Without a second file the
-noise is taken as 0 (every loss counts).
+noise is taken as 0 (every loss counts). ``--tables`` adds one table per workload with
+every router and replica count (the medians), as docs/benchmarks/policy_vs_peers.md
+keeps them.
 """
 
 from __future__ import annotations
@@ -212,6 +214,29 @@ def render(table: dict[Cell, list[dict[str, Any]]]) -> Iterable[str]:
                                                            for r in (4, 8)) + f" | {drift:+.1f} pts |")
 
 
+def workload_tables(table: dict[Cell, list[dict[str, Any]]]) -> Iterable[str]:
+    """One Markdown table per workload: every router and replica count, medians over the files."""
+    medians = {c: median_run(r) for c, r in table.items()}
+    workloads: list[str] = []
+    for wl, _, _ in table:
+        if wl not in workloads:
+            workloads.append(wl)
+    for wl in workloads:
+        yield f"### {wl}"
+        yield ""
+        yield "| router | replicas | cache hit | P50 TTFT | P90 TTFT | throughput | busiest | errors |"
+        yield "|---|---:|---:|---:|---:|---:|---:|---:|"
+        rows = [(c, r) for c, r in medians.items() if c[0] == wl]
+        for (_, reps, label), r in sorted(rows, key=lambda cr: cr[0][1]):
+            name = f"**{label}**" if r["router"] == "prefixroute" and r["strategy"] == SUBJECT else label
+            thr = r.get("throughput_rps")
+            busy = r.get("busiest_share")
+            yield (f"| {name} | {reps} | {r['cache_hit_rate'] * 100:.1f} % | {r['p50_ttft_s'] * 1000:.0f} ms | "
+                   f"{r['p90_ttft_s'] * 1000:.0f} ms | {'-' if thr is None else f'{thr:.1f} rps'} | "
+                   f"{'-' if busy is None else f'{busy * 100:.0f} %'} | {r['errors']} |")
+        yield ""
+
+
 def _order(workload: str, table: dict[Cell, list[dict[str, Any]]]) -> int:
     seen: list[str] = []
     for wl, _, _ in table:
@@ -223,6 +248,7 @@ def _order(workload: str, table: dict[Cell, list[dict[str, Any]]]) -> int:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="JSON of bench/policy_vs_peers.py runs (--json)")
+    p.add_argument("--tables", action="store_true", help="also print one table per workload (every router)")
     args = p.parse_args(argv)
     try:
         table = cells(load_runs(args.runs))
@@ -230,6 +256,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(exc))
     for line in render(table):
         print(line)
+    if args.tables:
+        print()
+        for line in workload_tables(table):
+            print(line)
     return 0
 
 

@@ -74,3 +74,13 @@ def test_a_file_that_is_not_a_benchmark_json_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit):
         report.main([str(bad)])
     assert "not a bench/policy_vs_peers.py JSON" in capsys.readouterr().err
+
+
+def test_workload_tables_list_every_router_with_the_subject_in_bold(tmp_path, capsys):
+    runs = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.030, 0.050),
+            _run("haproxy hash-balance-factor", "hash", 1, 0.8, 0.020, 0.400)]
+    runs[0].update(throughput_rps=12.5, busiest_share=0.31)
+    assert report.main([*map(str, _files(tmp_path, runs)), "--tables"]) == 0
+    out = capsys.readouterr().out
+    assert "| **prefixroute CACHE_AWARE** | 1 | 90.0 % | 30 ms | 50 ms | 12.5 rps | 31 % | 0 |" in out
+    assert "| haproxy hash-balance-factor | 1 | 80.0 % | 20 ms | 400 ms | - | - | 0 |" in out
