@@ -94,6 +94,12 @@ class OtelTracing:
             try:
                 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
             except ImportError as exc:
+                if "InstrumentationScope" in str(exc):  # xds-protos (the epp extra) ships an older copy
+                    raise OtelUnavailable(
+                        "--otel-traces: opentelemetry-proto's files were overwritten by xds-protos' older copy "
+                        "(both ship opentelemetry/proto; installed together, the last one wins); restore them "
+                        "with: pip install --no-deps --force-reinstall \"$(pip freeze | grep '^opentelemetry-proto==')\" "
+                        f"({exc})") from None
                 raise OtelUnavailable("--otel-traces needs the OTLP/HTTP exporter: pip install 'prefixroute[otel]' "
                                       f"({exc})") from None
             exporter = OTLPSpanExporter()
