@@ -224,7 +224,7 @@ class RouterState:
     def _held_slot_keys(self) -> list[int]:
         """The shared slots this process's pools need: their instances' and their
         removed instances' with requests in flight."""
-        return [slot_key(ep, pool.name, i) for ep, pool in self.fleet.all_pools()
+        return [slot_key(ep, pool.slot_scope, i) for ep, pool in self.fleet.all_pools()
                 for i in (*(s.instance_id for s in pool.instances), *pool.retired_ids)]
 
     def set_routing(self, endpoint: str, variant: str, routing: RoutingConfig) -> FleetConfig:
