@@ -291,6 +291,12 @@ class FaultBackend:
                 headers.add(k.strip(), v.strip())
         chunked = "chunked" in headers.get("Transfer-Encoding", "").lower()
         rec = Received(method, path, headers, b"", chunked, Fault(), time.monotonic())
+        if method == "GET" and path.split("?", 1)[0] == "/v1/models":
+            # The router asks every instance what it serves (at start, each health round):
+            # no model list here, as a SageMaker container may have none. Neither
+            # scripted nor recorded: the faults are for inference requests.
+            rec.fault = Fault(kind="status", status=404, body=b'{"detail": "Not Found"}')
+            return rec
         fault = None
         if self.script:
             fault = self.script.pop(0)

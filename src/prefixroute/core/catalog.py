@@ -248,6 +248,14 @@ class ModelCatalog:
                     return root
         return None
 
+    def sticky_set_sizes(self) -> dict[str, int]:
+        """Adapter name -> how many listed instances have it loaded."""
+        out: dict[str, int] = {}
+        for served in self._served.values():
+            for name in served.adapters:
+                out[name] = out.get(name, 0) + 1
+        return out
+
     def slots(self, instance_id: str, default: int | None = None) -> int | None:
         """Adapter slots of ``instance_id``: the engine's ``max_lora``, else ``default``."""
         served = self._served.get(instance_id)

@@ -165,6 +165,8 @@ class Selector:
     def _compute(self, pool: "VariantPool", model: str, lora: LoraAdaptersConfig, strict: bool) -> Selection | None:
         catalog = self.catalog
         ids = [s.instance_id for s in pool.instances]
+        if not ids:  # nothing to serve it (yet): the pool answers (503), not "unknown model"
+            return Selection(pool, None, model)
         serving = catalog.serving(model)
         parent = catalog.adapter_parent(model)
         declared = lora.path_of(model)

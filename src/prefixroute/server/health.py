@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
+from prefixroute.server.models import refresh_models
+
 if TYPE_CHECKING:
     from prefixroute.server.state import RouterState
 
@@ -157,7 +159,9 @@ async def check_all(state: "RouterState") -> dict[str, ProbeResult]:
 
 
 async def health_check_loop(state: "RouterState") -> None:
-    """Run :func:`check_all` every ``settings.health_check_interval_s`` seconds, forever.
+    """Run :func:`check_all` every ``settings.health_check_interval_s`` seconds, forever,
+    each round followed by asking every instance for its models
+    (:func:`prefixroute.server.models.refresh_models`).
 
     The first round runs one interval after startup: instances start in rotation, so a
     router launched alongside its engines does not refuse traffic for a whole interval
@@ -169,6 +173,7 @@ async def health_check_loop(state: "RouterState") -> None:
         await asyncio.sleep(interval)
         try:
             await check_all(state)
+            await refresh_models(state)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not stop health checking

@@ -64,6 +64,13 @@ METRIC_NAMES = (
     "prefixroute_backend_requests_running",
     "prefixroute_backend_requests_waiting",
     "prefixroute_backend_scrape_ok",
+    "prefixroute_component_requests_total",
+    "prefixroute_component_in_flight",
+    "prefixroute_adapter_requests_total",
+    "prefixroute_adapter_sticky_set_size",
+    "prefixroute_adapter_loads_total",
+    "prefixroute_adapter_unloads_total",
+    "prefixroute_adapter_load_seconds",
 )
 
 #: The families precise mode adds (exported while the configuration has ``KvEvents``).
@@ -114,15 +121,43 @@ class _PoolCollector(Collector):
         # CACHE_AWARE's learned view (Strategy.stats()); other strategies keep no state.
         state = {name: GaugeMetricFamily(f"prefixroute_{name}", doc, labels=("endpoint", "variant"))
                  for name, doc in _STRATEGY_STATS.items()}
+        comp_in_flight = GaugeMetricFamily(
+            "prefixroute_component_in_flight",
+            "Requests in flight per inference component copy (its own count and ConcurrencyThreshold).",
+            labels=("endpoint", "component", "instance"))
+        stats: dict[tuple[str, str, str], float] = {}
         for endpoint, pool in self._fleet().all_pools():
             for inst in pool.instances:
+                if pool.component is not None:
+                    comp_in_flight.add_metric((endpoint, pool.component, inst.instance_id), inst.in_flight)
+                    continue
                 labels = (endpoint, pool.name, inst.instance_id)
                 in_flight.add_metric(labels, inst.in_flight)
                 healthy.add_metric(labels, 1.0 if inst.healthy else 0.0)
-            for name, value in pool.strategy.stats().items():
+            for name, value in pool.strategy.stats().items():  # (a component's counts as its variant's)
                 if name in state:
-                    state[name].add_metric((endpoint, pool.name), value)
-        return [in_flight, healthy, *state.values()]
+                    stats[(name, endpoint, pool.name)] = stats.get((name, endpoint, pool.name), 0.0) + value
+        for (name, endpoint, variant), value in stats.items():
+            state[name].add_metric((endpoint, variant), value)
+        return [in_flight, healthy, comp_in_flight, *state.values()]
+
+
+class _CatalogCollector(Collector):
+    """Each LoRA adapter's sticky set size (instances that have it loaded), read from the
+    router's catalog at scrape time."""
+
+    def __init__(self, catalog: Callable[[], Any]) -> None:
+        self._catalog = catalog
+
+    def collect(self) -> Iterable[Metric]:
+        size = GaugeMetricFamily("prefixroute_adapter_sticky_set_size",
+                                 "Instances that have the LoRA adapter loaded (its sticky set), as the router knows.",
+                                 labels=("adapter",))
+        catalog = self._catalog()
+        if catalog is not None:
+            for adapter, count in sorted(catalog.sticky_set_sizes().items()):
+                size.add_metric((adapter,), count)
+        return [size]
 
 
 class _BackendCollector(Collector):
@@ -401,6 +436,8 @@ class RouterMetrics:
         kv_view: returns precise mode's view, or ``None`` when it is off (the
             ``prefixroute_kv_events_*`` families; with several workers, those of the
             worker that answers: each subscribes on its own).
+        catalog: returns the router's :class:`~prefixroute.core.catalog.ModelCatalog`
+            (the ``prefixroute_adapter_sticky_set_size`` gauge), or ``None``.
 
     Raises:
         RuntimeError: ``multiprocess_dir`` without :func:`use_multiprocess_values`.
@@ -408,7 +445,8 @@ class RouterMetrics:
 
     def __init__(self, fleet: Callable[[], Fleet],
                  backend_stats: Callable[[], Mapping[str, BackendStats]] = dict,
-                 multiprocess_dir: str | None = None, kv_view: Callable[[], Any] = lambda: None) -> None:
+                 multiprocess_dir: str | None = None, kv_view: Callable[[], Any] = lambda: None,
+                 catalog: Callable[[], Any] = lambda: None) -> None:
         if multiprocess_dir is not None and not getattr(values.ValueClass, "_multiprocess", False):
             raise RuntimeError("RouterMetrics(multiprocess_dir=...) needs use_multiprocess_values() first")
         self.registry = CollectorRegistry(auto_describe=True)
@@ -446,6 +484,24 @@ class RouterMetrics:
             "prefixroute_router_overhead_seconds",
             "Router time per request: entry to upstream send, plus upstream headers to our headers, seconds.",
             ("endpoint", "variant"), buckets=_OVERHEAD_BUCKETS, registry=r))
+        self.component_requests = _Labelled(Counter(
+            "prefixroute_component_requests",
+            "Requests routed to an inference component, per copy (instance) that served it.",
+            ("endpoint", "component", "instance"), registry=r))
+        self.adapter_requests = _Labelled(Counter(
+            "prefixroute_adapter_requests", "Requests routed for a LoRA adapter, per instance of its sticky set.",
+            ("endpoint", "adapter", "instance"), registry=r))
+        self.adapter_loads = _Labelled(Counter(
+            "prefixroute_adapter_loads",
+            "LoRA adapter loads the router asked of an instance (LoraAdapters.Autoload), by result: ok, failed.",
+            ("instance", "adapter", "result"), registry=r))
+        self.adapter_unloads = _Labelled(Counter(
+            "prefixroute_adapter_unloads",
+            "LoRA adapter unloads the router asked of an instance to free a slot, by result: ok, failed.",
+            ("instance", "adapter", "result"), registry=r))
+        self.adapter_load_seconds = _Labelled(Histogram(
+            "prefixroute_adapter_load_seconds", "Time of one adapter load (and the unload before it), seconds.",
+            ("instance",), buckets=_DURATION_BUCKETS, registry=r))
         #: Called before each :meth:`render`: the data plane's metrics not recorded yet
         #: (:meth:`prefixroute.server.dataplane.FrontServer.account`).
         self.pending: list[Callable[[], None]] = []
@@ -454,9 +510,11 @@ class RouterMetrics:
         self.multiprocess = multiprocess_dir is not None
         pool_collector, backend_collector = _PoolCollector(fleet), _BackendCollector(backend_stats)
         kv_collector = _KvEventsCollector(kv_view)
+        catalog_collector = _CatalogCollector(catalog)
         r.register(pool_collector)
         r.register(backend_collector)
         r.register(kv_collector)
+        r.register(catalog_collector)
         # What /metrics shows: this registry, or (several workers) every worker's files.
         self._exposed = r
         if multiprocess_dir is not None:
@@ -467,6 +525,7 @@ class RouterMetrics:
             self._exposed.register(pool_collector)
             self._exposed.register(backend_collector)
             self._exposed.register(kv_collector)
+            self._exposed.register(catalog_collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
