@@ -245,11 +245,14 @@ def _payload(body: bytes) -> bytes | io.BytesIO:
     return body if len(body) <= _LARGE_BODY else io.BytesIO(body)
 
 
-def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str] = frozenset()) -> Lease:
+def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str] = frozenset(),
+            refuse_all_busy: bool = True) -> Lease:
     """Decide where ``rr`` goes among its candidates (its selection's: the instances
     serving its model, an adapter's sticky set) and claim an in-flight slot there; a
     request for a LoRA adapter also counts in flight for the adapter on that instance
-    (so the adapter is never unloaded under it).
+    (so the adapter is never unloaded under it). ``refuse_all_busy=False``: an adapter's
+    saturated set takes the request anyway (its least outstanding instance: after a
+    load the request has waited for, it is not refused).
 
     Raises:
         NoHealthyInstance: no healthy, non-excluded candidate.
@@ -264,7 +267,7 @@ def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset
     if sel.only is not None and not sel.only:
         raise SetSaturated(f"LoRA adapter {sel.adapter!r} is loaded on no instance of {rr.pool.describe}")
     lease = rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session, only=sel.only,
-                            refuse_all_busy=True)
+                            refuse_all_busy=refuse_all_busy)
     lease.attach(state.adapter_tracker.use(lease.decision.instance.instance_id, sel.adapter))
     return lease
 
@@ -274,7 +277,8 @@ async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
     """:func:`acquire`, and when an adapter's sticky set is saturated, empty or down
     and ``LoraAdapters.Autoload`` is on, load the adapter on another instance
     (:mod:`prefixroute.server.lora`: at most one load time, shared by every request
-    waiting for that adapter) and decide again within the grown set.
+    waiting for that adapter) and decide again within the grown set, where the request
+    is then taken even if that set is busy again (it waited one load, no more).
 
     Raises:
         NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow.
@@ -289,7 +293,7 @@ async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
         if not await lora.grow(rr):
             raise
         rr.selection = state.reselect(rr)
-        return acquire(state, rr, exclude)
+        return acquire(state, rr, exclude, refuse_all_busy=False)
 
 
 def count_routed(state: RouterState, rr: RoutedRequest, decision: Decision) -> None:
