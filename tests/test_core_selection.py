@@ -308,6 +308,20 @@ def test_plan_load_prefers_least_loaded_free_slot_then_evicts_idle_lru():
     tracker.use(A, "a1")
     assert plan_load("x", "/x", "llama", pool.instances, cat, tracker).instance_id == B
     held.release()
+    # An adapter with another copy is unloaded before one whose last copy it is, even if
+    # used more recently: emptying a set would only move the load to its next request.
+    cat2 = ModelCatalog()
+    cat2.set(A, parse_model_list(vllm_models("llama", "a1", "a2"), max_lora=2))
+    cat2.set(B, parse_model_list(vllm_models("llama", "a1"), max_lora=1))
+    tracker2 = AdapterTracker()
+    tracker2.use(A, "a2").release()
+    tracker2.use(A, "a1").release()  # a1 used last
+    plan = plan_load("x", "/x", "llama", [pool.get(A)], cat2, tracker2)
+    assert plan is not None and plan.evict == "a1"
+    cat3 = ModelCatalog()
+    cat3.set(A, parse_model_list(vllm_models("llama", "a2"), max_lora=1))  # a2's last copy
+    assert plan_load("x", "/x", "llama", [pool.get(A)], cat3, AdapterTracker(), evict_last_copy=False) is None
+    assert plan_load("x", "/x", "llama", [pool.get(A)], cat3, AdapterTracker()).evict == "a2"
     tracker.loading["x"] = B  # one load of an adapter at a time
     assert plan_load("x", "/x", "llama", pool.instances, cat, tracker) is None
     assert plan_load("y", "/y", "mistral", pool.instances, cat, tracker) is None  # no base anywhere

@@ -106,7 +106,7 @@ class AdapterTracker:
 
 def plan_load(adapter: str, path: str, parent: str | None, candidates: Sequence[InstanceState],
               catalog: ModelCatalog, tracker: AdapterTracker, default_slots: int | None = None,
-              evictable: Callable[[str], bool] = lambda name: True) -> LoadPlan | None:
+              evictable: Callable[[str], bool] = lambda name: True, evict_last_copy: bool = True) -> LoadPlan | None:
     """Where to load ``adapter`` so that its sticky set grows, or ``None`` if nowhere.
 
     Args:
@@ -120,13 +120,19 @@ def plan_load(adapter: str, path: str, parent: str | None, candidates: Sequence[
             (``MaxAdaptersPerInstance``); ``None``: unbounded.
         evictable: whether an adapter may be unloaded to make room (the router must
             be able to load it again: its path known).
+        evict_last_copy: whether an adapter loaded on no other instance may be
+            unloaded. ``False`` to grow a saturated set (which can otherwise queue
+            within itself): making room by emptying another adapter's set would only
+            move the load to that adapter's next request, and loads would chase each
+            other round the fleet. ``True`` to place an adapter loaded nowhere.
 
     Rule: an eligible instance serves ``parent`` as a base model, does not have the
     adapter, has no load or unload under way, and has a free slot (fewer adapters than
     its slots) or an evictable adapter with no request in flight from this router (the
-    least recently used one is unloaded). Among them, the fewest requests in flight
-    wins; a free slot beats an eviction at equal load; remaining ties are broken by the
-    adapter's rendezvous order over the instances, so router replicas agree.
+    least recently used one is unloaded; adapters with other copies first). Among them,
+    the fewest requests in flight wins; a free slot beats an eviction at equal load;
+    remaining ties are broken by the adapter's rendezvous order over the instances, so
+    router replicas agree.
     """
     if adapter in tracker.loading:
         return None
@@ -144,10 +150,12 @@ def plan_load(adapter: str, path: str, parent: str | None, candidates: Sequence[
         slots = catalog.slots(iid, default_slots)
         evict: str | None = None
         if slots is not None and len(served.adapters) >= slots:
-            idle = [a for a in served.adapters if tracker.in_flight(iid, a) == 0 and evictable(a)]
+            idle = [a for a in served.adapters if tracker.in_flight(iid, a) == 0 and evictable(a)
+                    and (evict_last_copy or len(catalog.serving(a)) > 1)]
             if not idle:
                 continue
-            evict = min(idle, key=lambda a: (tracker.last_used(iid, a), a))
+            # another copy elsewhere first (its set shrinks, it is not emptied), then least recently used
+            evict = min(idle, key=lambda a: (len(catalog.serving(a)) <= 1, tracker.last_used(iid, a), a))
         options.append((inst.in_flight, evict is not None, order[pos], inst, evict, base))
     if not options:
         return None

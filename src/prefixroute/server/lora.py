@@ -71,16 +71,19 @@ class LoraManager:
         ep = self.state.fleet.endpoints.get(endpoint)
         return ep is not None and ep.config.lora.autoload
 
-    async def grow(self, rr: "RoutedRequest") -> bool:
+    async def grow(self, rr: "RoutedRequest", empty: bool) -> bool:
         """Load ``rr``'s adapter where its sticky set can grow (or wait for the load of
-        it already under way). Returns whether the adapter is now loaded on one more
-        instance; ``False`` when no instance can take it or the load failed."""
+        it already under way). ``empty``: the set has no healthy instance (then another
+        adapter's last copy may be unloaded to make room; for a merely saturated set
+        only free slots and adapters with other copies are used). Returns whether the
+        adapter is now loaded on one more instance; ``False`` when no instance can take
+        it or the load failed."""
         sel = rr.selection
         assert sel is not None and sel.adapter is not None
         adapter = sel.adapter
         task = self._loads.get(adapter)
         if task is None:
-            plan = self._plan(rr)
+            plan = self._plan(rr, empty)
             if plan is None:
                 log.info("LoRA adapter %s: its sticky set cannot grow (no instance of its base model with a free "
                          "or idle slot)", adapter)
@@ -90,7 +93,7 @@ class LoraManager:
             task.add_done_callback(lambda _t, a=adapter: self._loads.pop(a, None))
         return await asyncio.shield(task)
 
-    def _plan(self, rr: "RoutedRequest") -> LoadPlan | None:
+    def _plan(self, rr: "RoutedRequest", empty: bool) -> LoadPlan | None:
         state = self.state
         sel = rr.selection
         lora = state.fleet.endpoint(rr.endpoint).config.lora
@@ -105,7 +108,7 @@ class LoraManager:
 
         candidates = [i for i in rr.pool.instances if i.healthy]
         plan = plan_load(sel.adapter, path, parent, candidates, state.catalog, state.adapter_tracker,
-                         lora.max_adapters_per_instance, evictable)
+                         lora.max_adapters_per_instance, evictable, evict_last_copy=empty)
         if plan is None:
             return None
         tracker = state.adapter_tracker

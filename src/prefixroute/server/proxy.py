@@ -278,22 +278,31 @@ async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
     and ``LoraAdapters.Autoload`` is on, load the adapter on another instance
     (:mod:`prefixroute.server.lora`: at most one load time, shared by every request
     waiting for that adapter) and decide again within the grown set, where the request
-    is then taken even if that set is busy again (it waited one load, no more).
+    is then taken even if that set is busy again (it waited one load, no more). A
+    saturated set that cannot grow (no free slot, no idle adapter with another copy to
+    unload) takes the request within itself, as any pool does when every instance is
+    busy (``all_busy``).
 
     Raises:
-        NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow.
+        NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow
+            (and, autoload on, when it is empty).
     """
     try:
         return acquire(state, rr, exclude)
-    except (SetSaturated, NoHealthyInstance):
+    except (SetSaturated, NoHealthyInstance) as exc:
         sel = rr.selection
         lora = state.lora
         if sel is None or sel.adapter is None or lora is None or not lora.autoload_for(rr.endpoint):
             raise
-        if not await lora.grow(rr):
-            raise
-        rr.selection = state.reselect(rr)
-        return acquire(state, rr, exclude, refuse_all_busy=False)
+        members = sel.only if sel.only is not None else frozenset(i.instance_id for i in rr.pool.instances)
+        empty = not any(i.healthy and i.instance_id in members and i.instance_id not in exclude
+                        for i in rr.pool.instances)
+        if await lora.grow(rr, empty):
+            rr.selection = state.reselect(rr)
+            return acquire(state, rr, exclude, refuse_all_busy=False)
+        if isinstance(exc, SetSaturated) and not empty:
+            return acquire(state, rr, exclude, refuse_all_busy=False)
+        raise
 
 
 def count_routed(state: RouterState, rr: RoutedRequest, decision: Decision) -> None:
