@@ -231,6 +231,10 @@ def test_selector_components_models_and_errors():
     assert s.pool is ep.component("ic") and s.component == "ic" and s.only is None
     s = sel.select(ep, model="meta/llama")  # the OpenAI API names a component by its model
     assert s.pool is ep.component("ic")
+    cat.set(A, parse_model_list(vllm_models("meta/llama", "sql")))
+    s = sel.select(ep, model="sql")  # ... or by an adapter of its model
+    assert (s.pool, s.adapter, s.only) == (ep.component("ic"), "sql", {A})
+    cat.set(A, None)
     with pytest.raises(UnknownComponent):
         sel.select(ep, component="nope")
     with pytest.raises(ComponentRequired, match="X-Amzn-SageMaker-Inference-Component"):

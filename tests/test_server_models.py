@@ -292,15 +292,22 @@ async def test_route_inputs_are_validated(fakes, data_plane, http):
 
 
 async def test_streaming_responses_route(fakes, data_plane, http):
+    # The Responses API's stream is typed events ending with response.completed, no [DONE]
+    events = [b"event: response.created\ndata: {}\n\n", b"event: response.output_text.delta\ndata: {}\n\n",
+              b"event: response.completed\ndata: {}\n\n"]
     for f in fakes:
         f.models = ["m"]
         f.mode = "stream"
+        f.chunks = events
     router = await start(fakes, data_plane)
     try:
         async with http.post(router.url + "/v1/responses", json={"model": "m", "input": "q", "stream": True}) as r:
             assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
-            assert await r.read() == b"data: 1\n\ndata: 2\n\ndata: [DONE]\n\n"
+            assert await r.read() == b"".join(events)
         assert await eventually(lambda: in_flight(router) == 0)
+        text = router.state.metrics.render().decode()
+        assert metric_value(text, "prefixroute_upstream_errors_total", kind="no_done") is None  # not an error here
+        assert metric_value(text, "prefixroute_responses_total", code="200") == 1
     finally:
         await router.close()
 
@@ -354,3 +361,13 @@ def test_flags_declare_components_and_adapters():
         build_config(p.parse_args(["--backend", "http://a:1", "--inference-component", "ic"]))
     with pytest.raises(ConfigError, match="not an instance of production variant"):
         build_config(p.parse_args(["--backend", "http://a:1", "--inference-component", "ic=http://z:1"]))
+
+
+def test_autoload_is_refused_with_several_workers():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-m", "prefixroute", "serve", "--backend", "http://127.0.0.1:9",
+                           "--lora-autoload", "--workers", "2", "--port", "0"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Autoload (--lora-autoload) runs in one router process" in proc.stderr

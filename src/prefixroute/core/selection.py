@@ -11,8 +11,9 @@ Rules (:meth:`Selector.select`):
 
 1. **An inference component** named by the request (header, path) selects its pool:
    only its copies are candidates. Unknown name: :class:`~prefixroute.core.endpoint.UnknownComponent`.
-2. **A model** that is an inference component's ``ModelName`` selects that component's
-   pool, as if it were named (the OpenAI API has no component header).
+2. **A model** that is an inference component's ``ModelName``, or a LoRA adapter of it,
+   selects that component's pool, as if it were named (the OpenAI API has no component
+   header).
 3. A native request (``/invocations``) to an endpoint that has inference components
    must name one (:class:`ComponentRequired`, SageMaker's rule).
 4. Otherwise the production variant (targeted, else drawn by weight) and, when the
@@ -123,6 +124,10 @@ class Selector:
             return self._within(endpoint.component(component), model, lora, strict=False)
         if model:
             by_model = endpoint.component_by_model.get(model)
+            if by_model is None and endpoint.component_by_model:  # an adapter of a component's model
+                declared = lora.path_of(model)
+                parent = self.catalog.adapter_parent(model) or (declared.base_model if declared else None)
+                by_model = endpoint.component_by_model.get(parent) if parent else None
             if by_model is not None:
                 pool = endpoint.components[by_model]
                 if variant is None or variant == pool.name:

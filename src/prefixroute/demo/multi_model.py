@@ -113,7 +113,7 @@ def render_components(summaries: Sequence[RunSummary]) -> Any:
     from rich.table import Table
 
     table = Table(title="Per inference component (each on its own copies)", title_justify="left")
-    for col in ("strategy", "component", "requests", "cache hit", "share per copy %", "on another copy"):
+    for col in ("strategy", "component", "requests", "cache hit", "share per copy %", "on another instance"):
         table.add_column(col, justify="left" if col in ("strategy", "component", "share per copy %") else "right",
                          no_wrap=True)
     for s in summaries:

@@ -581,6 +581,10 @@ def run(args: argparse.Namespace) -> int:
             print("error: discovery (Discovery:, --dns, --k8s-...) runs in one router process; use --workers 1 "
                   "and more router replicas", file=sys.stderr)
             return 2
+        if any(e.lora.autoload for e in config.endpoints):
+            print("error: LoraAdapters.Autoload (--lora-autoload) runs in one router process: its unloads must see "
+                  "every request in flight for an adapter; use --workers 1", file=sys.stderr)
+            return 2
         from prefixroute.server.workers import serve_workers
 
         return serve_workers(config, settings, args.log_level)

@@ -1656,7 +1656,7 @@ class FrontServer:
         variant = rr.pool.name
         m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
         m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
-        if reply.sse and rr.api is Api.OPENAI and not ends_with_done(reply.tail):
+        if reply.sse and rr.done_marked and not ends_with_done(reply.tail):
             m.upstream_errors.labels(instance, "no_done").inc()
         return reply.status
 
@@ -1705,7 +1705,7 @@ class FrontServer:
             if first:
                 ttft.observe(reply.first_s - rr.t0)
 
-        done_marks = reply.sse and rr.api is Api.OPENAI  # [DONE] written: the client has it all
+        done_marks = reply.sse and rr.done_marked  # [DONE] written: the client has it all
 
         def flush() -> None:
             # Events that came in one read go out in one write: nothing waits for them.
@@ -1756,7 +1756,7 @@ class FrontServer:
             return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
         if not reply.first_s:
             ttft.observe(time.perf_counter() - rr.t0)
-        if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
+        if sse and rr.done_marked and not ends_with_done(tail):
             m.upstream_errors.labels(instance, "no_done").inc()
         if client.closed:
             return rr.completed_status or 499

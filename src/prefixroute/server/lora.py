@@ -65,11 +65,22 @@ class LoraManager:
     def __init__(self, state: "RouterState") -> None:
         self.state = state
         self._loads: dict[str, asyncio.Task[bool]] = {}
+        self._warned = False
 
     def autoload_for(self, endpoint: str) -> bool:
-        """Whether endpoint ``endpoint`` has ``LoraAdapters.Autoload`` on."""
+        """Whether endpoint ``endpoint`` has ``LoraAdapters.Autoload`` on. Never in a
+        worker of ``serve --workers N`` (refused at start; a reload that turns it on
+        is not acted on there): a worker does not see the others' requests in flight
+        for an adapter, so it could unload one under them."""
         ep = self.state.fleet.endpoints.get(endpoint)
-        return ep is not None and ep.config.lora.autoload
+        if ep is None or not ep.config.lora.autoload:
+            return False
+        if self.state.metrics.multiprocess:
+            if not self._warned:
+                self._warned = True
+                log.warning("LoraAdapters.Autoload is not acted on with --workers N (one router process only)")
+            return False
+        return True
 
     async def grow(self, rr: "RoutedRequest", empty: bool) -> bool:
         """Load ``rr``'s adapter where its sticky set can grow (or wait for the load of

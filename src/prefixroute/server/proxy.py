@@ -48,6 +48,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from prefixroute.core.openai_routes import OpenAIRoute
 from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated, VariantPool
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
@@ -160,7 +161,14 @@ class RoutedRequest:
         """The inference component the request is routed to, or ``None``."""
         return self.pool.component
 
+    @property
+    def done_marked(self) -> bool:
+        """Whether its event stream (if it streams) ends with ``data: [DONE]``: chat and
+        completions do; others (the Responses API's events) end otherwise."""
+        return self.api is Api.OPENAI and self.route in _DONE_ROUTES
 
+
+_DONE_ROUTES = frozenset({OpenAIRoute.CHAT, OpenAIRoute.COMPLETIONS})
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
 
 
@@ -593,12 +601,12 @@ async def _relay(
             await resp.write(eventstream.payload_part(chunk) if framed else chunk)
         except ConnectionError:
             return resp, rr.completed_status or 499
-        if sse and rr.api is Api.OPENAI and not rr.completed_status and ends_with_done(tail):
+        if sse and rr.done_marked and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status
     if first:
         ttft.observe(time.perf_counter() - rr.t0)
     upstream.release()
-    if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
+    if sse and rr.done_marked and not ends_with_done(tail):
         m.upstream_errors.labels(instance, "no_done").inc()
     try:
         await resp.write_eof()
