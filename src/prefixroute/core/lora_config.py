@@ -48,11 +48,13 @@ class LoraAdaptersConfig(BaseModel):
 
     Attributes:
         autoload: ``Autoload`` (default ``False``): when an adapter's sticky set is
-            saturated (every instance of it at ``ConcurrencyThreshold``) or empty, load
-            it on the least loaded instance of its base model that has a free adapter
-            slot (or an idle adapter to unload), and route the request there once it
-            is loaded. Off: a saturated set answers 429 with ``Retry-After``, an
-            adapter loaded nowhere is an unknown model (404).
+            saturated (every instance of it at ``ConcurrencyThreshold``) or empty, load it
+            on the least loaded instance of its base model that has a free adapter slot
+            or an idle adapter to unload (for a saturated set, only one that has another
+            copy), and route the request there once it is loaded; a saturated set that
+            cannot grow takes the request anyway. One router process only (not with
+            ``serve --workers N``). Off: a saturated set answers 429 with
+            ``Retry-After``, an adapter loaded nowhere is an unknown model (404).
         adapters: ``Adapters``: adapters the router may load, by name. Adapters seen
             loaded on an instance (``/v1/models``: ``root`` is the path) may be loaded
             elsewhere too.

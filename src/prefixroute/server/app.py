@@ -1,20 +1,26 @@
 """The router's aiohttp application: routes and request handlers.
 
-Routes (``{e}`` an endpoint name; without it, the default = first configured endpoint):
+Routes (``{e}`` an endpoint name; without it, the default = first configured endpoint;
+``{c}`` an inference component; :mod:`prefixroute.server.routes` parses them):
 
 =================================================================  ==========================
-``POST /v1/chat/completions``, ``POST /v1/completions``           OpenAI, default endpoint
-``GET /v1/models``                                                 one healthy instance's list
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/v1/responses``, ``/v1/rerank``, ``/v1/score``, ``/tokenize``,
+``/detokenize``, any other ``POST /v1/...``                          OpenAI, default endpoint
+``GET /v1/models``                                                 the instances' lists, merged
+any other method on ``/v1/...``                                    relayed to one instance
 ``/endpoints/{e}/openai/v1/...``                                   the same, endpoint ``e``
-``/endpoints/{e}/inference-components/{c}/openai/v1/...``          the same
+``/endpoints/{e}/inference-components/{c}/openai/v1/...``          the same, component ``c``
 ``POST /endpoints/{e}/invocations``, ``POST /invocations``         SageMaker native
 ``POST /endpoints/{e}/invocations-response-stream``                SageMaker, AWS event-stream
+``/endpoints/{e}/inference-components/{c}/invocations[...]``       the same, component ``c``
 ``GET /ping``, ``GET /health``                                     router liveness
 ``GET /metrics``                                                   Prometheus text
 =================================================================  ==========================
 
 A handler reads the body (at most ``max_body_bytes``; 413 beyond, before anything is
-sent upstream or counted in flight), validates the request, computes the routing key
+sent upstream or counted in flight), validates the request, selects the pool and the
+candidate instances (component, model, adapter), computes the routing key
 (PREFIX_AWARE) or block hashes (CACHE_AWARE) and hands it to
 :func:`prefixroute.server.proxy.forward`.
 Every error answer uses the API's shape: an OpenAI error object on ``/v1`` paths, a

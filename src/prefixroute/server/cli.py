@@ -130,9 +130,10 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "BASE_MODEL); repeatable")
     m.add_argument("--lora-autoload", action="store_true",
                    help="when an adapter's sticky set (the instances that have it loaded) is saturated or empty, "
-                        "load it on the least loaded instance with a free adapter slot (unloading an idle one if "
-                        "need be), logging and counting every load and unload (default: off: a saturated set "
-                        "gets 429 with Retry-After)")
+                        "load it on the least loaded instance of its base model with a free adapter slot (or an "
+                        "idle adapter to unload: for a saturated set only one that has another copy; a set that "
+                        "cannot grow queues within itself), logging and counting every load and unload; "
+                        "--workers 1 only (default: off: a saturated set gets 429 with Retry-After)")
     m.add_argument("--lora-max-adapters", type=int, metavar="N", default=None,
                    help="adapter slots of an instance whose engine does not report vLLM's max_lora "
                         "(default: unbounded)")

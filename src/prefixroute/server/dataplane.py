@@ -10,10 +10,11 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
 ::
 
     client ──► FrontServer (public port, this module)
-                 │ POST inference route, HTTP/1.1, http:// instances, a body plain or
+                 │ POST inference route (routes.match_route), HTTP/1.1, http:// instances, a body plain or
                  │ gzip/deflate (decoded here, strictly; any other coding: 415)
-                 ├──► prepare_inference (app.py: resolve, validate, routing key)
-                 │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
+                 ├──► prepare_inference (app.py: resolve, validate, select the pool and
+                 │      its candidates for the component / model / adapter, routing key)
+                 │      └─► proxy.acquire ─► _Upstream (pooled raw connection) ─► instance
                  │      (from the parser's callback, FrontServer.begin, when the client
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)

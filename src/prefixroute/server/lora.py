@@ -6,8 +6,10 @@ endpoint's ``LoraAdapters.Autoload`` (opt-in). When a request's adapter has a sa
 sticky set (every instance of it at ``ConcurrencyThreshold``), an empty one, or none of
 it healthy, :meth:`LoraManager.grow`:
 
-1. plans a load (the least loaded instance of the adapter's base model with a free
-   adapter slot, or the least recently used idle adapter to unload there);
+1. plans a load (:func:`~prefixroute.core.adapters.plan_load`: the least loaded
+   instance of the adapter's base model with a free adapter slot, or an idle adapter to
+   unload there: one with another copy first, then the least recently used; for a
+   saturated set never another adapter's last copy);
 2. takes the adapter to unload out of its sticky set at once, waits until this router
    has no request in flight for it there, and sends ``POST /v1/unload_lora_adapter
    {"lora_name": ...}``;

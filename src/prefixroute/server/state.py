@@ -414,9 +414,13 @@ class RouterState:
         return sel
 
     def healthy_counts(self) -> tuple[int, int]:
-        """``(healthy, total)`` instances over the fleet (an instance in two variants counts twice)."""
+        """``(healthy, total)`` instances over the fleet (an instance in two variants counts
+        twice; an inference component's copies are their variant's instances, not counted
+        again)."""
         healthy = total = 0
         for _, pool in self.fleet.all_pools():
+            if pool.component is not None:
+                continue
             for inst in pool.instances:
                 total += 1
                 healthy += inst.healthy
