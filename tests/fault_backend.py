@@ -297,6 +297,12 @@ class FaultBackend:
         if method == "GET" and path == "/health":  # the router's active check: 200, not recorded
             self.health_checks += 1
             return rec
+        if method == "GET" and path.split("?", 1)[0] == "/v1/models":
+            # The router asks every instance what it serves (at start, each health round):
+            # no model list here, as a SageMaker container may have none. Neither
+            # scripted nor recorded: the faults are for inference requests.
+            rec.fault = Fault(kind="status", status=404, body=b'{"detail": "Not Found"}')
+            return rec
         fault = None
         if self.script:
             fault = self.script.pop(0)

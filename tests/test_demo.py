@@ -70,3 +70,40 @@ def test_summarize_converts_to_model_time_and_shares():
     assert s.throughput_rps == pytest.approx(0.3)  # 3 ok in 1 real s = 10 model s
     assert s.instance_share == pytest.approx([2 / 3, 1 / 3, 0.0])
     assert s.overflow_rate == pytest.approx(1 / 3)
+
+
+@pytest.mark.e2e
+def test_multi_model_demo_reports_each_component(tmp_path):
+    out = tmp_path / "demo.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "prefixroute", "demo", "--multi-model", "--instances", "4", "--groups", "12",
+         "--prefix-tokens", "1024", "--kv-capacity-tokens", "6144", "--users", "6", "--duration", "4",
+         "--time-scale", "0.5", "--concurrency-threshold", "4", "--prefix-length", "1024",
+         "--strategies", "random,prefix-aware", "--json", str(out), "--no-plots"],
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    runs = {r["strategy"]: r for r in json.loads(out.read_text())["runs"]}
+    assert list(runs) == ["RANDOM", "PREFIX_AWARE"]
+    for r in runs.values():
+        assert r["errors"] == 0 and len(r["instance_share"]) == 4
+        comps = r["components"]
+        assert set(comps) == {"llama-70b", "qwen-72b"}
+        for c in comps.values():
+            assert c["requests"] > 10 and c["served_elsewhere"] == 0  # each on its own two copies only
+            assert len(c["instance_share"]) == 2 and sum(c["instance_share"]) == pytest.approx(1.0)
+            assert 0 <= c["cache_hit_rate"] <= 1
+        # every request went to a copy of its component: the first two instances serve one, the others the other
+        assert sum(r["instance_share"]) == pytest.approx(1.0)
+    for name in ("llama-70b", "qwen-72b"):
+        assert runs["PREFIX_AWARE"]["components"][name]["cache_hit_rate"] > \
+            runs["RANDOM"]["components"][name]["cache_hit_rate"]
+    assert "Per inference component" in proc.stdout and "qwen-72b" in proc.stdout
+
+
+def test_multi_model_demo_needs_emulated_engines_and_two_instances():
+    for flags, needle in ((["--engine", "llama-cpp"], "emulated engines only"),
+                          (["--instances", "1"], "at least 2 instances")):
+        proc = subprocess.run([sys.executable, "-m", "prefixroute", "demo", "--multi-model", *flags],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr

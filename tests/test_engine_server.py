@@ -240,7 +240,8 @@ async def test_bad_requests(
     async with session.post(path, data=body, headers={"Content-Type": "application/json"}) as resp:
         assert resp.status == status
         err = (await resp.json())["error"]
-    assert err["type"] == "invalid_request_error" and err["code"] == status
+    # vLLM's error types: NotFoundError for a model it does not serve, else a request error
+    assert err["type"] == ("NotFoundError" if status == 404 else "invalid_request_error") and err["code"] == status
     assert needle in err["message"]
     assert server.num_in_flight == 0 and not server.core.has_work()
 

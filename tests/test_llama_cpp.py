@@ -322,3 +322,45 @@ def test_demo_without_llama_cpp_says_how_to_get_it(tmp_path):
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2
     assert "llama.cpp is not available" in proc.stderr and "PREFIXROUTE_LLAMA_PYTHON" in proc.stderr
+
+
+@pytest.mark.llama_cpp
+async def test_two_models_on_one_fleet_are_routed_by_model(engine_python):
+    """Two GGUF files under two aliases, one per instance: the router learns each
+    instance's model from its /v1/models and sends every request to an instance of the
+    model it names; an unknown model is a 404 that reaches no instance."""
+    import aiohttp
+
+    from prefixroute.core.config import FleetConfig, RoutingConfig
+    from prefixroute.engines.llama_cpp import MODEL_NAME, SECOND_MODEL_NAME
+    from prefixroute.server import ServerSettings, start_router
+
+    fleet = LlamaCppFleet(4, LlamaCppSettings(cache_tokens=8_000, n_ctx=4096), python=engine_python, models=2)
+    with fleet:
+        urls = await asyncio.to_thread(fleet.start)
+        served = fleet.served
+        assert sorted(served.values()) == [MODEL_NAME, MODEL_NAME, SECOND_MODEL_NAME, SECOND_MODEL_NAME]
+        router = await start_router(FleetConfig.single(urls, RoutingConfig.build("prefix-aware", 1024, 4)),
+                                    ServerSettings(port=0, admin_port=0, health_check_interval_s=0,
+                                                   metrics_scrape_interval_s=0))
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as http:
+                async with http.get(router.url + "/v1/models") as r:
+                    assert sorted(m["id"] for m in (await r.json())["data"]) == [MODEL_NAME, SECOND_MODEL_NAME]
+                before = {u: _metrics(u)["vllm:prefix_cache_queries_total"] for u in urls}
+                for k in range(6):
+                    for model in (MODEL_NAME, SECOND_MODEL_NAME):
+                        body = {"model": model, "prompt": f"document {k % 2} " * 40 + f"question {k}",
+                                "max_tokens": 2, "temperature": 0.0}
+                        async with http.post(router.url + "/v1/completions", json=body) as r:
+                            assert r.status == 200
+                            assert served[r.headers["X-Prefixroute-Instance"]] == model
+                            await r.read()
+                async with http.post(router.url + "/v1/completions", json={"model": "other", "prompt": "x"}) as r:
+                    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+            after = {u: _metrics(u)["vllm:prefix_cache_queries_total"] for u in urls}
+            # the engines' own counters: each model's requests were prefilled by its own instances only
+            for model in (MODEL_NAME, SECOND_MODEL_NAME):
+                assert sum(after[u] - before[u] for u in urls if served[u] == model) > 0
+        finally:
+            await router.close()

@@ -20,6 +20,7 @@ import pytest
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.server import ServerSettings, start_router
 from prefixroute.server.app import DECODED_CODINGS
+from prefixroute.core.openai_routes import OpenAIRoute
 from prefixroute.server.dataplane import MAX_HEAD_BYTES, MAX_HEADERS, FrontServer, match_route
 from prefixroute.server.proxy import Api
 
@@ -90,33 +91,42 @@ def _post(path: str, body: bytes, extra: str = "") -> bytes:
 
 
 @pytest.mark.parametrize("path,expected", [
-    ("/v1/chat/completions", (Api.OPENAI, True, None)),
-    ("/v1/completions", (Api.OPENAI, False, None)),
-    ("/invocations", (Api.NATIVE, False, None)),
-    ("/endpoints/e1/invocations", (Api.NATIVE, False, "e1")),
-    ("/endpoints/e1/invocations-response-stream", (Api.NATIVE_STREAM, False, "e1")),
-    ("/endpoints/e1/openai/v1/chat/completions", (Api.OPENAI, True, "e1")),
-    ("/endpoints/e1/openai/v1/completions", (Api.OPENAI, False, "e1")),
-    ("/endpoints/e1/inference-components/c/openai/v1/chat/completions", (Api.OPENAI, True, "e1")),
+    ("/v1/chat/completions", (Api.OPENAI, OpenAIRoute.CHAT, None, None)),
+    ("/v1/completions", (Api.OPENAI, OpenAIRoute.COMPLETIONS, None, None)),
+    ("/v1/embeddings", (Api.OPENAI, OpenAIRoute.EMBEDDINGS, None, None)),
+    ("/v1/audio/transcriptions", (Api.OPENAI, OpenAIRoute.OTHER, None, None)),
+    ("/tokenize", (Api.OPENAI, OpenAIRoute.TOKENIZE, None, None)),
+    ("/invocations", (Api.NATIVE, None, None, None)),
+    ("/endpoints/e1/invocations", (Api.NATIVE, None, "e1", None)),
+    ("/endpoints/e1/invocations-response-stream", (Api.NATIVE_STREAM, None, "e1", None)),
+    ("/endpoints/e1/inference-components/c/invocations", (Api.NATIVE, None, "e1", "c")),
+    ("/endpoints/e1/openai/v1/chat/completions", (Api.OPENAI, OpenAIRoute.CHAT, "e1", None)),
+    ("/endpoints/e1/openai/v1/completions", (Api.OPENAI, OpenAIRoute.COMPLETIONS, "e1", None)),
+    ("/endpoints/e1/openai/detokenize", (Api.OPENAI, OpenAIRoute.DETOKENIZE, "e1", None)),
+    ("/endpoints/e1/inference-components/c/openai/v1/chat/completions", (Api.OPENAI, OpenAIRoute.CHAT, "e1", "c")),
+    ("/endpoints/e1/inference-components/c/openai/v1/rerank", (Api.OPENAI, OpenAIRoute.RERANK, "e1", "c")),
     ("/endpoints//invocations", None),
     ("/endpoints/e%31/invocations", None),  # percent-encoded: aiohttp decodes it
-    ("/endpoints/e1/openai/v1/models", None),
+    ("/v1/chat%2Fcompletions", None),
     ("/v1/chat/completions/", None),
     ("/metrics", None),
+    ("/endpoints/e1/openai/metrics", None),
     ("/endpoints/e1/inference-components//openai/v1/completions", None),
 ])
 def test_match_route(path, expected):
-    assert match_route(path) == expected
+    found = match_route(path)
+    assert (found if found is None else found[:4]) == expected
 
 
 async def test_upstream_connection_is_kept_alive(router, backend):
+    before = backend.accepted  # (the router's own GET /v1/models at start had its connection)
     async with aiohttp.ClientSession() as http:
         for _ in range(20):
             async with http.post(router.url + "/v1/chat/completions", data=CHAT) as r:
                 assert r.status == 200
                 await r.read()
     assert len(backend.received) == 20
-    assert backend.accepted == 1
+    assert backend.accepted - before == 1
 
 
 async def test_pipelined_requests_are_answered_in_order(router, backend):
@@ -687,6 +697,12 @@ class _ScriptedEngine:
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
+                if head.startswith(b"GET /v1/models "):  # the router asking what it serves: no list
+                    self.accepted -= 1
+                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                    await writer.drain()
+                    writer.close()
+                    return
                 self.heads.append(head)
                 length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:"))

@@ -44,6 +44,10 @@ class FakeInstance:
         self.sent: list[float] = []  # perf_counter of each streamed chunk write
         self.health_status = 200
         self.extra_headers: dict[str, str] = {}  # more response headers in echo mode
+        # What GET /v1/models lists (the router routes a body's model among the instances
+        # serving it): ids, or whole cards (a LoRA adapter's with its "parent"); None: no
+        # /v1/models (404), as a SageMaker container may have none.
+        self.models: list[str | dict[str, Any]] | None = ["fake", "m"]
         self.received: list[tuple[str, CIMultiDict[str], bytes]] = []
         self.active = 0
         self.cancelled = 0
@@ -85,12 +89,16 @@ class FakeInstance:
         return web.Response(status=self.health_status)
 
     async def _models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        if self.models is None:
+            raise web.HTTPNotFound()
+        return web.json_response({"object": "list", "data": [
+            m if isinstance(m, dict) else {"id": m, "object": "model"} for m in self.models]})
 
     async def start(self) -> "FakeInstance":
         app = web.Application(client_max_size=64 * 1024 * 1024)
         for path in ("/v1/chat/completions", "/v1/completions", "/invocations"):
             app.router.add_post(path, self._handle)
+        app.router.add_post("/{tail:.+}", self._handle)  # every other OpenAI route, echoed as well
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
         self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)

@@ -61,6 +61,7 @@ async def test_backend_500(router, backend):
 
 async def test_connection_refused_retries_elsewhere(backend):
     dead = closed_port_url()
+    backend.models = None  # neither lists its models: both are candidates (a listed one would be preferred)
     handle = await router_for([dead, backend.url], routing=RoutingConfig.build("random"))
     try:
         async with aiohttp.ClientSession() as http:

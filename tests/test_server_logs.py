@@ -46,6 +46,8 @@ def _lines(path) -> list[dict]:
 async def test_access_log_one_json_line_per_request(instances, data_plane, tmp_path):
     log_path = tmp_path / "access.jsonl"
     dead = closed_port_url()
+    for inst in instances:  # no model lists: the dead instance stays a candidate for model "m" too
+        inst.models = None
     handle = await start_router(FleetConfig.single([dead, *[i.url for i in instances]], PA),
                                 settings(data_plane=data_plane, access_log=str(log_path), max_retries=2))
     sent = []
@@ -107,6 +109,7 @@ async def test_no_prompt_text_in_any_log_unless_asked(instances, data_plane, tmp
     caplog.set_level(logging.DEBUG)  # every logger, every level
     log_path, trace_path = tmp_path / "access.jsonl", tmp_path / "trace.jsonl"
     dead = closed_port_url()
+    instances[0].models = None  # no model list: the dead instance stays a candidate for model "m" too
     handle = await start_router(FleetConfig.single([dead, instances[0].url], PA),
                                 settings(data_plane=data_plane, access_log=str(log_path),
                                          record_trace=str(trace_path), admin_port=None))

@@ -13,6 +13,7 @@ import pytest
 
 from prefixroute.core.config import RoutingConfig
 from prefixroute.server.metrics import METRIC_NAMES
+from prefixroute.server.models import refresh_models
 from test_server_helpers import FakeInstance, eventually, in_flight, metric_value, router_for
 
 CHAT = {"model": "m", "messages": [{"role": "system", "content": "S" * 2000}, {"role": "user", "content": "hi"}]}
@@ -105,14 +106,21 @@ async def test_sagemaker_openai_paths_and_models(router, backends, http):
     async with http.post(router.url + "/endpoints/default/openai/v1/chat/completions", json=CHAT) as r:
         assert r.status == 200
         assert (await r.json())["path"] == "/v1/chat/completions"
+    received = sum(len(b.received) for b in backends)
     async with http.post(router.url + "/endpoints/default/inference-components/ic1/openai/v1/completions",
-                         json={"model": "m", "prompt": "p"}) as r:
-        assert (await r.json())["path"] == "/v1/completions"
+                         json={"model": "m", "prompt": "p"}) as r:  # the endpoint has no inference component
+        assert r.status == 400
+        assert (await r.json())["error"]["code"] == "inference_component_not_found"
+    assert sum(len(b.received) for b in backends) == received
     for path in ("/v1/models", "/endpoints/default/openai/v1/models"):
-        async with http.get(router.url + path) as r:
+        async with http.get(router.url + path) as r:  # the union of the instances' lists
             assert r.status == 200
-            assert (await r.json())["data"][0]["id"] == "fake"
-            assert r.headers["X-Prefixroute-Instance"] in {b.url for b in backends}
+            assert [m["id"] for m in (await r.json())["data"]] == ["fake", "m"]
+    for b in backends:
+        b.models = None  # no instance lists its models: one instance's answer, as it is
+    await refresh_models(router.state)
+    async with http.get(router.url + "/v1/models") as r:
+        assert r.status == 404 and r.headers["X-Prefixroute-Instance"] in {b.url for b in backends}
     assert in_flight(router) == 0
 
 

@@ -13,6 +13,7 @@ the value and the allowed range, e.g.
 from __future__ import annotations
 
 import enum
+import re
 from typing import Any, Sequence
 from urllib.parse import urlsplit
 
@@ -20,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from prefixroute.core.discovery_config import DiscoveryConfig
 from prefixroute.core.kvevents.config import KvEventsConfig
+from prefixroute.core.lora_config import LoraAdaptersConfig
 
 __all__ = [
     "ConfigError",
@@ -33,6 +35,8 @@ __all__ = [
     "format_validation_error",
     "parse_model",
     "VariantConfig",
+    "InferenceComponentConfig",
+    "DISCOVER",
     "EndpointConfig",
     "FleetConfig",
 ]
@@ -480,20 +484,138 @@ def _instance_url(url: str) -> str:
     return u
 
 
+#: ``Instances: DISCOVER`` of an inference component: its copies are the instances of its
+#: production variant whose ``/v1/models`` lists its ``ModelName``.
+DISCOVER = "DISCOVER"
+#: SageMaker's pattern of an inference component's name (``InferenceComponentName``).
+_COMPONENT_NAME = re.compile(r"^[a-zA-Z0-9](-*[a-zA-Z0-9])*$")
+
+
+class InferenceComponentConfig(BaseModel):
+    """An inference component: one model with its own copies on some instances of a
+    production variant, and its own routing (SageMaker's ``InferenceComponent``).
+
+    A request names it with ``X-Amzn-SageMaker-Inference-Component`` (boto3's
+    ``InferenceComponentName=``), the path ``/endpoints/{E}/inference-components/{IC}/...``,
+    or, on the OpenAI API, its ``ModelName`` in ``model``; it is routed only among the
+    component's copies, with their own in-flight counts and ``ConcurrencyThreshold``.
+
+    Attributes:
+        name: ``InferenceComponentName``, 1-63 letters, digits and inner hyphens.
+        model: ``ModelName``: the model its copies serve (their ``/v1/models`` id);
+            ``None`` = the component's name.
+        variant: ``VariantName``: the production variant whose instances host its
+            copies; ``None`` = the endpoint's only variant.
+        instances: ``Instances``: base URLs of the instances that host a copy (each an
+            instance of the variant when the variant lists its instances), or
+            ``DISCOVER`` (the default): the variant's instances whose ``/v1/models``
+            lists ``ModelName``, learned at start and on each health round.
+        routing: ``RoutingConfig``: the component's own; ``None`` = its variant's.
+    """
+
+    model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
+
+    name: str = Field(alias="InferenceComponentName", min_length=1, max_length=63)
+    model: str | None = Field(default=None, alias="ModelName", min_length=1, max_length=256)
+    variant: str | None = Field(default=None, alias="VariantName", min_length=1, max_length=63)
+    instances: tuple[str, ...] | str = Field(default=DISCOVER, alias="Instances")
+    routing: RoutingConfig | None = Field(default=None, alias="RoutingConfig")
+
+    @field_validator("name")
+    @classmethod
+    def _v_name(cls, v: str) -> str:
+        if not _COMPONENT_NAME.match(v):
+            raise ValueError(f"InferenceComponentName: {v!r} must be letters, digits and inner hyphens "
+                             "(SageMaker's pattern)")
+        return v
+
+    @field_validator("instances", mode="before")
+    @classmethod
+    def _v_instances(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            if v.strip().upper() != DISCOVER:
+                raise ValueError(f"Instances: {_shown(v)} is neither a list of instance URLs nor DISCOVER")
+            return DISCOVER
+        if not isinstance(v, (list, tuple)) or not v:
+            raise ValueError(f"Instances: {_shown(v)} is neither a non-empty list of instance URLs nor DISCOVER")
+        out = [_instance_url(u) if isinstance(u, str) else u for u in v]
+        if any(not isinstance(u, str) for u in out):
+            raise ValueError("Instances: every instance must be a URL string")
+        if len(set(out)) != len(out):
+            raise ValueError(f"Instances: duplicate instance URL {_dupes(out)}")
+        return tuple(out)
+
+    @property
+    def model_name(self) -> str:
+        """The model the copies serve (``ModelName``, else the component's name)."""
+        return self.model or self.name
+
+    @property
+    def discover(self) -> bool:
+        """Whether the copies are found from the instances' ``/v1/models``."""
+        return self.instances == DISCOVER
+
+    def to_api(self) -> dict[str, Any]:
+        """SageMaker-style dict."""
+        out: dict[str, Any] = {"InferenceComponentName": self.name, "ModelName": self.model_name,
+                               "Instances": DISCOVER if self.discover else list(self.instances)}
+        if self.variant is not None:
+            out["VariantName"] = self.variant
+        if self.routing is not None:
+            out["RoutingConfig"] = self.routing.to_api()
+        return out
+
+
 class EndpointConfig(BaseModel):
-    """A named endpoint with one or more production variants."""
+    """A named endpoint with one or more production variants, its inference components
+    (``InferenceComponents``, optional) and LoRA settings (``LoraAdapters``, optional:
+    :class:`~prefixroute.core.lora_config.LoraAdaptersConfig`)."""
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
 
     name: str = Field(alias="EndpointName", min_length=1, max_length=63)
     variants: tuple[VariantConfig, ...] = Field(alias="ProductionVariants", min_length=1)
+    components: tuple[InferenceComponentConfig, ...] = Field(default=(), alias="InferenceComponents")
+    lora: LoraAdaptersConfig = Field(default_factory=LoraAdaptersConfig, alias="LoraAdapters")
 
     @model_validator(mode="after")
     def _v_unique(self) -> "EndpointConfig":
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names):
             raise ValueError(f"endpoint {self.name!r}: duplicate variant names {_dupes(names)}")
+        cnames = [c.name for c in self.components]
+        if len(set(cnames)) != len(cnames):
+            raise ValueError(f"endpoint {self.name!r}: duplicate InferenceComponentName {_dupes(cnames)}")
+        models = [c.model_name for c in self.components]
+        if len(set(models)) != len(models):
+            raise ValueError(f"endpoint {self.name!r}: ModelName {_dupes(models)} is served by more than one "
+                             "inference component (a request's model must name one)")
+        by_name = {v.name: v for v in self.variants}
+        for c in self.components:
+            if c.variant is None and len(self.variants) > 1:
+                raise ValueError(f"endpoint {self.name!r}: inference component {c.name!r} needs a VariantName "
+                                 f"(variants: {', '.join(by_name)})")
+            variant = by_name.get(c.variant) if c.variant is not None else self.variants[0]
+            if variant is None:
+                raise ValueError(f"endpoint {self.name!r}: inference component {c.name!r}: VariantName "
+                                 f"{c.variant!r} is not a production variant (variants: {', '.join(by_name)})")
+            if not c.discover and variant.discovery is None:
+                outside = [u for u in c.instances if u not in variant.instances]
+                if outside:
+                    raise ValueError(f"endpoint {self.name!r}: inference component {c.name!r}: "
+                                     f"{_shown(outside[0], 80)} is not an instance of production variant "
+                                     f"{variant.name!r}")
         return self
+
+    def component_variant(self, component: InferenceComponentConfig) -> VariantConfig:
+        """The production variant hosting ``component``'s copies."""
+        if component.variant is None:
+            return self.variants[0]
+        return next(v for v in self.variants if v.name == component.variant)
+
+    def component_routing(self, component: InferenceComponentConfig) -> RoutingConfig:
+        """``component``'s routing: its own, else its variant's."""
+        return component.routing or self.component_variant(component).routing
 
 
 class FleetConfig(BaseModel):

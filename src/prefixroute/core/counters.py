@@ -93,8 +93,16 @@ def slot_key(endpoint: str, variant: str, instance_id: str) -> int:
 
 
 def config_slot_keys(config: FleetConfig) -> list[int]:
-    """The slot keys of every (endpoint, variant, instance) of ``config``."""
-    return [slot_key(e.name, v.name, i) for e in config.endpoints for v in e.variants for i in v.instances]
+    """The slot keys of every (endpoint, variant, instance) of ``config``, and of every
+    inference component's possible copies (scope ``variant NUL component``: its listed
+    instances, or all its variant's for ``Instances: DISCOVER``)."""
+    keys = [slot_key(e.name, v.name, i) for e in config.endpoints for v in e.variants for i in v.instances]
+    for e in config.endpoints:
+        for c in e.components:
+            variant = e.component_variant(c)
+            ids = variant.instances if c.discover else c.instances
+            keys += [slot_key(e.name, f"{variant.name}\0{c.name}", i) for i in ids]
+    return keys
 
 
 class InFlightTable:

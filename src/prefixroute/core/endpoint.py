@@ -1,9 +1,15 @@
-"""Endpoints: named fronts with weighted production variants, each a :class:`VariantPool`.
+"""Endpoints: named fronts with weighted production variants, each a :class:`VariantPool`,
+and inference components, each a pool of its own copies.
 
 Sans-I/O. The HTTP router holds one :class:`Fleet`; it resolves an endpoint by name,
 picks a variant (the one targeted by ``X-Amzn-SageMaker-Target-Variant``, else by
-weight among the variants that have a healthy instance), and asks that variant's pool
-for an instance.
+weight among the variants that have a healthy instance) or an inference component
+(:mod:`prefixroute.core.selection` decides which), and asks that pool for an instance.
+
+An inference component's pool holds its copies: its own :class:`InstanceState` per
+instance (in-flight counts and ``ConcurrencyThreshold`` per copy, as SageMaker counts
+them), its own routing configuration and strategy state. Its ``name`` is the variant it
+lives on; its ``component`` the component's name.
 """
 
 from __future__ import annotations
@@ -11,14 +17,15 @@ from __future__ import annotations
 import random
 from typing import TYPE_CHECKING, Sequence
 
-from prefixroute.core.config import EndpointConfig, FleetConfig, RoutingConfig
+from prefixroute.core.config import EndpointConfig, FleetConfig, InferenceComponentConfig, RoutingConfig
 from prefixroute.core.pool import VariantPool
 
 if TYPE_CHECKING:
     from prefixroute.core.approx_cache import ViewBudget
+    from prefixroute.core.catalog import ModelCatalog
     from prefixroute.core.counters import InFlightTable
 
-__all__ = ["UnknownEndpoint", "UnknownVariant", "Endpoint", "Fleet"]
+__all__ = ["UnknownEndpoint", "UnknownVariant", "UnknownComponent", "Endpoint", "Fleet"]
 
 
 class UnknownEndpoint(LookupError):
@@ -27,6 +34,11 @@ class UnknownEndpoint(LookupError):
 
 class UnknownVariant(LookupError):
     """The targeted production variant does not exist (the HTTP drivers answer 400)."""
+
+
+class UnknownComponent(LookupError):
+    """The named inference component does not exist on the endpoint (the HTTP drivers
+    answer 400, SageMaker's ``ValidationError``)."""
 
 
 class Endpoint:
@@ -48,6 +60,11 @@ class Endpoint:
         self._counters = counters
         self._view_budget = view_budget
         self.pools: dict[str, VariantPool] = {}
+        #: Inference component name -> the pool of its copies.
+        self.components: dict[str, VariantPool] = {}
+        #: ``ModelName`` -> inference component name.
+        self.component_by_model: dict[str, str] = {}
+        self.config = config
         self._weights: dict[str, float] = {}
         self._only: VariantPool | None = None  # the one variant, if there is one
         self.apply(config, seed)
@@ -73,6 +90,76 @@ class Endpoint:
         self.pools = pools
         self._only = next(iter(pools.values())) if len(pools) == 1 else None
         self._weights = {v.name: v.weight for v in config.variants}
+        self.config = config
+        components: dict[str, VariantPool] = {}
+        for k, c in enumerate(config.components):
+            variant = config.component_variant(c)
+            routing = config.component_routing(c)
+            pool = self.components.get(c.name)
+            if pool is not None and pool.name != variant.name:
+                pool.close()  # moved to another variant: its copies' state is another's
+                pool = None
+            if c.discover:  # copies kept from what was discovered, within the variant
+                members = set(variant.instances)
+                ids = [i.instance_id for i in pool.instances if i.instance_id in members] if pool is not None else []
+            else:
+                ids = list(c.instances)
+            if pool is None:
+                pool = VariantPool(variant.name, ids, routing, None if seed is None else seed + 500 + k,
+                                   view_budget=self._view_budget, component=c.name,
+                                   **({} if self._counters is None else
+                                      {"make_state": self._counters.states(self.name, f"{variant.name}\0{c.name}")}))
+            else:
+                pool.set_instances(ids)
+                pool.set_routing(routing)
+            components[c.name] = pool
+        for name, gone in self.components.items():
+            if name not in components:
+                gone.close()
+        self.components = components
+        self.component_by_model = {c.model_name: c.name for c in config.components}
+
+    def component(self, name: str) -> VariantPool:
+        """The pool of inference component ``name``.
+
+        Raises:
+            UnknownComponent: no such component on this endpoint.
+        """
+        pool = self.components.get(name)
+        if pool is None:
+            known = ", ".join(self.components) or "none"
+            raise UnknownComponent(f"Inference Component Name {name!r} is not valid for endpoint {self.name!r} "
+                                   f"(inference components: {known})")
+        return pool
+
+    def component_config(self, name: str) -> InferenceComponentConfig:
+        """The configuration of inference component ``name``.
+
+        Raises:
+            UnknownComponent: no such component on this endpoint.
+        """
+        self.component(name)
+        return next(c for c in self.config.components if c.name == name)
+
+    def discover_components(self, catalog: "ModelCatalog") -> bool:
+        """Set the copies of every ``Instances: DISCOVER`` component to its variant's
+        instances whose listed models include its ``ModelName`` (an unlisted instance
+        hosts no copy: a request is never sent where the component is not known to
+        run). Copies that stay keep their state. Returns whether any membership changed."""
+        changed = False
+        for c in self.config.components:
+            if not c.discover:
+                continue
+            pool = self.components[c.name]
+            serving = catalog.serving(c.model_name)
+            variant = self.pools.get(pool.name)
+            if variant is None:
+                continue
+            ids = [i.instance_id for i in variant.instances if i.instance_id in serving]
+            if ids != [i.instance_id for i in pool.instances]:
+                pool.set_instances(ids)
+                changed = True
+        return changed
 
     def variant(self, target: str | None = None) -> VariantPool:
         """The targeted variant, or one drawn by weight.
@@ -111,6 +198,10 @@ class Endpoint:
         """
         self.variant(variant).set_routing(routing)
 
+    def all_pools(self) -> list[VariantPool]:
+        """The variants' pools, then the components' pools."""
+        return [*self.pools.values(), *self.components.values()]
+
 
 class Fleet:
     """All endpoints. The first configured endpoint is the default (serves ``/v1/...``).
@@ -143,7 +234,7 @@ class Fleet:
             endpoints[e.name] = ep
         for name, gone in self.endpoints.items():
             if name not in endpoints:
-                for pool in gone.pools.values():
+                for pool in gone.all_pools():
                     pool.close()
         self.endpoints = endpoints
         self.default_name = config.endpoints[0].name
@@ -167,5 +258,13 @@ class Fleet:
         return ep
 
     def all_pools(self) -> Sequence[tuple[str, VariantPool]]:
-        """``(endpoint name, pool)`` for every variant of every endpoint."""
-        return [(e.name, p) for e in self.endpoints.values() for p in e.pools.values()]
+        """``(endpoint name, pool)`` for every variant and every inference component of
+        every endpoint (a component's pool has ``pool.component`` set)."""
+        return [(e.name, p) for e in self.endpoints.values() for p in e.all_pools()]
+
+    def discover_components(self, catalog: "ModelCatalog") -> bool:
+        """:meth:`Endpoint.discover_components` on every endpoint; whether any changed."""
+        changed = False
+        for e in self.endpoints.values():
+            changed = e.discover_components(catalog) or changed
+        return changed

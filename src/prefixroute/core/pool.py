@@ -24,11 +24,17 @@ from prefixroute.core.hashing import rendezvous_order
 from prefixroute.core.sessions import SessionPin, instance_tag
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, make_strategy
 
-__all__ = ["NoHealthyInstance", "Decision", "Lease", "VariantPool"]
+__all__ = ["NoHealthyInstance", "SetSaturated", "Decision", "Lease", "VariantPool"]
 
 
 class NoHealthyInstance(RuntimeError):
     """No instance of the variant can take the request (the HTTP drivers answer 503)."""
+
+
+class SetSaturated(RuntimeError):
+    """Every candidate is at ``ConcurrencyThreshold`` and the caller asked not to
+    overload one (``refuse_all_busy``: a LoRA adapter's sticky set; the HTTP drivers
+    answer 429 with ``Retry-After``, or load the adapter elsewhere)."""
 
 
 @dataclass(slots=True)
@@ -58,12 +64,18 @@ class Lease:
     """One request's claim on an instance's in-flight count (and its share of the
     instance's pending prefill); release exactly once."""
 
-    __slots__ = ("decision", "_released", "_prefill")
+    __slots__ = ("decision", "_released", "_prefill", "_attached")
 
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
         self._released = False
         self._prefill = decision.prefill_units
+        self._attached: Any = None
+
+    def attach(self, claim: Any) -> None:
+        """Release ``claim`` (anything with ``release()``, e.g. a
+        :class:`prefixroute.core.adapters.AdapterUse`) together with this lease."""
+        self._attached = claim
 
     @property
     def instance(self) -> InstanceState:
@@ -90,6 +102,8 @@ class Lease:
                 self.decision.instance.pending_prefill -= self._prefill
                 self._prefill = 0
             self.decision.instance.add_in_flight(-1)
+            if self._attached is not None:
+                self._attached.release()
 
     def __enter__(self) -> "Lease":
         return self
@@ -111,6 +125,9 @@ class VariantPool:
         view_budget: a router-wide memory ceiling for what strategies learn
             (:class:`prefixroute.core.approx_cache.ViewBudget`), shared by every pool of
             the router; ``None``: each view only has its own bound.
+        component: the inference component whose copies the pool holds, or ``None``
+            for a production variant's own pool. ``name`` is then the variant the
+            component lives on (what ``X-Amzn-Invoked-Production-Variant`` names).
 
     Raises:
         ValueError: duplicate instance ids.
@@ -126,8 +143,15 @@ class VariantPool:
         seed: int | None = None,
         make_state: Callable[[str], InstanceState] = InstanceState,
         view_budget: Any = None,
+        component: str | None = None,
     ) -> None:
         self.name = name
+        self.component = component
+        #: Changes whenever the membership does (callers cache what they derive from it).
+        self.membership_version = 0
+        # Healthy candidates restricted to a subset (a model's instances, an adapter's
+        # sticky set), kept while membership and health do not change.
+        self._subsets: dict[frozenset[str], tuple[InstanceState, ...]] = {}
         self._view_budget = view_budget
         self._make_state = make_state
         self._rng = random.Random(seed)
@@ -150,6 +174,18 @@ class VariantPool:
     @property
     def routing(self) -> RoutingConfig:
         return self._routing
+
+    @property
+    def slot_scope(self) -> str:
+        """The scope of its instances' shared in-flight slots (``serve --workers N``):
+        the variant's name, or ``variant NUL component`` for a component's copies."""
+        return self.name if self.component is None else f"{self.name}\0{self.component}"
+
+    @property
+    def describe(self) -> str:
+        """``production variant 'V'`` or ``inference component 'C'``, for messages."""
+        return f"production variant {self.name!r}" if self.component is None else \
+            f"inference component {self.component!r}"
 
     @property
     def strategy(self) -> Strategy:
@@ -218,6 +254,8 @@ class VariantPool:
         self._by_id = {s.instance_id: s for s in self._instances}
         self._retired = {i: s for i, s in known.items() if i not in self._by_id and s.in_flight > 0}
         self._healthy = None
+        self._subsets.clear()
+        self.membership_version += 1
         self._strategy.on_membership_change(self._instances)
 
     @property
@@ -235,6 +273,7 @@ class VariantPool:
         if inst is not None and inst.healthy != healthy:
             inst.healthy = healthy
             self._healthy = None
+            self._subsets.clear()
 
     def forget_cache(self, instance_id: str) -> bool:
         """The instance's engine lost its prefix cache (it restarted on the same URL):
@@ -256,7 +295,7 @@ class VariantPool:
 
     def choose(
         self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = (),
-        session: SessionPin | None = None,
+        session: SessionPin | None = None, only: frozenset[str] | None = None, refuse_all_busy: bool = False,
     ) -> Decision:
         """Decide without claiming anything (for dry runs and tests).
 
@@ -268,22 +307,31 @@ class VariantPool:
                 to the session's instance, whatever the strategy, while that one is
                 healthy and below the threshold, else along the session's rendezvous
                 order (``overflow``; ``all_busy`` when every one is at the threshold).
+            only: the instance ids the request may go to (the instances serving its
+                model, an adapter's sticky set: :mod:`prefixroute.core.selection`), or
+                ``None`` for all. The strategy then chooses among those only.
+            refuse_all_busy: raise :class:`SetSaturated` rather than decide ``all_busy``
+                when every candidate is at ``ConcurrencyThreshold``.
 
         Raises:
-            NoHealthyInstance: no healthy, non-excluded instance, or the pool is
-                :meth:`closed`.
+            NoHealthyInstance: no healthy, non-excluded instance (among ``only``), or
+                the pool is :meth:`closed`.
+            SetSaturated: ``refuse_all_busy`` and every candidate at the threshold.
         """
         t0 = time.perf_counter()
         if self._closed:
-            raise NoHealthyInstance(f"production variant {self.name!r} was removed from the configuration")
-        if exclude:
-            candidates = [s for s in self._instances if s.healthy and s.instance_id not in exclude]
-        else:
-            candidates = self._healthy
-            if candidates is None:
-                candidates = self._healthy = tuple(s for s in self._instances if s.healthy)
+            raise NoHealthyInstance(f"{self.describe} was removed from the configuration")
+        candidates = self._candidates(exclude, only)
         if not candidates:
-            raise NoHealthyInstance(f"production variant {self.name!r} has no healthy instance")
+            if only is not None:
+                raise NoHealthyInstance(f"{self.describe} has no healthy instance serving the requested model")
+            raise NoHealthyInstance(f"{self.describe} has no healthy instance" if self.component is None
+                                    else f"{self.describe} has no healthy copy")
+        if refuse_all_busy:
+            threshold = self._routing.concurrency_threshold
+            if threshold is not None and all(c.in_flight >= threshold for c in candidates):
+                raise SetSaturated(f"every one of the {len(candidates)} instance(s) serving the requested model in "
+                                   f"{self.describe} is at its ConcurrencyThreshold ({threshold})")
         strategy = self._strategy
         if session is not None:
             inst, kind = self._session_choice(session, candidates)
@@ -291,6 +339,25 @@ class VariantPool:
         inst, kind = strategy.choose(key, candidates, blocks)
         return Decision(inst, kind, self._routing.strategy, self.name, time.perf_counter() - t0,
                         strategy.uncached_units)
+
+    def _candidates(self, exclude: frozenset[str] | set[str], only: frozenset[str] | None
+                    ) -> Sequence[InstanceState]:
+        """The healthy instances, without ``exclude``, within ``only``: the same tuple
+        while membership and health do not change (strategies cache by identity)."""
+        if exclude:
+            return [s for s in self._instances if s.healthy and s.instance_id not in exclude
+                    and (only is None or s.instance_id in only)]
+        healthy = self._healthy
+        if healthy is None:
+            healthy = self._healthy = tuple(s for s in self._instances if s.healthy)
+        if only is None:
+            return healthy
+        subset = self._subsets.get(only)
+        if subset is None:
+            if len(self._subsets) > 256:
+                self._subsets.clear()
+            subset = self._subsets[only] = tuple(s for s in healthy if s.instance_id in only)
+        return subset
 
     def _session_choice(self, session: SessionPin, candidates: Sequence[InstanceState]
                         ) -> tuple[InstanceState, DecisionKind]:
@@ -308,7 +375,8 @@ class VariantPool:
 
     def acquire(
         self, key: int | None, exclude: frozenset[str] | set[str] = frozenset(), blocks: Sequence[int] = (),
-        learn: bool = True, session: SessionPin | None = None,
+        learn: bool = True, session: SessionPin | None = None, only: frozenset[str] | None = None,
+        refuse_all_busy: bool = False,
     ) -> Lease:
         """Decide, tell the strategy, and claim one in-flight slot on the chosen instance.
 
@@ -316,12 +384,13 @@ class VariantPool:
             learn: tell the strategy now (``on_routed``). A driver that wants the
                 learning off the request's latency path passes ``False`` and calls
                 :meth:`learn` once the request is on its way.
-            session: as :meth:`choose`.
+            session, only, refuse_all_busy: as :meth:`choose`.
 
         Raises:
             NoHealthyInstance: no healthy, non-excluded instance.
+            SetSaturated: as :meth:`choose`.
         """
-        decision = self.choose(key, exclude, blocks, session)
+        decision = self.choose(key, exclude, blocks, session, only, refuse_all_busy)
         if learn:
             self._strategy.on_routed(decision.instance, blocks)
         inst = decision.instance

@@ -42,7 +42,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                         "generated model, one CPU thread each, times in real seconds (needs the llama-cpp "
                         "extra; docs/LLAMA_CPP.md) (default: emulated)")
     g.add_argument("--instances", type=int, default=None,
-                   help="engine instances (default: 5; 3 with --engine llama-cpp)")
+                   help="engine instances (default: 5; 3 with --engine llama-cpp; 6 with --multi-model)")
+    g.add_argument("--multi-model", action="store_true",
+                   help="one endpoint with two inference components (two models, half of the instances each, "
+                        "copies found from their /v1/models); the same workload for both models, and a table of "
+                        "each component's cache-hit rate and share per copy (emulated engines only)")
     g.add_argument("--time-scale", type=float, default=0.25,
                    help="engine speed: 0.25 runs the model four times faster than real time; reported "
                         "times are converted back to model seconds (default: 0.25)")
@@ -87,6 +91,15 @@ def _strategies(text: str) -> list[RoutingStrategy]:
 
 
 async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_procs, progress, task):
+    if args.multi_model:
+        import tempfile
+
+        from prefixroute.demo.multi_model import run_strategy
+
+        count = itertools.count(1)
+        with tempfile.TemporaryDirectory(prefix="prefixroute-demo-") as tmp:
+            return await run_strategy(args, strategy, group_procs, Path(tmp),
+                                      lambda _r: progress.update(task, completed=next(count)))
     if args.engine == "llama-cpp":
         from prefixroute.engines.llama_cpp import run_demo_strategy
 
@@ -149,6 +162,8 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
     fleet = (f"{args.instances} llama.cpp instances (tiny random model, 1 CPU thread each)"
              if args.engine == "llama-cpp" else
              f"{args.instances} emulated Llama-3.1-70B/8xH100 instances (time scale {args.time_scale})")
+    if args.multi_model:
+        fleet += ", two inference components of half of them each"
     console.print(
         f"[bold]prefixroute demo[/bold]: {fleet}, {args.groups} groups x {args.prefix_tokens}-token prefixes, "
         f"{args.users} users, {args.duration:.0f} s of traffic per strategy (plus starting the fleet and "
@@ -171,8 +186,14 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
 
     title = ("Shared-prefix workload on llama.cpp; real seconds" if args.engine == "llama-cpp" else
              "Shared-prefix workload; times in model seconds, overhead in real milliseconds")
+    if args.multi_model:
+        title = title.replace("Shared-prefix workload", "Two inference components, one shared-prefix workload each")
     wide = render_table(summaries, title)
     console.print(wide if console.width >= 180 else render_narrow_table(summaries, title))
+    if args.multi_model:
+        from prefixroute.demo.multi_model import render_components
+
+        console.print(render_components(summaries))
     errors = sum(s.errors for s in summaries)
     if errors:
         console.print(f"[red]{errors} request(s) failed[/red]")
@@ -191,9 +212,17 @@ def _check(args: argparse.Namespace) -> list[RoutingStrategy]:
         from prefixroute.engines.llama_cpp import DEMO_DEFAULTS as defaults
     else:
         defaults = EMULATED_DEFAULTS
+    if getattr(args, "multi_model", False):
+        if args.engine != "emulated":
+            raise ConfigError("--multi-model runs on emulated engines only (--engine emulated)")
+        defaults = {**defaults, "instances": 6}
+    else:
+        args.multi_model = False
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    if args.multi_model and args.instances < 2:
+        raise ConfigError(f"--multi-model needs at least 2 instances (one copy per component), got {args.instances}")
     if args.requests is not None and args.requests < 1:
         raise ConfigError(f"--requests must be at least 1, got {args.requests}")
     strategies = _strategies(args.strategies)

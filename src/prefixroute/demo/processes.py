@@ -69,6 +69,7 @@ class ProcessGroup:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            errors="replace",  # a stray byte in a child's output must not stop the draining thread
             env=env,
             start_new_session=True,  # Ctrl-C reaches us; we stop the children ourselves
         )
@@ -78,15 +79,19 @@ class ProcessGroup:
             self.stop(child)
             raise StartupError(f"{name}: the process group was closed")
         assert proc.stdout is not None
+        # Read the pipe's bytes ourselves: readline() on the text wrapper may take two
+        # lines in one read, and the second would then sit in its buffer while select()
+        # waits for more (a router prints its two lines at once).
+        fd = proc.stdout.fileno()
         sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        sel.register(fd, selectors.EVENT_READ)
         deadline = time.monotonic() + ready_timeout_s
         seen: list[str] = []
+        pending = b""
         found = 0
-        pending = b""  # read from the pipe, not yet a whole line
-        fd = proc.stdout.fileno()
+        eof = False
         try:
-            while found < ready_lines:
+            while found < ready_lines and not eof:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise StartupError(f"{name} not ready after {ready_timeout_s:.0f} s; output:\n" + "".join(seen[-20:]))
@@ -97,8 +102,7 @@ class ProcessGroup:
                 # Raw reads (a buffered readline would take the lines after this one
                 # into its buffer, where select() no longer sees them).
                 data = os.read(fd, 65536)
-                if not data:
-                    break
+                eof = not data
                 pending += data
                 *lines, pending = pending.split(b"\n")
                 for raw in lines:

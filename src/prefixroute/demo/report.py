@@ -52,6 +52,9 @@ class RunSummary:
     router_overhead_p99_ms: float = float("nan")
     time_scale: float = 1.0
     decisions: dict[str, int] = field(default_factory=dict)
+    #: ``demo --multi-model``: per inference component, its requests, cache-hit rate and
+    #: share per copy (:mod:`prefixroute.demo.multi_model`); empty otherwise.
+    components: dict[str, Any] = field(default_factory=dict)
 
 
 async def scrape_counters(urls: Sequence[str], names: Sequence[str]) -> dict[str, float]:

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import math
+import os
 import signal
 import sys
 from collections.abc import Callable
@@ -26,7 +27,7 @@ from prefixroute.engine.shared_tier_file import FileSharedTier
 from prefixroute.engine.model import DEFAULT_MODEL, EngineConfig
 from prefixroute.engine.server import start_engine_server
 
-__all__ = ["configure_parser", "run", "config_from_args", "kv_events_from_args"]
+__all__ = ["configure_parser", "run", "config_from_args", "kv_events_from_args", "lora_from_args"]
 
 _DEFAULTS = EngineConfig()
 
@@ -47,6 +48,7 @@ _ENGINE_FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--cpu-load-s-per-token", float, "modelled seconds per token loaded from the CPU tier"),
     ("--shared-load-s-per-token", float, "modelled seconds per token loaded from the shared tier"),
     ("--shared-load-latency-s", float, "modelled seconds added per request loading from the shared tier"),
+    ("--lora-load-s", float, "modelled seconds one LoRA adapter takes to load (/v1/load_lora_adapter)"),
 )
 
 
@@ -59,6 +61,35 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--model", default=DEFAULT_MODEL, help="served model name, in /v1/models and metrics (default: %(default)s)"
+    )
+    p.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="names the model answers to, as vLLM's flag: the first replaces --model in answers and metrics, all "
+        "are listed in /v1/models and accepted in 'model' (default: --model)",
+    )
+    p.add_argument(
+        "--enable-lora", action="store_true",
+        help="serve LoRA adapters (vLLM's flag): requests name an adapter in 'model'; its prefix-cache blocks are "
+        "its own",
+    )
+    p.add_argument(
+        "--max-loras", type=int, default=None, metavar="N",
+        help="adapter slots: the most adapters in one batch (vLLM's flag; reported as max_lora in "
+        "vllm:lora_requests_info); a request whose adapter finds every slot taken waits (default with "
+        "--enable-lora: 1)",
+    )
+    p.add_argument(
+        "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+        help="LoRA adapters loaded at start (vLLM's flag); needs --enable-lora",
+    )
+    p.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter, as vLLM does with "
+        "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (which is honoured too); needs --enable-lora",
+    )
+    p.add_argument(
+        "--embedding-dim", type=int, default=16, metavar="N",
+        help="length of the vectors /v1/embeddings answers with (default: %(default)s)",
     )
     p.add_argument(
         "--instance-id", default=None, help="name sent in the X-Emulated-Instance header and /info (default: random)"
@@ -140,13 +171,42 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """
     names = (flag[2:].replace("-", "_") for flag, _, _ in _ENGINE_FLAGS)
     overrides = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    return EngineConfig(model=args.model, **overrides)
+    served = list(getattr(args, "served_model_name", None) or [])
+    model = served[0] if served else args.model
+    lora_on = getattr(args, "enable_lora", False)
+    if getattr(args, "max_loras", None) is not None and not lora_on:
+        raise ValueError("--max-loras needs --enable-lora")
+    max_loras = (args.max_loras if args.max_loras is not None else 1) if lora_on else 0
+    return EngineConfig(model=model, served_model_names=tuple(served[1:]), max_loras=max_loras, **overrides)
+
+
+def lora_from_args(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
+    """``(lora_modules, runtime_lora_updating)`` from the flags (and vLLM's environment
+    variable ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
+
+    Raises:
+        ValueError: a malformed ``NAME=PATH``, or adapters without ``--enable-lora``.
+    """
+    modules: dict[str, str] = {}
+    for item in getattr(args, "lora_modules", []) or []:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: expected NAME=PATH")
+        modules[name] = path
+    runtime = getattr(args, "allow_runtime_lora_updating", False) or \
+        os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+    if (modules or getattr(args, "allow_runtime_lora_updating", False)) and not getattr(args, "enable_lora", False):
+        raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    return modules, runtime and getattr(args, "enable_lora", False)
 
 
 async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None,
                  kv_events: KvEventsSettings | None, shared_tier: FileSharedTier | None) -> None:
+    modules, runtime = lora_from_args(args)
     runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id,
-                                             tokenizer=tokenizer, kv_events=kv_events, shared_tier=shared_tier)
+                                             tokenizer=tokenizer, kv_events=kv_events, shared_tier=shared_tier,
+                                             lora_modules=modules, runtime_lora_updating=runtime,
+                                             embedding_dim=args.embedding_dim)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -205,6 +265,9 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--port {args.port} is out of range (allowed 0-65,535)")
         if args.chat_template is not None and args.tokenizer is None:
             raise ValueError("--chat-template needs --tokenizer")
+        lora_from_args(args)  # (checked now: a bad flag is exit code 2)
+        if args.embedding_dim < 1:
+            raise ValueError(f"--embedding-dim must be >= 1, got {args.embedding_dim}")
         tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
         kv_events = kv_events_from_args(args)
         shared_tier = None

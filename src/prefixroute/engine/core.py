@@ -16,7 +16,10 @@ Scheduling, as in vLLM V1 with chunked prefill and prefix caching:
    leading cached blocks of the prompt are reused (at most ``prompt_tokens - 1``
    tokens' worth, so at least one token is computed, as vLLM does) and the uncached
    part is prefilled, in chunks if the budget is short. The head of the queue blocks
-   the others (strict FCFS).
+   the others (strict FCFS), except for LoRA: with ``max_loras`` adapter slots, a
+   request whose adapter is not among the ``max_loras`` adapters of the running batch
+   when they are all taken is skipped and the next one considered (vLLM V1's
+   scheduler does the same).
 3. The step that finishes a prompt's prefill produces its first output token; each
    later step produces one more. A request finishes after exactly ``max_tokens``
    tokens (the emulator ignores EOS) and its blocks are freed (full ones stay cached,
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-from prefixroute.engine.kvcache import PrefixCache, chain_block_hashes, prompt_block_hashes, root_hash
+from prefixroute.engine.kvcache import PrefixCache, chain_block_hashes, lora_root_hash, root_hash
 from prefixroute.engine.model import EngineConfig, step_duration
 from prefixroute.engine.tokenizer import TEXT_TOKEN_BYTES, TokenizedPrompt, output_token_id, token_payload, tokenize
 
@@ -201,6 +204,8 @@ class _Request:
     out_payload: bytearray = field(default_factory=bytearray)
     cpu_tokens: int = 0  # of cached_tokens, loaded from the CPU tier
     shared_tokens: int = 0  # of cached_tokens, loaded from the shared tier
+    lora: str | None = None  # the LoRA adapter's name, or None for the base model
+    root: int = 0  # parent hash of the first block (per payload kind and adapter)
 
 
 class EngineCore:
@@ -251,6 +256,7 @@ class EngineCore:
         self._running: dict[str, _Request] = {}  # insertion order = admission order
         self._queries = 0
         self._hits = 0
+        self._by_lora: dict[str | None, tuple[int, int]] = {}
         self._prompt_total = 0
         self._generation_total = 0
         self._finished = 0
@@ -293,7 +299,8 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_tokens: TokenizedPrompt | HashedPrompt | Sequence[int] | str, max_tokens: int
+        self, request_id: str, prompt_tokens: TokenizedPrompt | HashedPrompt | Sequence[int] | str, max_tokens: int,
+        lora: str | None = None,
     ) -> None:
         """Queue a request (FCFS); it is admitted by a later :meth:`step`.
 
@@ -302,6 +309,10 @@ class EngineCore:
             prompt_tokens: a :class:`TokenizedPrompt`, a list of token ids (used as is),
                 text (tokenized with the 4-byte rule) or a :class:`HashedPrompt`.
             max_tokens: output tokens to generate, exactly (>= 1).
+            lora: the LoRA adapter the request runs with, or ``None`` (the base model).
+                Its KV blocks are the adapter's own (the adapter is in every block's
+                hash, as vLLM puts the LoRA name in each block's extra keys), and it
+                takes one of ``max_loras`` adapter slots of the batch while it runs.
         Raises:
             RequestRejected: duplicate id, empty prompt, ``max_tokens < 1``, prompt plus
                 output over ``max_model_len`` tokens, or more KV blocks than the whole
@@ -339,13 +350,17 @@ class EngineCore:
                 f"the request needs {total - 1} tokens of KV cache but the engine holds only "
                 f"{self.cache.num_blocks * cfg.block_size} (kv_capacity_tokens)"
             )
+        if lora is not None and not cfg.max_loras:
+            raise RequestRejected(f"LoRA adapter {lora!r} requested but LoRA is not enabled (max_loras is 0)")
+        root = root_hash(prompt.token_bytes) if lora is None else lora_root_hash(prompt.token_bytes, lora)
         if hashed:
             seed = prompt_tokens.seed
             hashes = list(prompt_tokens.block_hashes)
         else:
-            seed = xxhash.xxh3_64_intdigest(prompt.payload, _OUTPUT_SEED)
-            hashes = prompt_block_hashes(prompt, cfg.block_size)
-        self._waiting[request_id] = _Request(request_id, prompt, max_tokens, hashes, seed)
+            seed = xxhash.xxh3_64_intdigest(prompt.payload, _OUTPUT_SEED if lora is None else root)
+            hashes = chain_block_hashes(prompt.payload, cfg.block_size * prompt.token_bytes,
+                                        prompt.num_tokens // cfg.block_size, root)
+        self._waiting[request_id] = _Request(request_id, prompt, max_tokens, hashes, seed, lora=lora, root=root)
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks (computed full blocks
@@ -387,10 +402,16 @@ class EngineCore:
                 decode_seqs += 1
             budget -= n
             scheduled.append((req, n, False))
-        while self._waiting and budget > 0 and len(self._running) < cfg.max_num_seqs:
-            req = next(iter(self._waiting.values()))
+        loras = self._running_loras() if cfg.max_loras else None
+        for req in list(self._waiting.values()) if self._waiting else ():
+            if budget <= 0 or len(self._running) >= cfg.max_num_seqs:
+                break
+            if loras is not None and req.lora is not None and req.lora not in loras and len(loras) >= cfg.max_loras:
+                continue  # every adapter slot is taken by another adapter: the next request may go
             if not self._admit(req):
                 break  # strict FCFS: the head waits for blocks, the rest wait behind it
+            if loras is not None and req.lora is not None:
+                loras.add(req.lora)
             n = min(req.prompt.num_tokens - req.num_computed, budget)
             prefill_tokens += n
             budget -= n
@@ -407,6 +428,26 @@ class EngineCore:
         self._steps += 1
         self._busy_s += duration
         return StepOutput(duration, outputs, prefill_tokens, decode_seqs)
+
+    def _running_loras(self) -> set[str]:
+        return {r.lora for r in self._running.values() if r.lora is not None}
+
+    def lora_activity(self) -> tuple[dict[str, int], dict[str, int]]:
+        """``(running, waiting)``: requests per LoRA adapter, running and waiting (what
+        vLLM's ``vllm:lora_requests_info`` reports as ``running_lora_adapters`` and
+        ``waiting_lora_adapters``)."""
+        running: dict[str, int] = {}
+        waiting: dict[str, int] = {}
+        for table, out in ((self._running, running), (self._waiting, waiting)):
+            for r in table.values():
+                if r.lora is not None:
+                    out[r.lora] = out.get(r.lora, 0) + 1
+        return running, waiting
+
+    def lora_cache_stats(self) -> dict[str | None, tuple[int, int]]:
+        """Per adapter (``None``: the base model), ``(prompt tokens looked up, found in
+        the GPU prefix cache)`` since start: the prefix-cache counters split by adapter."""
+        return dict(self._by_lora)
 
     def _admit(self, req: _Request) -> bool:
         cfg = self.config
@@ -427,6 +468,8 @@ class EngineCore:
         req.num_committed = hit
         self._queries += prompt_len
         self._hits += hit * bs
+        q, h = self._by_lora.get(req.lora, (0, 0))
+        self._by_lora[req.lora] = (q + prompt_len, h + hit * bs)
         if self.cpu_tier is not None or self.shared_tier is not None:
             self._external_queries += prompt_len - hit * bs
             self._cpu_hits += cpu * bs
@@ -489,7 +532,7 @@ class EngineCore:
                 seg = bytes(req.out_payload[start - len(payload) : end - len(payload)])
             else:
                 seg = payload[start:] + req.out_payload[: end - len(payload)]
-            parent = req.block_hashes[-1] if have else root_hash(req.prompt.token_bytes)
+            parent = req.block_hashes[-1] if have else req.root
             req.block_hashes.extend(chain_block_hashes(seg, bpb, full - have, parent))
         new = self.cache.commit(req.request_id, req.block_hashes, full)
         req.num_committed = full
@@ -560,6 +603,8 @@ class EngineCore:
             if left is None or n < left:
                 left = n
         cfg = self.config
+        if cfg.max_loras and self._waiting:  # (adapter slots may let a later request in: no fast path)
+            return 0, 0.0
         if self._waiting and len(running) < cfg.max_num_seqs and len(running) < cfg.max_num_batched_tokens:
             head = next(iter(self._waiting.values()))
             bs = cfg.block_size

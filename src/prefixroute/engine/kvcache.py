@@ -27,7 +27,8 @@ import xxhash
 
 from prefixroute.engine.tokenizer import TEXT_TOKEN_BYTES, TokenizedPrompt
 
-__all__ = ["BLOCK_HASH_SEED", "root_hash", "chain_block_hashes", "prompt_block_hashes", "PrefixCache"]
+__all__ = ["BLOCK_HASH_SEED", "root_hash", "lora_root_hash", "chain_block_hashes", "prompt_block_hashes",
+           "PrefixCache"]
 
 #: Seed of every block hash (fixed: hashes are comparable across processes and runs).
 BLOCK_HASH_SEED = 0x6B76_6361_6368_65  # "kvcache"
@@ -38,6 +39,13 @@ _ROOT_IDS = xxhash.xxh3_64_intdigest(b"prefixroute/token-ids", BLOCK_HASH_SEED)
 def root_hash(token_bytes: int) -> int:
     """The parent hash of the first block: separates text prompts from token-id prompts."""
     return _ROOT_TEXT if token_bytes == TEXT_TOKEN_BYTES else _ROOT_IDS
+
+
+def lora_root_hash(token_bytes: int, lora: str) -> int:
+    """The parent hash of the first block of a request run with LoRA adapter ``lora``:
+    the adapter's blocks are its own (vLLM keeps the LoRA name in every block's extra
+    keys, so a prompt cached for one adapter is a miss for another and for the base)."""
+    return xxhash.xxh3_64_intdigest(b"lora\0" + lora.encode("utf-8", "surrogatepass"), root_hash(token_bytes))
 
 
 def chain_block_hashes(payload: bytes, bytes_per_block: int, num_blocks: int, parent: int) -> list[int]:

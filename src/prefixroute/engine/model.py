@@ -91,6 +91,13 @@ class EngineConfig:
         shared_load_s_per_token: seconds per token loaded from the shared tier.
         shared_load_latency_s: seconds added once per request that loads from the
             shared tier.
+        served_model_names: more names the base model answers to (vLLM's
+            ``--served-model-name`` takes several; ``model`` is the first, used in
+            answers and metrics).
+        max_loras: LoRA adapter slots (vLLM's ``--max-loras``: the most adapters in one
+            batch); 0 (default): LoRA disabled (vLLM without ``--enable-lora``).
+        lora_load_s: modelled seconds to load one adapter (``/v1/load_lora_adapter``;
+            reading a rank-16 adapter of a 70B model, a few hundred MB, from local disk).
 
     Raises:
         ValueError: on construction, for a non-positive size, a negative time, a KV
@@ -112,6 +119,9 @@ class EngineConfig:
     cpu_load_s_per_token: float = 0.8e-6
     shared_load_s_per_token: float = 6.6e-6
     shared_load_latency_s: float = 0.002
+    served_model_names: tuple[str, ...] = ()
+    max_loras: int = 0
+    lora_load_s: float = 0.5
 
     def __post_init__(self) -> None:
         if not isinstance(self.image_tokens, int) or isinstance(self.image_tokens, bool) or self.image_tokens < 0:
@@ -133,6 +143,13 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a finite number >= 0 seconds, got {value!r}")
         if not self.model:
             raise ValueError("model name must not be empty")
+        if any(not isinstance(n, str) or not n for n in self.served_model_names):
+            raise ValueError("served model names must be non-empty strings")
+        if isinstance(self.max_loras, bool) or not isinstance(self.max_loras, int) or not 0 <= self.max_loras <= 1024:
+            raise ValueError(f"max_loras must be an integer 0-1,024, got {self.max_loras!r}")
+        if not isinstance(self.lora_load_s, (int, float)) or isinstance(self.lora_load_s, bool) \
+                or not 0 <= self.lora_load_s < float("inf"):
+            raise ValueError(f"lora_load_s must be a finite number >= 0 seconds, got {self.lora_load_s!r}")
         if self.kv_capacity_tokens < self.block_size:
             raise ValueError(
                 f"kv_capacity_tokens ({self.kv_capacity_tokens}) must hold at least one block of {self.block_size}"
@@ -142,6 +159,11 @@ class EngineConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
                 f"({self.max_num_seqs}) so every running sequence can decode in one step"
             )
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name the base model answers to: ``model``, then ``served_model_names``."""
+        return (self.model, *(n for n in self.served_model_names if n != self.model))
 
     @property
     def num_kv_blocks(self) -> int:

@@ -8,11 +8,25 @@ compound, up to :data:`MAX_LAG_S` of catch-up), then hands the step's tokens to 
 waiting handlers. With no work it sleeps until a request arrives.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` as
-server-sent events), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus,
-vLLM metric names), ``POST /invocations`` + ``GET /ping`` (SageMaker container
-contract), ``GET /info`` (instance id, configuration, counters, KV-event endpoints),
-``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409 while requests run).
-Every response carries ``X-Emulated-Instance: <instance id>``. Prompt text is never logged.
+server-sent events), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus, vLLM metric names), ``POST /invocations`` + ``GET /ping``
+(SageMaker container contract), ``GET /info`` (instance id, configuration, counters,
+KV-event endpoints), ``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409
+while requests run) and, with runtime LoRA updating on (vLLM's
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), ``POST /v1/load_lora_adapter`` and
+``POST /v1/unload_lora_adapter``. Every response carries ``X-Emulated-Instance: <instance
+id>``. Prompt text is never logged.
+
+Several models: the base model answers to every name of ``served_model_names`` (vLLM's
+``--served-model-name A B``), and with ``max_loras`` > 0 (vLLM's ``--enable-lora
+--max-loras N``) LoRA adapters, loaded at start (``lora_modules``) or at run time, are
+requested by name in ``model``; ``/v1/models`` lists them with their ``parent``. A
+request for a model or adapter the engine does not have gets vLLM's 404 ("The model `X`
+does not exist.") and is counted in ``prefixroute_engine_model_not_served_total``:
+requests a router sent for an adapter the engine did not have loaded at that moment.
+Errors of the LoRA routes are vLLM's (``vllm/entrypoints/openai/models/serving.py``):
+400 ``InvalidUserInput`` (a name or path missing, an adapter already loaded), 404
+``NotFoundError`` (unloading an adapter that is not loaded), as ``{"error": {...}}``.
 
 With KV events on (``kv_events``), the events of each step are published as one batch
 when the step ends (:mod:`prefixroute.engine.kv_publisher`), as vLLM publishes them.
@@ -28,9 +42,10 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping
 
 import orjson
+import xxhash
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -89,13 +104,15 @@ _FAILED = object()  # queued to a request's handler when the engine loop crashed
 
 
 class _ClientError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, type_: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.type = type_
 
 
-def _error_response(status: int, message: str) -> web.Response:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": status}}
+def _error_response(status: int, message: str, type_: str | None = None) -> web.Response:
+    kind = type_ or ("NotFoundError" if status == 404 else "invalid_request_error")
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
@@ -105,6 +122,8 @@ class _Job:
     max_tokens: int
     stream: bool
     include_usage: bool
+    lora: str | None = None
+    model: str = ""  # the name answers carry (the adapter's, else the first served name)
 
 
 @dataclass(slots=True)
@@ -118,9 +137,10 @@ class _InFlight:
 class _EngineCollector(Collector):
     """Reads the core's counters at scrape time, under vLLM's metric names."""
 
-    def __init__(self, core: EngineCore, model: str) -> None:
+    def __init__(self, core: EngineCore, model: str, server: "EngineServer | None" = None) -> None:
         self._core = core
         self._model = model
+        self._server = server
 
     def collect(self) -> Iterator[Metric]:
         s = self._core.stats()
@@ -162,6 +182,8 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=["model_name"])
             g.add_metric(m, value)
             yield g
+        if self._server is not None:
+            yield from self._server.extra_metrics()
 
 
 class EngineServer:
@@ -185,8 +207,15 @@ class EngineServer:
         shared_tier: a KV tier shared with other instances
             (:class:`~prefixroute.engine.shared_tier_file.FileSharedTier` across
             processes); ``None``: none. The CPU tier is ``config.cpu_tier_tokens``.
+        lora_modules: LoRA adapters loaded at start, name -> path (vLLM's
+            ``--lora-modules``); needs ``config.max_loras`` > 0.
+        runtime_lora_updating: serve ``/v1/load_lora_adapter`` and
+            ``/v1/unload_lora_adapter`` (vLLM's ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``);
+            a load takes ``config.lora_load_s`` modelled seconds.
+        embedding_dim: length of the vectors ``/v1/embeddings`` answers with.
     Raises:
-        ValueError: ``time_scale`` is negative or not finite.
+        ValueError: ``time_scale`` is negative or not finite, adapters without
+            ``max_loras``, or ``embedding_dim`` < 1.
 
     Use :meth:`build_app` and run the app with ``handler_cancellation=True`` (so a
     client that disconnects cancels its handler, which aborts the request in the core),
@@ -195,12 +224,28 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None,
                  tokenizer: ModelTokenizer | None = None, kv_events: KvEventsSettings | None = None,
-                 shared_tier: SharedTier | None = None) -> None:
+                 shared_tier: SharedTier | None = None, lora_modules: Mapping[str, str] | None = None,
+                 runtime_lora_updating: bool = False, embedding_dim: int = 16) -> None:
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
+        if (lora_modules or runtime_lora_updating) and not config.max_loras:
+            raise ValueError("LoRA adapters need max_loras >= 1 (vLLM's --enable-lora --max-loras N)")
+        if embedding_dim < 1:
+            raise ValueError(f"embedding_dim must be >= 1, got {embedding_dim}")
         self.config = config
         self.time_scale = float(time_scale)
         self.instance_id = instance_id or f"engine-{uuid.uuid4().hex[:8]}"
+        #: Loaded LoRA adapters: name -> path.
+        self.adapters: dict[str, str] = dict(lora_modules or {})
+        self.runtime_lora_updating = runtime_lora_updating
+        self.embedding_dim = embedding_dim
+        self._lora_locks: dict[str, asyncio.Lock] = {}
+        #: Requests accepted, per model name asked for (a served name or an adapter).
+        self.requests_by_model: dict[str, int] = {}
+        #: Requests refused with 404 because the engine did not have the model asked for.
+        self.not_served: dict[str, int] = {}
+        self.lora_loads = 0
+        self.lora_unloads = 0
         self.tokenizer = tokenizer
         self.events = (KvEventRecorder(config.block_size, hash_seed=kv_events.hash_seed)
                        if kv_events is not None else None)
@@ -208,7 +253,7 @@ class EngineServer:
         self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None,
                                events=self.events, shared_tier=shared_tier)
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(self.core, config.model))
+        self.registry.register(_EngineCollector(self.core, config.model, self))
         self._ttft = Histogram(
             "vllm:time_to_first_token_seconds", "Time to first token, in modelled seconds.",
             ["model_name"], registry=self.registry, buckets=TTFT_BUCKETS,
@@ -232,6 +277,10 @@ class EngineServer:
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/invocations", self._invocations)
+        app.router.add_post("/v1/embeddings", self._embeddings)
+        if self.runtime_lora_updating:  # (vLLM registers them only when allowed)
+            app.router.add_post("/v1/load_lora_adapter", self._load_lora)
+            app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
         app.router.add_get("/v1/models", self._models)
         app.router.add_get("/health", self._ok)
         app.router.add_get("/ping", self._ok)
@@ -335,7 +384,7 @@ class EngineServer:
 
     def _submit(self, request_id: str, job: _Job) -> _InFlight:
         try:
-            self.core.add_request(request_id, job.prompt, job.max_tokens)
+            self.core.add_request(request_id, job.prompt, job.max_tokens, lora=job.lora)
         except RequestRejected as exc:
             raise _ClientError(400, str(exc)) from None
         loop = asyncio.get_running_loop()
@@ -360,10 +409,28 @@ class EngineServer:
             raise _ClientError(400, "request body must be a JSON object")
         return payload
 
+    def _resolve_model(self, model: Any) -> str | None:
+        """The LoRA adapter a request's ``model`` names, ``None`` for the base model.
+
+        Raises:
+            _ClientError: 404 (vLLM's message) for a name the engine does not serve now,
+                counted per name; 400 for a ``model`` that is not a string.
+        """
+        if model is None or model in self.config.model_names:
+            return None
+        if not isinstance(model, str):
+            raise _ClientError(400, "'model' must be a string")
+        if model in self.adapters:
+            return model
+        self.not_served[model] = self.not_served.get(model, 0) + 1
+        log.info("request for %s, which this engine does not serve now: 404", model[:200])
+        raise _ClientError(404, f"The model `{model}` does not exist.", "NotFoundError")
+
+    def _count(self, job: _Job) -> None:
+        self.requests_by_model[job.model] = self.requests_by_model.get(job.model, 0) + 1
+
     def _parse(self, payload: dict[str, Any], chat: bool) -> _Job:
-        model = payload.get("model")
-        if model is not None and model != self.config.model:
-            raise _ClientError(404, f"The model `{model}` does not exist.")
+        lora = self._resolve_model(payload.get("model"))
         try:
             if not chat:
                 raw = payload.get("prompt")
@@ -397,7 +464,8 @@ class EngineServer:
             tokens = tokenize(prompt) if self.tokenizer is None or isinstance(prompt, str) else from_token_ids(prompt)
         except ValueError as exc:
             raise _ClientError(400, str(exc)) from None
-        return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)))
+        model = lora or (payload["model"] if isinstance(payload.get("model"), str) else self.config.model)
+        return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)), lora, model)
 
     # -- handlers ----------------------------------------------------------------------
 
@@ -419,12 +487,13 @@ class EngineServer:
             job = self._parse(payload, chat)
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             entry = self._submit(rid, job)
+            self._count(job)
         except _ClientError as exc:
-            return _error_response(exc.status, str(exc))
+            return _error_response(exc.status, str(exc), exc.type)
         try:
             if job.stream:
                 return await self._answer_stream(request, rid, chat, job, entry)
-            return await self._answer_json(rid, chat, entry)
+            return await self._answer_json(rid, chat, entry, job.model)
         finally:  # success, error, client disconnect (cancellation): never leak
             self._release(rid)
 
@@ -445,7 +514,7 @@ class EngineServer:
             "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
         }
 
-    async def _answer_json(self, rid: str, chat: bool, entry: _InFlight) -> web.Response:
+    async def _answer_json(self, rid: str, chat: bool, entry: _InFlight, model: str) -> web.Response:
         tokens: list[int] = []
         while True:
             o = await self._next(entry)
@@ -462,7 +531,7 @@ class EngineServer:
             "id": rid,
             "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()),
-            "model": self.config.model,
+            "model": model,
             "choices": [choice],
             "usage": self._usage(o),
         }
@@ -477,7 +546,7 @@ class EngineServer:
         obj = "chat.completion.chunk" if chat else "text_completion"
 
         def event(choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
-            chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": self.config.model,
+            chunk: dict[str, Any] = {"id": rid, "object": obj, "created": created, "model": job.model,
                                      "choices": choices}
             if job.include_usage:
                 chunk["usage"] = usage
@@ -518,10 +587,153 @@ class EngineServer:
         return resp
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.config.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": self.config.model, "parent": None, "max_model_len": self.config.max_model_len,
-                "permission": []}
-        return web.json_response({"object": "list", "data": [card]}, dumps=lambda v: orjson.dumps(v).decode())
+        now = int(time.time())
+        cards = [{"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": self.config.model,
+                  "parent": None, "max_model_len": self.config.max_model_len, "permission": []}
+                 for name in self.config.model_names]
+        cards += [{"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": path,
+                   "parent": self.config.model, "max_model_len": None, "permission": []}
+                  for name, path in self.adapters.items()]
+        return web.json_response({"object": "list", "data": cards}, dumps=lambda v: orjson.dumps(v).decode())
+
+    # -- LoRA adapters (vLLM's runtime loading) ----------------------------------------
+
+    async def _lora_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            return await self._read_json(request)
+        except _ClientError as exc:
+            raise _ClientError(exc.status, str(exc), "InvalidUserInput") from None
+
+    async def _load_lora(self, request: web.Request) -> web.Response:
+        """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: vLLM's checks and
+        answers; the adapter is usable (and listed) once its load time has passed."""
+        try:
+            body = await self._lora_body(request)
+        except _ClientError as exc:
+            return _error_response(exc.status, str(exc), exc.type)
+        name, path = body.get("lora_name"), body.get("lora_path")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            return _error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+        async with self._lora_locks.setdefault(name, asyncio.Lock()):
+            if name in self.adapters and not body.get("load_inplace"):
+                return _error_response(400, f"The lora adapter '{name}' has already been loaded. If you want to "
+                                            "load the adapter in place, set 'load_inplace' to True.",
+                                       "InvalidUserInput")
+            await asyncio.sleep(self.config.lora_load_s * self.time_scale)
+            self.adapters[name] = path
+            self.lora_loads += 1
+        log.info("Loaded new LoRA adapter: name '%s', path '%s'", name, path)
+        return web.Response(text=f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, request: web.Request) -> web.Response:
+        """``POST /v1/unload_lora_adapter {"lora_name"}``: vLLM's checks and answers.
+        Requests already running with it finish; new ones get 404."""
+        try:
+            body = await self._lora_body(request)
+        except _ClientError as exc:
+            return _error_response(exc.status, str(exc), exc.type)
+        name = body.get("lora_name")
+        if not isinstance(name, str) or not name:
+            return _error_response(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
+                                   "InvalidUserInput")
+        async with self._lora_locks.setdefault(name, asyncio.Lock()):
+            if name not in self.adapters:
+                return _error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+            del self.adapters[name]
+            self.lora_unloads += 1
+        log.info("Removed LoRA adapter: name '%s'", name)
+        return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
+
+    def extra_metrics(self) -> Iterator[Metric]:
+        """vLLM's ``vllm:lora_requests_info`` (with LoRA on) and the emulator's own
+        counters: requests per model asked for, requests for a model not served,
+        adapter loads and unloads, prefix-cache counters per adapter."""
+        m = [self.config.model]
+        if self.config.max_loras:
+            running, waiting = self.core.lora_activity()
+            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            info.add_metric([str(self.config.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))],
+                            time.time())
+            yield info
+        requests = CounterMetricFamily("prefixroute_engine_requests", "Requests accepted, per model name asked for "
+                                       "(a served name or a LoRA adapter).", labels=["model_name"])
+        for name, n in sorted(self.requests_by_model.items()):
+            requests.add_metric([name], n)
+        yield requests
+        missing = CounterMetricFamily(
+            "prefixroute_engine_model_not_served",
+            "Requests refused with 404 because the engine did not have the model or adapter asked for at that "
+            "moment (for an adapter: a request sent outside its sticky set).", labels=["model_name"])
+        for name, n in sorted(self.not_served.items()):
+            missing.add_metric([name], n)
+        yield missing
+        for metric, doc, value in (("prefixroute_engine_lora_loads", "LoRA adapters loaded at run time.",
+                                    self.lora_loads),
+                                   ("prefixroute_engine_lora_unloads", "LoRA adapters unloaded at run time.",
+                                    self.lora_unloads)):
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric(m, value)
+            yield c
+        queries = CounterMetricFamily("prefixroute_engine_lora_prefix_cache_queries",
+                                      "Prompt tokens looked up in the prefix cache, per LoRA adapter ('' = base).",
+                                      labels=["lora_name"])
+        hits = CounterMetricFamily("prefixroute_engine_lora_prefix_cache_hits",
+                                   "Prompt tokens found in the prefix cache, per LoRA adapter ('' = base).",
+                                   labels=["lora_name"])
+        for lora, (q, h) in sorted(self.core.lora_cache_stats().items(), key=lambda kv: kv[0] or ""):
+            queries.add_metric([lora or ""], q)
+            hits.add_metric([lora or ""], h)
+        yield queries
+        yield hits
+
+    # -- embeddings --------------------------------------------------------------------
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """``POST /v1/embeddings``: each input is prefilled (through the prefix cache,
+        as a pooling model's prompt is) and answered with a deterministic unit vector of
+        :attr:`embedding_dim` floats derived from its tokens."""
+        try:
+            payload = await self._read_json(request)
+            lora = self._resolve_model(payload.get("model"))
+            raw = payload.get("input")
+            inputs: list[Any]
+            if isinstance(raw, str) or (isinstance(raw, list) and raw and isinstance(raw[0], int)):
+                inputs = [raw]
+            elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
+                inputs = raw
+            else:
+                raise _ClientError(400, "'input' must be a string, a list of strings, or a list of token ids")
+            prompts = [tokenize(x) if isinstance(x, str) else from_token_ids(x) for x in inputs]
+            model = lora or (payload["model"] if isinstance(payload.get("model"), str) else self.config.model)
+            jobs = [_Job(p, 1, False, False, lora, model) for p in prompts]
+            entries: list[tuple[str, _InFlight]] = []
+            try:
+                for job in jobs:
+                    rid = "embd-" + uuid.uuid4().hex
+                    entries.append((rid, self._submit(rid, job)))
+                self._count(jobs[0])
+                outs = [await self._until_finished(e) for _, e in entries]
+            finally:
+                for rid, _ in entries:
+                    self._release(rid)
+        except _ClientError as exc:
+            return _error_response(exc.status, str(exc), exc.type)
+        except ValueError as exc:
+            return _error_response(400, str(exc))
+        data = [{"object": "embedding", "index": i, "embedding": _vector(p.payload, self.embedding_dim)}
+                for i, p in enumerate(prompts)]
+        tokens = sum(o.prompt_tokens for o in outs)
+        body = {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
+                                        "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}}
+        return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _until_finished(self, entry: _InFlight) -> RequestOutput:
+        while True:
+            o = await self._next(entry)
+            if o.finished:
+                return o
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -533,6 +745,10 @@ class EngineServer:
         info = {
             "instance_id": self.instance_id,
             "model": self.config.model,
+            "served_model_names": list(self.config.model_names),
+            "lora_adapters": dict(self.adapters),
+            "requests_by_model": dict(self.requests_by_model),
+            "model_not_served": dict(self.not_served),
             "time_scale": self.time_scale,
             "tokenizer": self.tokenizer.name if self.tokenizer is not None else "4-byte",
             "config": dataclasses.asdict(self.config),
@@ -560,6 +776,13 @@ class EngineServer:
         response.headers["X-Emulated-Instance"] = self.instance_id
 
 
+def _vector(payload: bytes, dim: int) -> list[float]:
+    """A deterministic unit vector of ``dim`` floats from a prompt's bytes."""
+    values = [((xxhash.xxh3_64_intdigest(payload, i) >> 11) / float(1 << 53)) * 2.0 - 1.0 for i in range(dim)]
+    norm = math.sqrt(sum(v * v for v in values)) or 1.0
+    return [round(v / norm, 6) for v in values]
+
+
 #: Key of the :class:`EngineServer` in its ``web.Application`` (``runner.app[ENGINE_KEY]``).
 ENGINE_KEY = web.AppKey("prefixroute_engine_server", EngineServer)
 
@@ -575,6 +798,9 @@ async def start_engine_server(
     tokenizer: ModelTokenizer | None = None,
     kv_events: KvEventsSettings | None = None,
     shared_tier: SharedTier | None = None,
+    lora_modules: Mapping[str, str] | None = None,
+    runtime_lora_updating: bool = False,
+    embedding_dim: int = 16,
 ) -> tuple[web.AppRunner, int]:
     """Start one emulated engine on the running event loop.
 
@@ -588,6 +814,8 @@ async def start_engine_server(
         tokenizer: the model's tokenizer and chat template (see :class:`EngineServer`).
         kv_events: publish KV events with these settings (see :class:`EngineServer`).
         shared_tier: a KV tier shared with other instances (see :class:`EngineServer`).
+        lora_modules, runtime_lora_updating, embedding_dim: LoRA adapters and embeddings
+            (see :class:`EngineServer`).
     Returns:
         ``(runner, port)``: the bound port, and the runner to stop with
         ``await runner.cleanup()``; the :class:`EngineServer` is
@@ -597,7 +825,8 @@ async def start_engine_server(
         zmq.ZMQError: a KV-event endpoint cannot be bound.
     """
     server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer,
-                          kv_events=kv_events, shared_tier=shared_tier)
+                          kv_events=kv_events, shared_tier=shared_tier, lora_modules=lora_modules,
+                          runtime_lora_updating=runtime_lora_updating, embedding_dim=embedding_dim)
     runner = web.AppRunner(
         server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )

@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENV_PYTHON", "EngineUnavailable", "LlamaCppSettings", "LlamaCppFleet", "find_engine_python",
     "generate_model", "engine_command", "state_bytes_per_token", "chat_prompt", "prompt_tokens",
-    "shared_prefix_workload", "completion_requests", "MODEL_NAME", "DEMO_DEFAULTS", "StrategyRun",
+    "shared_prefix_workload", "completion_requests", "MODEL_NAME", "SECOND_MODEL_NAME", "DEMO_DEFAULTS", "StrategyRun",
     "run_strategy", "describe_workload", "run_demo_strategy",
 ]
 
@@ -51,6 +51,9 @@ __all__ = [
 ENV_PYTHON = "PREFIXROUTE_LLAMA_PYTHON"
 #: The model name the instances serve (``/v1/models``) and the requests carry.
 MODEL_NAME = "prefixroute-tiny-llama"
+#: The second model's name in a two-model fleet (``LlamaCppFleet(..., models=2)``): the
+#: same shape, other weights (another seed), another GGUF file.
+SECOND_MODEL_NAME = "prefixroute-tiny-llama-b"
 SERVER_SCRIPT = Path(__file__).with_name("llama_cpp_server.py")
 GGUF_SCRIPT = Path(__file__).with_name("tiny_gguf.py")
 _ENGINE_MODULES = ("llama_cpp", "gguf", "numpy", "uvicorn", "fastapi", "sse_starlette", "pydantic_settings")
@@ -156,9 +159,10 @@ def generate_model(path: str | Path, spec: TinyModelSpec, python: str) -> Path:
 
 
 def engine_command(python: str, model_path: str | Path, settings: LlamaCppSettings, instance_id: str,
-                   port: int = 0, host: str = "127.0.0.1", verbose: bool = False) -> list[str]:
-    """The argv of one instance (prints ``prefixroute-llamacpp listening on URL`` when ready)."""
-    cmd = [python, str(SERVER_SCRIPT), "--model", str(model_path), "--model-alias", MODEL_NAME,
+                   port: int = 0, host: str = "127.0.0.1", verbose: bool = False, alias: str = MODEL_NAME) -> list[str]:
+    """The argv of one instance serving ``model_path`` as ``alias`` (prints
+    ``prefixroute-llamacpp listening on URL`` when ready)."""
+    cmd = [python, str(SERVER_SCRIPT), "--model", str(model_path), "--model-alias", alias,
            "--host", host, "--port", str(port), "--threads", str(settings.threads),
            "--n-ctx", str(settings.n_ctx), "--n-batch", str(settings.n_batch),
            "--cache-bytes", str(settings.cache_bytes), "--instance-id", instance_id]
@@ -181,15 +185,24 @@ class LlamaCppFleet:
     (SIGTERM, then SIGKILL) on exit, on error and on Ctrl-C. A model generated here lives
     in a temporary directory removed by :meth:`close`.
 
+    ``models=2``: a fleet serving two models, so that routing by ``model`` runs on a real
+    engine: two GGUF files generated from the same shape with different seeds, served as
+    :data:`MODEL_NAME` and :data:`SECOND_MODEL_NAME`; instance ``i`` serves model
+    ``i % 2`` (:attr:`served`).
+
     Raises:
         EngineUnavailable: from the constructor, when no Python has llama.cpp.
     """
 
     def __init__(self, instances: int, settings: LlamaCppSettings = LlamaCppSettings(),
-                 procs: ProcessGroup | None = None, python: str | None = None) -> None:
+                 procs: ProcessGroup | None = None, python: str | None = None, models: int = 1) -> None:
         if instances < 1:
             raise ValueError(f"instances must be >= 1, got {instances}")
+        if models not in (1, 2) or (models == 2 and settings.model_path):
+            raise ValueError("models must be 1, or 2 with a generated model (no model_path)")
         self.instances = instances
+        self.models = models
+        self._second: Path | None = None
         self.settings = settings
         self.python = find_engine_python(python)
         self._own_procs = procs is None
@@ -203,11 +216,24 @@ class LlamaCppFleet:
         """Base URLs of the running instances, in instance order."""
         return [c.url for c in self.children]
 
+    @property
+    def served(self) -> dict[str, str]:
+        """Instance URL -> the model name it serves."""
+        return {c.url: self.alias(i) for i, c in enumerate(self.children)}
+
+    def alias(self, i: int) -> str:
+        """The model name instance ``i`` serves."""
+        return SECOND_MODEL_NAME if self.models == 2 and i % 2 else MODEL_NAME
+
     def prepare_model(self) -> Path:
-        """Generate the tiny model once (no-op when a model path was given)."""
+        """Generate the tiny model(s) once (no-op when a model path was given)."""
         if self.model_path is None:
             self._tmp = tempfile.mkdtemp(prefix="prefixroute-llamacpp-")
             self.model_path = generate_model(Path(self._tmp) / "tiny-llama.gguf", self.settings.model, self.python)
+        if self.models == 2 and self._second is None:
+            spec = replace(self.settings.model, seed=self.settings.model.seed + 1)
+            self._second = generate_model(Path(self._tmp or tempfile.mkdtemp(prefix="prefixroute-llamacpp-"))
+                                          / "tiny-llama-b.gguf", spec, self.python)
         return self.model_path
 
     def start(self) -> list[str]:
@@ -217,7 +243,8 @@ class LlamaCppFleet:
             prefixroute.demo.processes.StartupError: an instance failed or timed out.
         """
         model = self.prepare_model()
-        cmds = [engine_command(self.python, model, self.settings, f"instance-{i}") for i in range(self.instances)]
+        cmds = [engine_command(self.python, self._second if self.alias(i) == SECOND_MODEL_NAME else model,
+                               self.settings, f"instance-{i}", alias=self.alias(i)) for i in range(self.instances)]
         with concurrent.futures.ThreadPoolExecutor(max_workers=self.instances) as pool:
             futures = [pool.submit(self.procs.start, f"llama.cpp-{i}", [], self.settings.ready_timeout_s, 1, cmd)
                        for i, cmd in enumerate(cmds)]
@@ -239,6 +266,7 @@ class LlamaCppFleet:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
             self.model_path = None
+            self._second = None
 
     def __enter__(self) -> "LlamaCppFleet":
         return self

@@ -47,16 +47,16 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from multidict import CIMultiDict
 
-from prefixroute.core.pool import Lease, NoHealthyInstance
+from prefixroute.core.pool import Lease, NoHealthyInstance, SetSaturated
 from prefixroute.core.strategies import DecisionKind
 from prefixroute.epp.envoy_config import DESTINATION_HEADER, METADATA_NAMESPACE
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import (BodyTooLarge, decode_request_body, prepare_inference, request_coding,
                                     request_id)
-from prefixroute.server.dataplane import match_route
+from prefixroute.server.routes import match_route
 from prefixroute.server.errors import openai_error, sagemaker_error
-from prefixroute.server.proxy import Api, RoutedRequest, upstream_error
+from prefixroute.server.proxy import Api, RoutedRequest, acquire, count_routed, our_headers, saturated_error, upstream_error
 from prefixroute.server.state import RouterState
 
 __all__ = ["Exchange", "EppOptions", "MAX_CHUNK_BYTES", "endpoint_address"]
@@ -172,13 +172,11 @@ class Exchange:
         self._route = match_route(path) if method == "POST" else None
         if self._route is None:
             return self._passthrough(msg.end_of_stream)
-        api, chat, endpoint = self._route
         declared = self._headers.get("content-length")
         limit = self.state.settings.max_body_bytes
         early = BodyTooLarge(limit, int(declared)) if declared and declared.isdigit() and int(declared) > limit \
             else None
-        first = prepare_inference(self.state, api, chat, self._headers, self._raw, endpoint, early, self._rid,
-                                  self._t0)
+        first = prepare_inference(self.state, self._route, self._headers, self._raw, early, self._rid, self._t0)
         if isinstance(first, web.Response):
             return [self._immediate(first)]
         if early is None and isinstance(first, RoutedRequest):
@@ -199,9 +197,8 @@ class Exchange:
         limit = self.state.settings.max_body_bytes
         if len(self._body) > limit and request_coding(self._headers) in (None, "", "identity"):
             assert self._route is not None
-            api, chat, endpoint = self._route
-            resp = prepare_inference(self.state, api, chat, self._headers, self._raw, endpoint,
-                                     BodyTooLarge(limit, None), self._rid, self._t0)
+            resp = prepare_inference(self.state, self._route, self._headers, self._raw, BodyTooLarge(limit, None),
+                                     self._rid, self._t0)
             self._body = bytearray()
             assert isinstance(resp, web.Response)
             return [self._immediate(resp)]
@@ -211,7 +208,7 @@ class Exchange:
 
     def _end_of_body(self) -> list[pb.ProcessingResponse]:
         assert self._route is not None
-        api, chat, endpoint = self._route
+        api = self._route.api
         limit = self.state.settings.max_body_bytes
         raw = bytes(self._body)
         self._body = bytearray()
@@ -222,16 +219,20 @@ class Exchange:
             self._decoded = isinstance(body, bytes)
         elif len(raw) > limit:
             body = BodyTooLarge(limit, len(raw))
-        rr = prepare_inference(self.state, api, chat, self._headers, self._raw, endpoint, body,  # type: ignore[arg-type]
-                               self._rid, self._t0)
+        rr = prepare_inference(self.state, self._route, self._headers, self._raw, body,  # type: ignore[arg-type]
+                               self._rid, self._t0, query=self._headers.get(":path", "").partition("?")[2])
         if isinstance(rr, web.Response):
             return [self._immediate(rr)]
         self._endpoint, self._variant = rr.endpoint, rr.pool.name
-        hdrs = {H.REQUEST_ID: self._rid, H.INVOKED_VARIANT: rr.pool.name}
+        hdrs = our_headers(rr)
         try:
-            lease = rr.pool.acquire(rr.key, blocks=rr.blocks)
+            lease = acquire(self.state, rr)
         except NoHealthyInstance as exc:
             return [self._immediate(self._counted(upstream_error(api, 503, str(exc), "no_healthy_instance", hdrs)))]
+        except SetSaturated as exc:  # an adapter's sticky set: never overflowed to an instance without it
+            return [self._immediate(self._counted(saturated_error(self.state, rr, str(exc), hdrs)))]
+        if rr.blocks:
+            rr.pool.learn(lease.decision.instance, rr.blocks)
         decision = lease.decision
         if decision.kind is DecisionKind.ALL_BUSY and self.options.saturated == "reject":
             lease.release()
@@ -243,7 +244,7 @@ class Exchange:
         self.lease = lease
         self.phase = _Phase.UPSTREAM
         m = self.state.metrics
-        m.requests.labels(rr.endpoint, rr.pool.name, decision.instance.instance_id, decision.kind.value).inc()
+        count_routed(self.state, rr, decision)
         m.decision_seconds.labels(rr.endpoint, rr.pool.name).observe(decision.decision_s)
         out = [self._destination(decision.instance.instance_id, rr.upstream_path)]
         out.extend(_body_chunks(rr.body))
@@ -271,7 +272,7 @@ class Exchange:
                 value = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 self.status = int(value) if value.isdigit() else 0
         mutation = pb.HeaderMutation()
-        if self._route is not None and self._route[0] is Api.NATIVE_STREAM and 200 <= self.status < 300:
+        if self._route is not None and self._route.api is Api.NATIVE_STREAM and 200 <= self.status < 300:
             # as serve answers InvokeEndpointWithResponseStream: the model's content type moves to
             # X-Amzn-SageMaker-Content-Type and each body chunk becomes a PayloadPart event
             self._framed = True

@@ -31,6 +31,7 @@ from prefixroute.core.config import FleetConfig
 from prefixroute.discovery.manager import start_discovery
 from prefixroute.epp.exchange import EppOptions, Exchange
 from prefixroute.server.health import health_check_loop
+from prefixroute.server.models import refresh_models
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.proxy import make_client_session
 from prefixroute.server.scrape import scrape_loop
@@ -119,6 +120,9 @@ class EppHandle:
 async def _background(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.session = make_client_session(state.settings)
+    with contextlib.suppress(TimeoutError):  # what each instance serves, before the first request
+        async with asyncio.timeout(state.settings.health_check_timeout_s + 1.0):
+            await refresh_models(state)
     tasks = []
     if state.settings.health_check_interval_s > 0:
         tasks.append(asyncio.create_task(health_check_loop(state), name="prefixroute-epp-health-checks"))

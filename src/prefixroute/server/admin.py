@@ -35,7 +35,8 @@ from aiohttp import web
 
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, parse_model
 from prefixroute.core.counters import InFlightTableFull
-from prefixroute.core.endpoint import UnknownEndpoint, UnknownVariant
+from prefixroute.core.endpoint import UnknownComponent, UnknownEndpoint, UnknownVariant
+from prefixroute.core.lora_config import LoraAdaptersConfig
 from prefixroute.server.app import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedOut, BodyTooLarge,
                                     close_receiving_on_shutdown, coding_refusal, read_body)
 from prefixroute.server.errors import json_response
@@ -53,8 +54,11 @@ def config_document(state: RouterState) -> dict[str, Any]:
 
     Shape: ``{"DefaultEndpoint": str, "Endpoints": [{"EndpointName", "ProductionVariants":
     [{"VariantName", "InitialVariantWeight", "RoutingConfig", "Instances": [url, ...],
-    "InstanceStates": [{"Instance", "InFlight", "Healthy", "Served"}, ...]}]}]}``.
-    Dropping ``DefaultEndpoint`` and ``InstanceStates`` gives a valid ``FleetConfig``.
+    "InstanceStates": [{"Instance", "InFlight", "Healthy", "Served"}, ...]}],
+    "InferenceComponents": [{"InferenceComponentName", "ModelName", "Instances", "RoutingConfig"?,
+    "CopyStates": [...]}], "LoraAdapters": {...}}]}`` (the last two when configured).
+    Dropping ``DefaultEndpoint``, ``InstanceStates`` and ``CopyStates`` gives a valid
+    ``FleetConfig``.
     """
     fleet = state.fleet
     endpoints = []
@@ -72,7 +76,16 @@ def config_document(state: RouterState) -> dict[str, Any]:
                     for i in pool.instances
                 ],
             })
-        endpoints.append({"EndpointName": e.name, "ProductionVariants": variants})
+        entry: dict[str, Any] = {"EndpointName": e.name, "ProductionVariants": variants}
+        if e.components:
+            entry["InferenceComponents"] = [
+                {**c.to_api(), "CopyStates": [
+                    {"Instance": i.instance_id, "InFlight": i.in_flight, "Healthy": i.healthy, "Served": i.served}
+                    for i in fleet.endpoints[e.name].components[c.name].instances]}
+                for c in e.components]
+        if e.lora != LoraAdaptersConfig():
+            entry["LoraAdapters"] = e.lora.model_dump(by_alias=True, exclude_none=True)
+        endpoints.append(entry)
     doc: dict[str, Any] = {"DefaultEndpoint": fleet.default_name, "Endpoints": endpoints}
     if fleet.config.kv_events is not None:
         doc["KvEvents"] = fleet.config.kv_events.model_dump(by_alias=True, exclude_none=True)
@@ -165,6 +178,10 @@ def strip_live_state(doc: Any) -> Any:
         for v in variants if isinstance(variants, list) else ():
             if isinstance(v, dict):
                 v.pop("InstanceStates", None)
+        components = ep.get("InferenceComponents") if isinstance(ep, dict) else None
+        for c in components if isinstance(components, list) else ():
+            if isinstance(c, dict):
+                c.pop("CopyStates", None)
     return doc
 
 
@@ -208,6 +225,7 @@ async def put_config(request: web.Request) -> web.Response:
         await apply_waiting(lambda: state.apply_config(config))  # InFlightTableFull: a ConfigError, nothing changed
     except ConfigError as exc:
         return _error(400, str(exc))
+    await state.models_settled()
     return json_response(200, config_document(state))
 
 
@@ -228,6 +246,25 @@ async def put_routing(request: web.Request) -> web.Response:
     return json_response(200, {"EndpointName": endpoint, "VariantName": variant, "RoutingConfig": routing.to_api()})
 
 
+async def put_component_routing(request: web.Request) -> web.Response:
+    """``PUT /admin/endpoints/{endpoint}/inference-components/{component}/routing``: the
+    component's own routing, without a restart (in-flight counts kept)."""
+    state = request.app[_STATE]
+    endpoint, component = request.match_info["endpoint"], request.match_info["component"]
+    try:
+        routing = parse_model(RoutingConfig, await _json_body(request), "RoutingConfig")
+    except ConfigError as exc:
+        return _error(400, str(exc))
+    try:
+        await apply_waiting(lambda: state.set_component_routing(endpoint, component, routing))
+    except (UnknownEndpoint, UnknownComponent) as exc:
+        return _error(404, str(exc.args[0]))
+    except ConfigError as exc:
+        return _error(400, str(exc))
+    return json_response(200, {"EndpointName": endpoint, "InferenceComponentName": component,
+                               "RoutingConfig": routing.to_api()})
+
+
 async def reload(request: web.Request) -> web.Response:
     """``POST /admin/reload``: re-read the configuration file and the API keys (what
     SIGHUP does); answers the configuration in force."""
@@ -239,6 +276,7 @@ async def reload(request: web.Request) -> web.Response:
             await apply_waiting(lambda: state.apply_config(config))
     except ConfigError as exc:
         return _error(400, str(exc))
+    await state.models_settled()
     return json_response(200, config_document(state))
 
 
@@ -325,6 +363,8 @@ def build_admin_app(state: RouterState, token: str | None = None) -> web.Applica
     app.router.add_get("/admin/kv-events", get_kv_events, allow_head=False)
     app.router.add_put("/admin/config", put_config)
     app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", put_routing)
+    app.router.add_put("/admin/endpoints/{endpoint}/inference-components/{component}/routing",
+                       put_component_routing)
     app.router.add_post("/admin/reload", reload)
     add_status_routes(app, get_status)
     return app

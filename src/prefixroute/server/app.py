@@ -1,20 +1,26 @@
 """The router's aiohttp application: routes and request handlers.
 
-Routes (``{e}`` an endpoint name; without it, the default = first configured endpoint):
+Routes (``{e}`` an endpoint name; without it, the default = first configured endpoint;
+``{c}`` an inference component; :mod:`prefixroute.server.routes` parses them):
 
 =================================================================  ==========================
-``POST /v1/chat/completions``, ``POST /v1/completions``           OpenAI, default endpoint
-``GET /v1/models``                                                 one healthy instance's list
+``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/embeddings``,
+``/v1/responses``, ``/v1/rerank``, ``/v1/score``, ``/tokenize``,
+``/detokenize``, any other ``POST /v1/...``                          OpenAI, default endpoint
+``GET /v1/models``                                                 the instances' lists, merged
+any other method on ``/v1/...``                                    relayed to one instance
 ``/endpoints/{e}/openai/v1/...``                                   the same, endpoint ``e``
-``/endpoints/{e}/inference-components/{c}/openai/v1/...``          the same
+``/endpoints/{e}/inference-components/{c}/openai/v1/...``          the same, component ``c``
 ``POST /endpoints/{e}/invocations``, ``POST /invocations``         SageMaker native
 ``POST /endpoints/{e}/invocations-response-stream``                SageMaker, AWS event-stream
+``/endpoints/{e}/inference-components/{c}/invocations[...]``       the same, component ``c``
 ``GET /ping``, ``GET /health``                                     router liveness
 ``GET /metrics``                                                   Prometheus text
 =================================================================  ==========================
 
 A handler reads the body (at most ``max_body_bytes``; 413 beyond, before anything is
-sent upstream or counted in flight), validates the request, computes the routing key
+sent upstream or counted in flight), validates the request, selects the pool and the
+candidate instances (component, model, adapter), computes the routing key
 (PREFIX_AWARE) or block hashes (CACHE_AWARE) and hands it to
 :func:`prefixroute.server.proxy.forward`.
 Every error answer uses the API's shape: an OpenAI error object on ``/v1`` paths, a
@@ -30,16 +36,17 @@ import logging
 import time
 import zlib
 from random import getrandbits
-from typing import Any, AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
 import orjson
 from aiohttp import HttpVersion11, web
 
 from prefixroute.core.config import RoutingConfig
-from prefixroute.core.endpoint import Endpoint, UnknownEndpoint, UnknownVariant
+from prefixroute.core.endpoint import UnknownComponent, UnknownEndpoint, UnknownVariant
 from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, native_route, openai_route,
                                    openai_tenant, validate_tenant_id)
-from prefixroute.core.pool import VariantPool
+from prefixroute.core.openai_routes import OpenAIRoute, keyed_view, scoped_model
+from prefixroute.core.selection import ComponentRequired, UnknownModel
 from prefixroute.core.sessions import SessionPin, parse_session_id
 from prefixroute.discovery.manager import start_discovery
 from prefixroute.server import headers as H
@@ -47,8 +54,11 @@ from prefixroute.server.clientkeys import Identity
 from prefixroute.server.errors import json_response, openai_error, sagemaker_error
 from prefixroute.server.limits import Refusal
 from prefixroute.server.health import health_check_loop, readiness
+from prefixroute.server.lora import LoraManager
 from prefixroute.server.metrics import CONTENT_TYPE
+from prefixroute.server.models import refresh_models
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
+from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
 
@@ -91,36 +101,32 @@ def _json_type(value: Any) -> str:
     return _JSON_TYPES.get(type(value), "an object" if isinstance(value, dict) else type(value).__name__)
 
 
-def parse_openai_request(body: bytes, chat: bool, routing: RoutingConfig,
-                         header_tenant: str = "") -> tuple[dict[str, Any], int | None, list[int]]:
-    """Parse and validate an OpenAI request body; compute what its variant routes on.
+def parse_openai_request(body: bytes, chat: bool | OpenAIRoute, routing: RoutingConfig, header_tenant: str = "",
+                         component: str | None = None) -> tuple[dict[str, Any], int | None, Sequence[int]]:
+    """Parse and validate an OpenAI request body; compute what its pool routes on.
 
     Args:
         body: the raw request body.
-        chat: ``/v1/chat/completions`` (else ``/v1/completions``).
-        routing: the variant's routing configuration.
+        chat: the route (``True``: ``/v1/chat/completions``, ``False``:
+            ``/v1/completions``, or an :class:`~prefixroute.core.openai_routes.OpenAIRoute`).
+        routing: the pool's routing configuration.
         header_tenant: a validated ``X-Amzn-SageMaker-Prefix-Aware-Id``, or ``""``.
+        component: the inference component, which takes part in the key, or ``None``.
 
     Returns:
         ``(payload, key, blocks)``: the parsed JSON object, the 64-bit key
         (PREFIX_AWARE) or ``None``, and the chained block hashes (CACHE_AWARE) or ``[]``
-        (:func:`prefixroute.core.keys.openai_route`).
+        (:func:`route_key`).
 
     Raises:
         InvalidRequest: not JSON, not an object, or a field with the wrong type; the
             message names the problem (never quoting prompt text).
     """
-    try:
-        payload = loads_body(body)
-    except orjson.JSONDecodeError as exc:
-        raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
-    if not isinstance(payload, dict):
-        raise InvalidRequest(f"request body must be a JSON object, got {_json_type(payload)}")
-    if not isinstance(payload.get("stream", False), bool):
-        raise InvalidRequest("'stream' must be a boolean")
-    key, blocks = openai_route(payload, chat, routing, header_tenant)
-    if key is None and not blocks:
-        validate_openai_body(payload, chat)  # the whole body, as no key rendered it
+    route = chat if isinstance(chat, OpenAIRoute) else (OpenAIRoute.CHAT if chat else OpenAIRoute.COMPLETIONS)
+    payload = _openai_payload(body, route)
+    if payload is None:
+        return {}, None, []
+    key, blocks = route_key(payload, route, routing, header_tenant, component)
     return payload, key, blocks
 
 
@@ -425,35 +431,41 @@ def endpoint_label(state: RouterState, request: web.Request) -> str:
     return _endpoint_label(state, request.match_info.get("endpoint"))
 
 
-def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping[str, str],
-                      raw_headers: H.RawHeaders, endpoint_name: str | None,
+def prepare_inference(state: RouterState, match: RouteMatch, headers: Mapping[str, str],
+                      raw_headers: H.RawHeaders,
                       body: bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut | None, rid: str, t0: float,
-                      request: web.Request | None = None) -> RoutedRequest | web.Response:
-    """Everything between an inference request's arrival and its forwarding, for both
-    data planes: resolve the endpoint and production variant, check the body's size,
-    validate it and compute what its variant routes on.
+                      request: web.Request | None = None, query: str = "") -> RoutedRequest | web.Response:
+    """Everything between an inference request's arrival and its forwarding, for every
+    driver: resolve the endpoint, the inference component or production variant, check
+    the body's size, validate it, select the pool and candidates for its model
+    (:class:`prefixroute.core.selection.Selector`: components, the instances serving the
+    model, an adapter's sticky set) and compute what that pool's strategy routes on.
 
     Args:
-        api: OpenAI, SageMaker native, or SageMaker response stream.
-        chat: (OpenAI) ``/v1/chat/completions``, else ``/v1/completions``.
+        match: the route (:func:`prefixroute.server.routes.match_route`): API, OpenAI
+            route, endpoint and inference component of the path.
         headers: the client's request headers.
         raw_headers: the same as received, ``(name, value)`` bytes.
-        endpoint_name: the ``{endpoint}`` of the path, ``None`` for the default one.
         body: the body read, a :class:`BodyTooLarge` if it was over the limit, a
             :class:`BodyTimedOut` if it stopped arriving part-way, or ``None`` when
             not read yet (only the checks before the body are done; a
             :class:`RoutedRequest` with an empty body is returned if they pass).
         rid: the request id; ``t0``: ``time.perf_counter()`` at arrival.
         request: the aiohttp request, if it came through aiohttp.
+        query: the request's query string (passed on for routes relayed as they are).
 
     Returns:
         The :class:`RoutedRequest` to forward, or the error response to send (already
         counted in ``prefixroute_responses_total``), in the API's shape: 404 unknown
-        endpoint, 400 unknown variant, invalid request or a body its Content-Encoding
-        does not decode, 408 a body that stopped arriving, 413 body too large, 415 a
-        Content-Encoding not decoded here (checked before the body is read;
-        :data:`DECODED_CODINGS`), 501 a Transfer-Encoding other than ``chunked``.
+        endpoint or (OpenAI ``model_not_found``) a model no instance serves, 400 unknown
+        variant or inference component (SageMaker ``ValidationError`` on the native
+        API), a native request to an endpoint with components that names none, an
+        invalid request or a body its Content-Encoding does not decode, 408 a body that
+        stopped arriving, 413 body too large, 415 a Content-Encoding not decoded here
+        (checked before the body is read; :data:`DECODED_CODINGS`), 501 a
+        Transfer-Encoding other than ``chunked``.
     """
+    api = match.api
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
     clients = state.clients
@@ -463,9 +475,15 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
         if not isinstance(found, Identity):
             return count_answer(state, "unknown", "", unauthorized(api, found, rid), t0)
         who = found
+    header_component = headers.get(H.INFERENCE_COMPONENT)
+    component = match.component or header_component or None
+    target = headers.get(H.TARGET_VARIANT)
     try:
-        endpoint = state.fleet.endpoint(endpoint_name)
-        pool = endpoint.variant(headers.get(H.TARGET_VARIANT))
+        endpoint = state.fleet.endpoint(match.endpoint)
+        if match.component and header_component and header_component != match.component:
+            raise UnknownComponent(f"the path names inference component {match.component!r} and "
+                                   f"{H.INFERENCE_COMPONENT} names {header_component!r}")
+        pool = endpoint.component(component) if component else endpoint.variant(target)
     except UnknownEndpoint as exc:
         resp = openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), status=404, headers=hdrs)
@@ -473,8 +491,14 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     except UnknownVariant as exc:
         resp = openai_error(400, str(exc), code="variant_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), headers=hdrs)
-        return count_answer(state, _endpoint_label(state, endpoint_name), "", resp, t0)
+        return count_answer(state, _endpoint_label(state, match.endpoint), "", resp, t0)
+    except UnknownComponent as exc:
+        resp = openai_error(400, str(exc), code="inference_component_not_found", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(exc), headers=hdrs)
+        return count_answer(state, endpoint.name, "", resp, t0)
     hdrs[H.INVOKED_VARIANT] = pool.name
+    if pool.component is not None:
+        hdrs[H.INVOKED_COMPONENT] = pool.component
     try:
         tenant = validate_tenant_id(headers.get(H.PREFIX_AWARE_ID))
     except InvalidRequest as exc:
@@ -519,18 +543,43 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
                 sagemaker_error("ValidationError", msg, status=415, headers=hdrs)
             return count_answer(state, endpoint.name, pool.name, resp, t0)
         return RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, None, b"", "", rid, t0,
-                             session=session, new_session=new_session)
+                             session=session, new_session=new_session, route=match.route, target=target)
+    model: str | None = None
+    try:
+        if openai:
+            route = match.route
+            payload = _openai_payload(body, route)
+            model = payload.get("model") if payload is not None else None
+            if model is not None and not isinstance(model, str):
+                raise InvalidRequest("'model' must be a string")
+            sel = state.selector.select(endpoint, variant=target, component=component, model=model or None)
+        else:
+            sel = state.selector.select(endpoint, variant=target, component=component, native=True)
+    except InvalidRequest as exc:
+        return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
+    except UnknownModel as exc:
+        try:  # a malformed request is a 400 whatever its model names (as vLLM validates before its model check)
+            route_key(payload, route, _VALIDATE_ONLY, tenant)
+        except InvalidRequest as bad:
+            return count_answer(state, endpoint.name, pool.name, openai_error(400, str(bad), headers=hdrs), t0)
+        resp = openai_error(404, str(exc), code="model_not_found", headers=hdrs)
+        return count_answer(state, endpoint.name, pool.name, resp, t0)
+    except (ComponentRequired, UnknownComponent, UnknownVariant) as exc:
+        resp = openai_error(400, str(exc), code="inference_component_required", headers=hdrs) if openai else \
+            sagemaker_error("ValidationError", str(exc), headers=hdrs)
+        return count_answer(state, endpoint.name, pool.name, resp, t0)
+    pool = sel.pool
     if openai:
+        assert route is not None
         try:
-            _, key, blocks = parse_openai_request(body, chat, pool.routing, tenant)
+            key, blocks = route_key(payload, route, pool.routing, tenant, pool.component)
         except InvalidRequest as exc:
             return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
-        path = "/v1/chat/completions" if chat else "/v1/completions"
+        path = match.tail + (f"?{query}" if query and route is OpenAIRoute.OTHER else "")
         # Its digests go if it came encoded (the native API never passes them on).
         decoded = "Content-Encoding" in headers and request_coding(headers) != "identity"  # (else a 415 before)
     else:
         decoded = False
-        component = headers.get(H.INFERENCE_COMPONENT)
         scope = f"{endpoint.name}:{component}" if component else endpoint.name
         key, blocks = native_request_key(body, pool.routing, scope, tenant)
         path = "/invocations"
@@ -545,25 +594,83 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
     if state.settings.log_prompts:
         _log_prompt(rid, body)
     rr = RoutedRequest(request, headers, raw_headers, api, endpoint.name, pool, key, body, path, rid, t0, blocks,
-                       decoded, session=session, new_session=new_session)
+                       decoded, session=session, new_session=new_session, selection=sel, route=match.route,
+                       target=target, model=model or None)
     if who is not None:
         rec = rr.record
         rec.client, rec.tenant, rec.admission = who.name, who.tenant, admitted
     return rr
 
 
-async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.StreamResponse:
+#: A routing configuration that computes no key: :func:`route_key` with it only validates.
+_VALIDATE_ONLY = RoutingConfig()
+
+
+def _openai_payload(body: bytes, route: OpenAIRoute | None) -> dict[str, Any] | None:
+    """The parsed JSON object of an OpenAI body; ``None`` for a body of another route
+    under ``/v1`` that is not a JSON object (multipart audio...: relayed by the pool
+    only, without a model or key).
+
+    Raises:
+        InvalidRequest: a known route's body that is not a JSON object, or a ``stream``
+            that is not a boolean.
+    """
+    try:
+        payload = loads_body(body)
+    except orjson.JSONDecodeError as exc:
+        if route is OpenAIRoute.OTHER:
+            return None
+        raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
+    if not isinstance(payload, dict):
+        if route is OpenAIRoute.OTHER:
+            return None
+        raise InvalidRequest(f"request body must be a JSON object, got {_json_type(payload)}")
+    if not isinstance(payload.get("stream", False), bool):
+        raise InvalidRequest("'stream' must be a boolean")
+    return payload
+
+
+def route_key(payload: dict[str, Any] | None, route: OpenAIRoute, routing: RoutingConfig, header_tenant: str = "",
+              component: str | None = None) -> tuple[int | None, Sequence[int]]:
+    """What a pool's strategy routes an OpenAI request on: ``(key, blocks)`` from the
+    route's own input (:func:`prefixroute.core.openai_routes.keyed_view`), within the
+    inference component when there is one.
+
+    Raises:
+        InvalidRequest: a field the key needs (or the router checks) has the wrong type.
+    """
+    if payload is None:
+        return None, []
+    view, chat = keyed_view(payload, route)
+    if view is None:  # another route: keyed on nothing, its tenant fields still checked
+        openai_tenant(payload, header_tenant)
+        return None, []
+    key, blocks = openai_route(scoped_model(view, component), chat, routing, header_tenant)
+    if key is None and not blocks and route in (OpenAIRoute.CHAT, OpenAIRoute.COMPLETIONS):
+        validate_openai_body(payload, chat)  # the whole body, as no key rendered it
+    return key, blocks
+
+
+def _route_of(request: web.Request) -> RouteMatch:
+    """The inference route of an aiohttp request (its handler is only registered on them)."""
+    match = match_route(request.raw_path.split("?", 1)[0])
+    if match is None:  # an aiohttp route matched a path match_route refuses (e.g. %-escaped)
+        raise web.HTTPNotFound()
+    return match
+
+
+async def _inference(request: web.Request) -> web.StreamResponse:
+    """Every inference route: read, :func:`prepare_inference`, :func:`forward`."""
     t0 = time.perf_counter()
     state = request.app[STATE]
     rid = request_id(request.headers)
-    endpoint_name = request.match_info.get("endpoint")
-    first = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, None, rid, t0,
-                              request)
+    match = _route_of(request)
+    first = prepare_inference(state, match, request.headers, request.raw_headers, None, rid, t0, request)
     if not isinstance(first, RoutedRequest):
         return first
     body = await read_body(request, state.settings.max_body_bytes, state.settings.client_keepalive_timeout_s)
-    rr = prepare_inference(state, api, chat, request.headers, request.raw_headers, endpoint_name, body, rid, t0,
-                           request)
+    rr = prepare_inference(state, match, request.headers, request.raw_headers, body, rid, t0, request,
+                           request.query_string)
     if not isinstance(rr, RoutedRequest):
         if isinstance(body, BodyTimedOut):
             rr.force_close()  # (what is left of the body is unread)
@@ -571,18 +678,15 @@ async def _inference(request: web.Request, api: Api, chat: bool = False) -> web.
     return await forward(state, rr)
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """``POST .../v1/chat/completions`` (streaming or not)."""
-    return await _inference(request, Api.OPENAI, chat=True)
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    """``POST .../v1/completions`` (streaming or not)."""
-    return await _inference(request, Api.OPENAI, chat=False)
+#: The inference handler under its historical names (each route is :func:`_inference`).
+chat_completions = completions = invocations = invocations_response_stream = _inference
 
 
 async def models(request: web.Request) -> web.Response:
-    """``GET .../v1/models``: the model list of one healthy instance of the endpoint."""
+    """``GET .../v1/models``: the union of the models the endpoint's healthy instances
+    serve (the component's copies, on a component's path), learned from their own
+    lists; when no healthy instance's list is known, one healthy instance's list as it
+    answers (503 when none is healthy)."""
     state = request.app[STATE]
     rid = request_id(request.headers)
     drop = None
@@ -591,39 +695,52 @@ async def models(request: web.Request) -> web.Response:
         if not isinstance(found, Identity):
             return unauthorized(Api.OPENAI, found, rid)
         drop = found.header
+    hdrs = {H.REQUEST_ID: rid}
+    component = request.match_info.get("component")
     try:
-        _, pool = _resolve(state, request)
+        endpoint = state.fleet.endpoint(request.match_info.get("endpoint"))
+        pool = endpoint.component(component) if component else endpoint.variant(request.headers.get(H.TARGET_VARIANT))
+    except UnknownEndpoint as exc:
+        return openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs)
+    except UnknownVariant as exc:
+        return openai_error(400, str(exc), code="variant_not_found", headers=hdrs)
+    except UnknownComponent as exc:
+        return openai_error(400, str(exc), code="inference_component_not_found", headers=hdrs)
+    pools = [pool] if component else endpoint.all_pools()
+    ids = list(dict.fromkeys(i.instance_id for p in pools for i in p.instances if i.healthy))
+    cards = state.catalog.cards(ids)
+    if not cards:
+        return await forward_get(state, request, pool, "/v1/models", rid, drop)
+    hdrs[H.INVOKED_VARIANT] = pool.name
+    return json_response(200, {"object": "list", "data": cards}, hdrs)
+
+
+async def relay_other(request: web.Request) -> web.StreamResponse:
+    """Any other method on a path under ``/v1`` (``GET /v1/models/{id}``...): relayed as
+    it is to one healthy instance of the endpoint (no model to route by, no in-flight
+    slot claimed), its answer returned whole."""
+    state = request.app[STATE]
+    rid = request_id(request.headers)
+    match = _route_of(request)
+    drop = None
+    if state.clients is not None:
+        found = state.clients.identify(request.headers)
+        if not isinstance(found, Identity):
+            return unauthorized(Api.OPENAI, found, rid)
+        drop = found.header
+    try:
+        endpoint = state.fleet.endpoint(match.endpoint)
+        pool = endpoint.component(match.component) if match.component else \
+            endpoint.variant(request.headers.get(H.TARGET_VARIANT))
     except UnknownEndpoint as exc:
         return openai_error(404, str(exc), code="endpoint_not_found", headers={H.REQUEST_ID: rid})
-    except UnknownVariant as exc:
-        return openai_error(400, str(exc), code="variant_not_found", headers={H.REQUEST_ID: rid})
-    return await forward_get(state, request, pool, "/v1/models", rid, drop)
-
-
-def _resolve(state: RouterState, request: web.Request) -> tuple[Endpoint, VariantPool]:
-    endpoint = state.fleet.endpoint(request.match_info.get("endpoint"))
-    return endpoint, endpoint.variant(request.headers.get(H.TARGET_VARIANT))
-
-
-async def invocations(request: web.Request) -> web.StreamResponse:
-    """SageMaker ``InvokeEndpoint``: raw body in, raw body out.
-
-    Routing key: the first PrefixLength **bytes** of the body (never parsed: invalid
-    UTF-8 is forwarded unchanged and hashed as bytes), scoped by endpoint and
-    ``X-Amzn-SageMaker-Inference-Component``, with ``X-Amzn-SageMaker-Prefix-Aware-Id``
-    as the tenant. Errors use SageMaker's shapes (``x-amzn-ErrorType``).
-    """
-    return await _inference(request, Api.NATIVE)
-
-
-async def invocations_response_stream(request: web.Request) -> web.StreamResponse:
-    """SageMaker ``InvokeEndpointWithResponseStream``: the body goes unchanged to the
-    instance's ``/invocations`` (a vLLM SageMaker container streams when the body has
-    ``"stream": true``); each chunk of its answer comes back as a ``PayloadPart`` event
-    of an ``application/vnd.amazon.eventstream`` response, with the container's
-    content type in ``X-Amzn-SageMaker-Content-Type``. A failure mid-stream ends it with
-    a ``ModelStreamError`` event. Routing as :func:`invocations`."""
-    return await _inference(request, Api.NATIVE_STREAM)
+    except (UnknownVariant, UnknownComponent) as exc:
+        return openai_error(400, str(exc), code="not_found", headers={H.REQUEST_ID: rid})
+    body = await read_body(request, state.settings.max_body_bytes, state.settings.client_keepalive_timeout_s)
+    if not isinstance(body, bytes):
+        return error_for_path(request.path, 413 if isinstance(body, BodyTooLarge) else 400, str(body), "bad_body")
+    path = match.tail + (f"?{request.query_string}" if request.query_string else "")
+    return await forward_get(state, request, pool, path, rid, drop, method=request.method, body=body)
 
 
 async def health(request: web.Request) -> web.Response:
@@ -659,7 +776,7 @@ def error_for_path(path: str, status: int, message: str, code: str, *, sagemaker
     return json_response(status, {"message": message}, headers)
 
 
-def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
+def _expect() -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:
     """The ``Expect`` handler of an inference route: a request its head alone refuses
     (what :func:`prepare_inference` checks before the body: unknown endpoint or
     variant, a coding not decoded, an invalid tenant id; and a declared body over
@@ -680,9 +797,8 @@ def _expect(api: Api, chat: bool = False) -> Callable[[web.Request], Awaitable[w
             return count_answer(state, "unknown", "", resp, t0)
         limit, declared = state.settings.max_body_bytes, request.content_length
         body = BodyTooLarge(limit, declared) if declared is not None and declared > limit else None
-        checked = prepare_inference(state, api, chat, request.headers, request.raw_headers,
-                                    request.match_info.get("endpoint"), body, request_id(request.headers), t0,
-                                    request)
+        checked = prepare_inference(state, _route_of(request), request.headers, request.raw_headers, body,
+                                    request_id(request.headers), t0, request)
         if not isinstance(checked, RoutedRequest):
             checked.force_close()
             return checked
@@ -722,6 +838,12 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
     s = state.settings
     state.observers.open(s.access_log, s.record_trace, s.otel_traces)
     state.session = make_client_session(state.settings)
+    try:  # what each instance serves, before the first request (an instance not up yet: the next round)
+        async with asyncio.timeout(state.settings.health_check_timeout_s + 1.0):
+            await refresh_models(state)
+    except TimeoutError:
+        log.warning("model lists not all read at start; the health rounds read them")
+    state.lora = LoraManager(state)
     tasks: list[asyncio.Task[None]] = []
     if state.settings.health_check_interval_s > 0:
         tasks.append(asyncio.create_task(health_check_loop(state), name="prefixroute-health-checks"))
@@ -742,6 +864,8 @@ async def _background_tasks(app: web.Application) -> AsyncIterator[None]:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         await state.stop_kv_events()
+        await state.lora.close()
+        state.lora = None
         await state.session.close()
         state.session = None
         state.observers.close()
@@ -761,14 +885,20 @@ def build_app(state: RouterState) -> web.Application:
     close_receiving_on_shutdown(app)
     app.cleanup_ctx.append(_background_tasks)
     r = app.router
-    for prefix in ("", "/endpoints/{endpoint}/openai", "/endpoints/{endpoint}/inference-components/{component}/openai"):
-        r.add_post(prefix + "/v1/chat/completions", chat_completions, expect_handler=_expect(Api.OPENAI, True))
-        r.add_post(prefix + "/v1/completions", completions, expect_handler=_expect(Api.OPENAI, False))
+    expect = _expect()
+    components = "/endpoints/{endpoint}/inference-components/{component}"
+    for prefix in ("", "/endpoints/{endpoint}/openai", components + "/openai"):
+        for route in OpenAIRoute:
+            if route is not OpenAIRoute.OTHER:
+                r.add_post(prefix + route.path, _inference, expect_handler=expect)
         r.add_get(prefix + "/v1/models", models, allow_head=False)
-    r.add_post("/endpoints/{endpoint}/invocations", invocations, expect_handler=_expect(Api.NATIVE))
-    r.add_post("/endpoints/{endpoint}/invocations-response-stream", invocations_response_stream,
-               expect_handler=_expect(Api.NATIVE_STREAM))
-    r.add_post("/invocations", invocations, expect_handler=_expect(Api.NATIVE))
+        # Anything else under /v1: POST routed by the body's model, other methods relayed.
+        r.add_post(prefix + "/v1/{tail:.+}", _inference, expect_handler=expect)
+        r.add_route("*", prefix + "/v1/{tail:.+}", relay_other)
+    for prefix in ("/endpoints/{endpoint}", components):
+        r.add_post(prefix + "/invocations", _inference, expect_handler=expect)
+        r.add_post(prefix + "/invocations-response-stream", _inference, expect_handler=expect)
+    r.add_post("/invocations", _inference, expect_handler=expect)
     r.add_get("/ping", health)  # HEAD too: load balancers may check with HEAD
     r.add_get("/health", health)
     r.add_get("/metrics", metrics, allow_head=False)

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixroute import signals
-from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, RoutingStrategy, parse_model
+from prefixroute.core.config import ConfigError, EndpointConfig, FleetConfig, RoutingConfig, RoutingStrategy, parse_model
 from prefixroute.core.kvevents.config import KvEventsConfig
 from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.discovery.flags import (configure_discovery_flags, discovery_from_args, single_with_discovery,
@@ -128,6 +128,28 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--variant-name", default=None,
                    help="production variant name, returned in X-Amzn-Invoked-Production-Variant "
                         "(default: AllTraffic)")
+    m = p.add_argument_group("several models on one endpoint (the --backend case; with --config, the YAML's "
+                             "InferenceComponents and LoraAdapters)")
+    m.add_argument("--inference-component", action="append", default=[], metavar="NAME[:MODEL]=URL,...|discover",
+                   help="an inference component: requests naming NAME (X-Amzn-SageMaker-Inference-Component, "
+                        "/endpoints/E/inference-components/NAME/..., or MODEL in an OpenAI body) go only to its "
+                        "copies, the listed --backend URLs or, with 'discover', the backends whose /v1/models "
+                        "lists MODEL (default: NAME); routed with the flags above, in-flight counts per copy; "
+                        "repeatable")
+    m.add_argument("--lora-adapter", action="append", default=[], metavar="NAME=PATH[@BASE_MODEL]",
+                   help="a LoRA adapter the router may load (vLLM's lora_name=lora_path, on instances of "
+                        "BASE_MODEL); repeatable")
+    m.add_argument("--lora-autoload", action="store_true",
+                   help="when an adapter's sticky set (the instances that have it loaded) is saturated or empty, "
+                        "load it on the least loaded instance of its base model with a free adapter slot (or an "
+                        "idle adapter to unload: for a saturated set only one that has another copy; a set that "
+                        "cannot grow queues within itself), logging and counting every load and unload; "
+                        "--workers 1 only (default: off: a saturated set gets 429 with Retry-After)")
+    m.add_argument("--lora-max-adapters", type=int, metavar="N", default=None,
+                   help="adapter slots of an instance whose engine does not report vLLM's max_lora "
+                        "(default: unbounded)")
+    m.add_argument("--lora-retry-after", type=int, metavar="SECONDS", default=None,
+                   help="Retry-After of the 429 for a saturated sticky set (default: 1)")
 
 
 
@@ -244,6 +266,10 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--log-prompts", action="store_true",
                    help="allow prompt text (the first 512 bytes of a request body, every API) in DEBUG logs "
                         "(default: off, prompts never reach the logs)")
+    o.add_argument("--unknown-model", choices=("reject", "any"), default="reject",
+                   help="an OpenAI request whose model no instance lists in its /v1/models: 'reject' with 404 "
+                        "model_not_found, or route it among 'any' instance (for engines that serve any model "
+                        "name, e.g. SGLang or TGI with one model) (default: reject)")
     o.add_argument("--session-header", metavar="NAME",
                    help="a request header whose value pins a session to one instance, e.g. X-Session-ID for "
                         "OpenAI clients (X-Amzn-SageMaker-Session-Id is always honoured): the session's requests go "
@@ -327,9 +353,75 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
         config = single_with_discovery(args.backend, routing, discovery_from_args(args), endpoint, variant)
     else:
         config = FleetConfig.single(args.backend, routing, endpoint=endpoint, variant=variant)
+    config = with_model_flags(config, args)
     if kv_flags:
         config = config.model_copy(update={"kv_events": kv_events_from_flags(args)})
     return config
+
+
+def parse_component_flag(text: str) -> dict[str, Any]:
+    """``NAME[:MODEL]=URL,URL`` or ``NAME[:MODEL]=discover`` as an ``InferenceComponents``
+    item (validated with the rest of the configuration).
+
+    Raises:
+        ConfigError: no ``=``, or nothing after it.
+    """
+    head, sep, tail = text.partition("=")
+    if not sep or not head or not tail.strip():
+        raise ConfigError(f"--inference-component {text!r}: expected NAME[:MODEL]=URL,URL or NAME[:MODEL]=discover")
+    name, _, model = head.partition(":")
+    item: dict[str, Any] = {"InferenceComponentName": name}
+    if model:
+        item["ModelName"] = model
+    urls = [u.strip() for u in tail.split(",") if u.strip()]
+    item["Instances"] = "DISCOVER" if len(urls) == 1 and urls[0].lower() == "discover" else urls
+    return item
+
+
+def parse_adapter_flag(text: str) -> dict[str, Any]:
+    """``NAME=PATH[@BASE_MODEL]`` as a ``LoraAdapters.Adapters`` item.
+
+    Raises:
+        ConfigError: no ``=`` or an empty name or path.
+    """
+    name, sep, rest = text.partition("=")
+    path, at, base = rest.rpartition("@") if "@" in rest else (rest, "", "")
+    if not sep or not name or not path:
+        raise ConfigError(f"--lora-adapter {text!r}: expected NAME=PATH or NAME=PATH@BASE_MODEL")
+    item: dict[str, Any] = {"LoraName": name, "LoraPath": path}
+    if at and base:
+        item["BaseModelName"] = base
+    return item
+
+
+def with_model_flags(config: FleetConfig, args: argparse.Namespace) -> FleetConfig:
+    """``config`` (one endpoint, from the flags) with the ``--inference-component`` and
+    ``--lora-*`` flags applied, validated as the YAML would be.
+
+    Raises:
+        ConfigError: a malformed flag or an invalid value.
+    """
+    components = [parse_component_flag(t) for t in getattr(args, "inference_component", []) or []]
+    adapters = [parse_adapter_flag(t) for t in getattr(args, "lora_adapter", []) or []]
+    lora: dict[str, Any] = {}
+    if adapters:
+        lora["Adapters"] = adapters
+    if getattr(args, "lora_autoload", False):
+        lora["Autoload"] = True
+    if getattr(args, "lora_max_adapters", None) is not None:
+        lora["MaxAdaptersPerInstance"] = args.lora_max_adapters
+    if getattr(args, "lora_retry_after", None) is not None:
+        lora["RetryAfterSeconds"] = args.lora_retry_after
+    if not components and not lora:
+        return config
+    ep = config.endpoints[0]
+    data: dict[str, Any] = {"EndpointName": ep.name, "ProductionVariants": list(ep.variants)}
+    if components:
+        data["InferenceComponents"] = components
+    if lora:
+        data["LoraAdapters"] = lora
+    endpoint = parse_model(EndpointConfig, data, root="flags")
+    return config.model_copy(update={"endpoints": (endpoint,)})
 
 
 def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
@@ -437,7 +529,7 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         metrics_scrape_timeout_s=getattr(args, "metrics_scrape_timeout", 2.0),
         client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),
         shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, log_prompts=args.log_prompts,
-        session_header=getattr(args, "session_header", None),
+        session_header=getattr(args, "session_header", None), unknown_model=getattr(args, "unknown_model", "reject"),
         **({} if getattr(args, "cache_aware_memory_mib", None) is None
            else {"cache_aware_memory_bytes": _mib(args.cache_aware_memory_mib, "--cache-aware-memory-mib")}),
         config_path=args.config, record_trace=args.record_trace, access_log=getattr(args, "access_log", None),
@@ -594,6 +686,10 @@ def run(args: argparse.Namespace) -> int:
         if any(v.discovery is not None for e in config.endpoints for v in e.variants):
             print("error: discovery (Discovery:, --dns, --k8s-...) runs in one router process; use --workers 1 "
                   "and more router replicas", file=sys.stderr)
+            return 2
+        if any(e.lora.autoload for e in config.endpoints):
+            print("error: LoraAdapters.Autoload (--lora-autoload) runs in one router process: its unloads must see "
+                  "every request in flight for an adapter; use --workers 1", file=sys.stderr)
             return 2
         from prefixroute.server.workers import serve_workers
 

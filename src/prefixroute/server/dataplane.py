@@ -10,10 +10,11 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
 ::
 
     client ──► FrontServer (public port, this module)
-                 │ POST inference route, HTTP/1.1, http:// instances, a body plain or
+                 │ POST inference route (routes.match_route), HTTP/1.1, http:// instances, a body plain or
                  │ gzip/deflate (decoded here, strictly; any other coding: 415)
-                 ├──► prepare_inference (app.py: resolve, validate, routing key)
-                 │      └─► pool.acquire ─► _Upstream (pooled raw connection) ─► instance
+                 ├──► prepare_inference (app.py: resolve, validate, select the pool and
+                 │      its candidates for the component / model / adapter, routing key)
+                 │      └─► proxy.acquire ─► _Upstream (pooled raw connection) ─► instance
                  │      (from the parser's callback, FrontServer.begin, when the client
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)
@@ -60,7 +61,7 @@ import httptools
 import orjson
 from aiohttp import web
 
-from prefixroute.core.pool import NoHealthyInstance
+from prefixroute.core.pool import NoHealthyInstance, SetSaturated
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import (
@@ -75,9 +76,11 @@ from prefixroute.server.app import (
     request_id,
     transfer_refused,
 )
-from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message, \
-    connect_failed, ends_with_done, model_error, peer_closed, sse_error_event, upstream_error, upstream_headers
+from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, acquire, acquire_or_grow, at_event_boundary, \
+    broken_message, connect_failed, count_routed, ends_with_done, model_error, no_instance_error, our_headers, \
+    peer_closed, saturated_error, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.record import RequestRecord
+from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.state import RouterState
 
 __all__ = ["FrontServer", "match_route", "MAX_HEAD_BYTES", "MAX_HEADERS"]
@@ -96,39 +99,6 @@ _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [
 # Hop-by-hop and framing headers never relayed as they are (RFC 9110 §7.6.1).
 _FRAMING = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"content-length", b"te",
                       b"trailer", b"upgrade", b"proxy-connection", b"expect"})
-
-
-def match_route(path: str) -> tuple[Api, bool, str | None] | None:
-    """The inference route of ``path`` (no query string): ``(api, chat, endpoint)``,
-    or ``None`` if it is not one the fast data plane serves.
-
-    >>> match_route("/endpoints/e1/openai/v1/chat/completions")
-    (<Api.OPENAI: 'openai'>, True, 'e1')
-    """
-    if path == "/v1/chat/completions":
-        return Api.OPENAI, True, None
-    if path == "/v1/completions":
-        return Api.OPENAI, False, None
-    if path == "/invocations":
-        return Api.NATIVE, False, None
-    if not path.startswith("/endpoints/") or "%" in path:
-        return None
-    parts = path.split("/")  # ['', 'endpoints', e, ...]
-    if len(parts) < 4 or not parts[2] or "{" in parts[2] or "}" in parts[2]:
-        return None
-    endpoint, rest = parts[2], parts[3:]
-    if rest == ["invocations"]:
-        return Api.NATIVE, False, endpoint
-    if rest == ["invocations-response-stream"]:
-        return Api.NATIVE_STREAM, False, endpoint
-    if len(rest) >= 2 and rest[0] == "inference-components" and rest[1] and "{" not in rest[1] \
-            and "}" not in rest[1]:
-        rest = rest[2:]
-    if rest == ["openai", "v1", "chat", "completions"]:
-        return Api.OPENAI, True, endpoint
-    if rest == ["openai", "v1", "completions"]:
-        return Api.OPENAI, False, endpoint
-    return None
 
 
 class _Date:
@@ -170,6 +140,7 @@ _INVOKED_VARIANT = H.INVOKED_VARIANT.encode()
 _INSTANCE = H.INSTANCE.encode()
 _DECISION = H.DECISION.encode()
 _OVERHEAD_MS = H.OVERHEAD_MS.encode()
+_INVOKED_COMPONENT = H.INVOKED_COMPONENT.encode()
 
 
 def _reason(status: int) -> bytes:
@@ -1281,7 +1252,7 @@ class FrontServer:
             self._targets[instance] = t
         return t
 
-    def _route(self, inc: _Incoming) -> tuple[str, tuple[Api, bool, str | None] | None]:
+    def _route(self, inc: _Incoming) -> tuple[str, RouteMatch | None]:
         """``(path, route)``: the request's path and its inference route, or ``None``
         if the aiohttp app answers it (see the module's diagram)."""
         path = inc.url.decode("latin-1").split("?", 1)[0]
@@ -1299,9 +1270,8 @@ class FrontServer:
             return BodyTooLarge(self.state.settings.max_body_bytes, inc.too_large if inc.too_large >= 0 else None)
         return None
 
-    def _prepare(self, inc: _Incoming, route: tuple[Api, bool, str | None]) -> RoutedRequest | web.Response:
+    def _prepare(self, inc: _Incoming, route: RouteMatch) -> RoutedRequest | web.Response:
         """:func:`~prefixroute.server.app.prepare_inference` for a request read here."""
-        api, chat, endpoint_name = route
         headers = H.RawHeaderView(inc.headers, inc.index)
         body: bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut | None
         if inc.too_large is not None or inc.timed_out is not None:
@@ -1316,23 +1286,23 @@ class FrontServer:
                     body = decode_request_body(body, coding, self.state.settings.max_body_bytes)
                 elif coding != "identity":  # decoded by nobody: the checks before the body answer 415
                     body = None
-        return prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, body,
-                                 request_id(headers), inc.t0)
+        query = inc.url.decode("latin-1").partition("?")[2]
+        return prepare_inference(self.state, route, headers, inc.headers, body, request_id(headers), inc.t0,
+                                 query=query)
 
     def refused_by_head(self, inc: _Incoming) -> web.Response | None:
         """The answer to an inference request that its head alone refuses (unknown
-        endpoint or variant, a Content-Encoding or Transfer-Encoding not decoded, an
-        invalid tenant id: what :func:`prepare_inference` checks before the body), or
-        ``None``. Asked for a request with ``Expect: 100-continue``: RFC 9110 §10.1.1
-        lets the final status go instead of ``100 Continue``, and the client need not
-        send the body. The refusal is counted as the answer it is."""
+        endpoint, variant or inference component, a Content-Encoding or
+        Transfer-Encoding not decoded, an invalid tenant id: what
+        :func:`prepare_inference` checks before the body), or ``None``. Asked for a
+        request with ``Expect: 100-continue``: RFC 9110 §10.1.1 lets the final status
+        go instead of ``100 Continue``, and the client need not send the body. The
+        refusal is counted as the answer it is."""
         route = match_route(inc.url.decode("latin-1").split("?", 1)[0]) if inc.method == b"POST" else None
         if route is None:
             return None  # not for inference: the aiohttp app answers it
-        api, chat, endpoint_name = route
         headers = H.RawHeaderView(inc.headers, inc.index)
-        checked = prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, None,
-                                    request_id(headers), inc.t0)
+        checked = prepare_inference(self.state, route, headers, inc.headers, None, request_id(headers), inc.t0)
         return None if isinstance(checked, RoutedRequest) else checked
 
     def begin(self, client: _Client, inc: _Incoming) -> bool:
@@ -1357,9 +1327,9 @@ class FrontServer:
             return False  # the task sends the error answer
         pool = rr.pool
         try:
-            lease = started.lease = rr.lease = pool.acquire(rr.key, (), rr.blocks, learn=False, session=rr.session)
-        except NoHealthyInstance:
-            return False  # the task answers 503
+            lease = started.lease = rr.lease = acquire(self.state, rr)
+        except (NoHealthyInstance, SetSaturated):
+            return False  # the task answers 503 or 429 (or loads the adapter first)
         rr.record.decision = lease.decision
         target = self._target(lease.decision.instance.instance_id)
         up = started.up = self.upstreams.take(target[:3])
@@ -1523,14 +1493,13 @@ class FrontServer:
         if inference is None:
             resp = shutting_down_error(path)
         else:
-            api, chat, endpoint_name = inference
             headers = H.RawHeaderView(inc.headers, inc.index)
             rid = request_id(headers)
-            checked = prepare_inference(self.state, api, chat, headers, inc.headers, endpoint_name, None, rid, inc.t0)
+            checked = prepare_inference(self.state, inference, headers, inc.headers, None, rid, inc.t0)
             if isinstance(checked, RoutedRequest):
                 variant = checked.pool.name
                 resp = count_answer(self.state, checked.endpoint, variant,
-                                    shutting_down_error(path, {H.REQUEST_ID: rid, H.INVOKED_VARIANT: variant}), inc.t0)
+                                    shutting_down_error(path, our_headers(checked)), inc.t0)
             else:
                 resp = checked  # (counted)
         inc.keep_alive = keep
@@ -1571,7 +1540,7 @@ class FrontServer:
         up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
                 + head_tail, rr.body)
         # The instance is at work: what follows until its answer is off the critical path.
-        up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr.request_id, decision), router_s,
+        up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr, decision), router_s,
                                         keep_alive)
 
     async def _forward(self, client: _Client, rr: RoutedRequest, keep_alive: bool,
@@ -1584,7 +1553,7 @@ class FrontServer:
         settings = state.settings
         pool = rr.pool
         variant = pool.name
-        base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
+        base_headers = our_headers(rr)
         head_tail = b""
         exclude: set[str] = set()
         router_s = 0.0
@@ -1600,16 +1569,18 @@ class FrontServer:
             for _attempt in range(1 + settings.max_retries):
                 if lease is None:
                     try:
-                        lease = rr.lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False,
-                                                        session=rr.session)
+                        lease = rr.lease = await acquire_or_grow(state, rr, exclude)
                     except NoHealthyInstance as exc:
                         code = 503
                         record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
-                        msg = (f"no instance of production variant {variant!r} could take the request (tried "
-                               f"{', '.join(sorted(exclude))})") if exclude else str(exc)
-                        self._error(client, rr, 503, msg, "upstream_unavailable" if exclude else
-                                    "no_healthy_instance", base_headers, keep_alive)
+                        client.write(_serialize(no_instance_error(rr, exc, exclude, base_headers), keep_alive))
                         return
+                    except SetSaturated as exc:
+                        code = 429
+                        record.error = "sticky_set_saturated"
+                        client.write(_serialize(saturated_error(state, rr, str(exc), base_headers), keep_alive))
+                        return
+                    pool = rr.pool
                     if rr.blocks:
                         self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
                 if retry is not None:
@@ -1637,7 +1608,7 @@ class FrontServer:
                     except TimeoutError:
                         record.error = "headers_timeout"
                         m.upstream_errors.labels(instance, "headers_timeout").inc()
-                        m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                        count_routed(state, rr, decision)
                         state.health.passive_failure(instance)
                         code = 504 if rr.api is Api.OPENAI else 424
                         self._error(client, rr, 504, f"instance {instance} timed out: no response headers within "
@@ -1656,7 +1627,7 @@ class FrontServer:
                             exclude.add(instance)
                             continue
                         m.upstream_errors.labels(instance, kind).inc()
-                        m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                        count_routed(state, rr, decision)
                         log.warning("instance %s: failed before responding (%s)", instance, kind)
                         code = 502 if rr.api is Api.OPENAI else 424
                         self._error(client, rr, 502, f"instance {instance} failed before responding ({kind})",
@@ -1674,8 +1645,7 @@ class FrontServer:
                         up = None
             code = 503
             record.error = "upstream_unavailable"
-            self._error(client, rr, 503, f"no instance of production variant {variant!r} could take the request "
-                        f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers, keep_alive)
+            client.write(_serialize(no_instance_error(rr, NoHealthyInstance(), exclude, base_headers), keep_alive))
         except _ClientGone:
             code = rr.completed_status or 499
         except asyncio.CancelledError:
@@ -1693,7 +1663,7 @@ class FrontServer:
 
     def _answered_metrics(self, rr: RoutedRequest, status: int, decision: Any) -> None:
         instance = decision.instance.instance_id
-        self.state.metrics.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
+        count_routed(self.state, rr, decision)
         if status >= 500:
             self.state.metrics.upstream_errors.labels(instance, "http_5xx").inc()
             rr.record.error = "http_5xx"
@@ -1704,7 +1674,7 @@ class FrontServer:
         variant = rr.pool.name
         m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
         m.ttft_seconds.labels(rr.endpoint, variant).observe(reply.first_s - rr.t0)
-        if reply.sse and rr.api is Api.OPENAI and not ends_with_done(reply.tail):
+        if reply.sse and rr.done_marked and not ends_with_done(reply.tail):
             m.upstream_errors.labels(instance, "no_done").inc()
             rr.record.error = "no_done"
         return reply.status
@@ -1743,7 +1713,7 @@ class FrontServer:
         t_headers = time.perf_counter()
         if rr.api is not Api.OPENAI and not 200 <= up.status < 300:
             return await self._model_error(client, rr, up, decision, router_s, t_headers, keep_alive)
-        reply = self._reply(rr, up, _our_lines(rr.request_id, decision), router_s, t_headers, keep_alive)
+        reply = self._reply(rr, up, _our_lines(rr, decision), router_s, t_headers, keep_alive)
         m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
         ttft = m.ttft_seconds.labels(rr.endpoint, variant)
         transport = client.transport
@@ -1756,7 +1726,7 @@ class FrontServer:
             if first:
                 ttft.observe(reply.first_s - rr.t0)
 
-        done_marks = reply.sse and rr.api is Api.OPENAI  # [DONE] written: the client has it all
+        done_marks = reply.sse and rr.done_marked  # [DONE] written: the client has it all
 
         def flush() -> None:
             # Events that came in one read go out in one write: nothing waits for them.
@@ -1808,7 +1778,7 @@ class FrontServer:
         if not reply.first_s:
             reply.first_s = rr.record.t_first = time.perf_counter()
             ttft.observe(reply.first_s - rr.t0)
-        if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
+        if sse and rr.done_marked and not ends_with_done(tail):
             m.upstream_errors.labels(instance, "no_done").inc()
             rr.record.error = "no_done"
         if client.closed:
@@ -2029,12 +1999,17 @@ def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web
                           "router_shutting_down", sagemaker_type="ServiceUnavailable", headers=headers)
 
 
-def _our_lines(request_id: str, decision: Any) -> bytes:
+def _our_lines(rr: RoutedRequest, decision: Any) -> bytes:
     """Our own response header lines (each ending in CRLF): ``X-Request-Id``, the
-    production variant, the instance and the decision (``headers.py`` names them)."""
-    return b"X-Request-Id: %s\r\n%s: %s\r\n%s: %s\r\n%s: %s\r\n" % (
-        request_id.encode(), _INVOKED_VARIANT, decision.variant.encode(), _INSTANCE,
+    production variant, the instance, the decision and, for a request to one, the
+    inference component (``headers.py`` names them)."""
+    lines = b"X-Request-Id: %s\r\n%s: %s\r\n%s: %s\r\n%s: %s\r\n" % (
+        rr.request_id.encode(), _INVOKED_VARIANT, decision.variant.encode(), _INSTANCE,
         decision.instance.instance_id.encode(), _DECISION, decision.kind.value.encode())
+    component = rr.pool.component
+    if component is not None:
+        lines += b"%s: %s\r\n" % (_INVOKED_COMPONENT, component.encode())
+    return lines
 
 
 def _expire(fut: asyncio.Future[None]) -> None:

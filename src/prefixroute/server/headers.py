@@ -21,7 +21,8 @@ __all__ = [
     "TARGET_VARIANT", "INFERENCE_COMPONENT", "CUSTOM_ATTRIBUTES", "PREFIX_AWARE_ID", "SESSION_ID", "NEW_SESSION_ID",
     "pin_new_session", "replace_header",
     "SAGEMAKER_ACCEPT", "SAGEMAKER_CONTENT_TYPE",
-    "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "valid_request_id",
+    "INVOKED_VARIANT", "INSTANCE", "DECISION", "OVERHEAD_MS", "REQUEST_ID", "INVOKED_COMPONENT", "RETRY_AFTER",
+    "valid_request_id",
     "openai_upstream_headers", "openai_upstream_lines", "native_upstream_headers", "header_lines", "openai_response_headers", "openai_response_lines",
     "native_response_headers", "strip_secrets", "to_multidict", "RawHeaderView", "RawHeaders", "EVENTSTREAM_CONTENT_TYPE",
 ]
@@ -55,6 +56,11 @@ DECISION = "X-Prefixroute-Decision"
 OVERHEAD_MS = "X-Prefixroute-Overhead-Ms"
 #: Propagated from the request (or 32 generated random hex digits), sent upstream and back.
 REQUEST_ID = "X-Request-Id"
+#: The inference component that served the request (as ``X-Amzn-Invoked-Production-Variant``
+#: names the variant); absent when the request named none.
+INVOKED_COMPONENT = "X-Prefixroute-Inference-Component"
+#: Seconds after which a 429 (a saturated LoRA sticky set) may be retried (RFC 9110 §10.2.3).
+RETRY_AFTER = "Retry-After"
 _REQUEST_ID_MAX = 200
 
 

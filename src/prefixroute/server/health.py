@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING, Callable
 
 import aiohttp
 
+from prefixroute.server.models import refresh_models
+
 if TYPE_CHECKING:
     from prefixroute.server.state import RouterState
 
@@ -242,6 +244,8 @@ def readiness(state: "RouterState") -> Readiness:
     healthy = total = 0
     down = []
     for endpoint, pool in state.fleet.all_pools():
+        if pool.component:  # a component's copies are its variant's instances, counted there
+            continue
         n = sum(1 for inst in pool.instances if inst.healthy)
         healthy += n
         total += len(pool.instances)
@@ -259,7 +263,8 @@ def readiness(state: "RouterState") -> Readiness:
 
 async def health_check_loop(state: "RouterState") -> None:
     """Run :func:`check_all` at once, then every ``settings.health_check_interval_s``
-    seconds, forever. Cancel the task to stop it.
+    seconds, forever, each round followed by asking every instance for its models
+    (:func:`prefixroute.server.models.refresh_models`). Cancel the task to stop it.
 
     The first round runs as the router starts: an instance down at start is out of
     rotation within one check timeout, and one still starting is back at the first
@@ -270,6 +275,7 @@ async def health_check_loop(state: "RouterState") -> None:
     while True:
         try:
             await check_all(state)
+            await refresh_models(state)
         except asyncio.CancelledError:
             raise
         except Exception:  # a bug here must not stop health checking

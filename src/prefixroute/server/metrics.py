@@ -68,6 +68,13 @@ METRIC_NAMES = (
     "prefixroute_backend_scrape_ok",
     "prefixroute_client_requests_total",
     "prefixroute_client_in_flight",
+    "prefixroute_component_requests_total",
+    "prefixroute_component_in_flight",
+    "prefixroute_adapter_requests_total",
+    "prefixroute_adapter_sticky_set_size",
+    "prefixroute_adapter_loads_total",
+    "prefixroute_adapter_unloads_total",
+    "prefixroute_adapter_load_seconds",
 )
 
 #: The families precise mode adds (exported while the configuration has ``KvEvents``).
@@ -127,19 +134,51 @@ class _PoolCollector(Collector):
                  for name, doc in _STRATEGY_STATS.items()}
         per = {name: GaugeMetricFamily(f"prefixroute_{name}", doc, labels=("endpoint", "variant", "instance"))
                for name, doc in _INSTANCE_STATS.items()}
+        comp_in_flight = GaugeMetricFamily(
+            "prefixroute_component_in_flight",
+            "Requests in flight per inference component copy (its own count and ConcurrencyThreshold).",
+            labels=("endpoint", "component", "instance"))
+        stats: dict[tuple[str, str, str], float] = {}
+        per_stats: dict[tuple[str, str, str, str], float] = {}
         for endpoint, pool in self._fleet().all_pools():
             for inst in pool.instances:
+                if pool.component is not None:
+                    comp_in_flight.add_metric((endpoint, pool.component, inst.instance_id), inst.in_flight)
+                    continue
                 labels = (endpoint, pool.name, inst.instance_id)
                 in_flight.add_metric(labels, inst.in_flight)
                 healthy.add_metric(labels, 1.0 if inst.healthy else 0.0)
-            for name, value in pool.strategy.stats().items():
+            for name, value in pool.strategy.stats().items():  # (a component's counts as its variant's)
                 if name in state:
-                    state[name].add_metric((endpoint, pool.name), value)
+                    stats[(name, endpoint, pool.name)] = stats.get((name, endpoint, pool.name), 0.0) + value
             for instance, gauges in pool.strategy.instance_stats().items():
                 for name, value in gauges.items():
                     if name in per:
-                        per[name].add_metric((endpoint, pool.name, instance), value)
-        return [in_flight, healthy, *state.values(), *per.values()]
+                        key = (name, endpoint, pool.name, instance)
+                        per_stats[key] = per_stats.get(key, 0.0) + value
+        for (name, endpoint, variant), value in stats.items():
+            state[name].add_metric((endpoint, variant), value)
+        for (name, endpoint, variant, instance), value in per_stats.items():
+            per[name].add_metric((endpoint, variant, instance), value)
+        return [in_flight, healthy, comp_in_flight, *state.values(), *per.values()]
+
+
+class _CatalogCollector(Collector):
+    """Each LoRA adapter's sticky set size (instances that have it loaded), read from the
+    router's catalog at scrape time."""
+
+    def __init__(self, catalog: Callable[[], Any]) -> None:
+        self._catalog = catalog
+
+    def collect(self) -> Iterable[Metric]:
+        size = GaugeMetricFamily("prefixroute_adapter_sticky_set_size",
+                                 "Instances that have the LoRA adapter loaded (its sticky set), as the router knows.",
+                                 labels=("adapter",))
+        catalog = self._catalog()
+        if catalog is not None:
+            for adapter, count in sorted(catalog.sticky_set_sizes().items()):
+                size.add_metric((adapter,), count)
+        return [size]
 
 
 class _BackendCollector(Collector):
@@ -418,6 +457,8 @@ class RouterMetrics:
         kv_view: returns precise mode's view, or ``None`` when it is off (the
             ``prefixroute_kv_events_*`` families; with several workers, those of the
             worker that answers: each subscribes on its own).
+        catalog: returns the router's :class:`~prefixroute.core.catalog.ModelCatalog`
+            (the ``prefixroute_adapter_sticky_set_size`` gauge), or ``None``.
 
     Raises:
         RuntimeError: ``multiprocess_dir`` without :func:`use_multiprocess_values`.
@@ -425,7 +466,8 @@ class RouterMetrics:
 
     def __init__(self, fleet: Callable[[], Fleet],
                  backend_stats: Callable[[], Mapping[str, BackendStats]] = dict,
-                 multiprocess_dir: str | None = None, kv_view: Callable[[], Any] = lambda: None) -> None:
+                 multiprocess_dir: str | None = None, kv_view: Callable[[], Any] = lambda: None,
+                 catalog: Callable[[], Any] = lambda: None) -> None:
         if multiprocess_dir is not None and not getattr(values.ValueClass, "_multiprocess", False):
             raise RuntimeError("RouterMetrics(multiprocess_dir=...) needs use_multiprocess_values() first")
         self.registry = CollectorRegistry(auto_describe=True)
@@ -468,6 +510,24 @@ class RouterMetrics:
             "Requests per client API key and outcome: admitted, unauthorized (client 'unknown'), rate_limited, "
             "concurrency_limited, tenant_rate_limited, tenant_concurrency_limited.",
             ("client", "tenant", "outcome"), registry=r))
+        self.component_requests = _Labelled(Counter(
+            "prefixroute_component_requests",
+            "Requests routed to an inference component, per copy (instance) that served it.",
+            ("endpoint", "component", "instance"), registry=r))
+        self.adapter_requests = _Labelled(Counter(
+            "prefixroute_adapter_requests", "Requests routed for a LoRA adapter, per instance of its sticky set.",
+            ("endpoint", "adapter", "instance"), registry=r))
+        self.adapter_loads = _Labelled(Counter(
+            "prefixroute_adapter_loads",
+            "LoRA adapter loads the router asked of an instance (LoraAdapters.Autoload), by result: ok, failed.",
+            ("instance", "adapter", "result"), registry=r))
+        self.adapter_unloads = _Labelled(Counter(
+            "prefixroute_adapter_unloads",
+            "LoRA adapter unloads the router asked of an instance to free a slot, by result: ok, failed.",
+            ("instance", "adapter", "result"), registry=r))
+        self.adapter_load_seconds = _Labelled(Histogram(
+            "prefixroute_adapter_load_seconds", "Time of one adapter load (and the unload before it), seconds.",
+            ("instance",), buckets=_DURATION_BUCKETS, registry=r))
         #: Called before each :meth:`render`: the data plane's metrics not recorded yet
         #: (:meth:`prefixroute.server.dataplane.FrontServer.account`).
         self.pending: list[Callable[[], None]] = []
@@ -476,9 +536,11 @@ class RouterMetrics:
         self.multiprocess = multiprocess_dir is not None
         pool_collector, backend_collector = _PoolCollector(fleet), _BackendCollector(backend_stats)
         kv_collector = _KvEventsCollector(kv_view)
+        catalog_collector = _CatalogCollector(catalog)
         r.register(pool_collector)
         r.register(backend_collector)
         r.register(kv_collector)
+        r.register(catalog_collector)
         # What /metrics shows: this registry, or (several workers) every worker's files.
         self._exposed = r
         if multiprocess_dir is not None:
@@ -489,6 +551,7 @@ class RouterMetrics:
             self._exposed.register(pool_collector)
             self._exposed.register(backend_collector)
             self._exposed.register(kv_collector)
+            self._exposed.register(catalog_collector)
 
     def client_outcome(self, client: str, tenant: str, outcome: str) -> None:
         """Count one API key decision (``prefixroute_client_requests_total``)."""

@@ -34,7 +34,6 @@ chunks. There is no total timeout, so a long stream lasts as long as tokens flow
 from __future__ import annotations
 
 import asyncio
-import enum
 import inspect
 import io
 import logging
@@ -49,15 +48,19 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from prefixroute.core.pool import Decision, NoHealthyInstance, VariantPool
+from prefixroute.core.openai_routes import OpenAIRoute
+from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated, VariantPool
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.errors import openai_error, sagemaker_error
 from prefixroute.server.record import RequestRecord
+from prefixroute.server.routes import Api
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
-__all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get",
+__all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get", "acquire",
+           "our_headers", "count_routed",
+           "acquire_or_grow", "saturated_error", "no_instance_error",
            "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "peer_closed",
            "model_error", "broken_message", "upstream_error"]
 
@@ -89,15 +92,6 @@ def ends_with_done(tail: bytes) -> bool:
 _UploadTracker: Any = getattr(aiohttp, "UploadTracker", None)
 if _UploadTracker is not None and "upload_tracker" not in inspect.signature(aiohttp.ClientSession._request).parameters:
     _UploadTracker = None
-
-
-class Api(enum.Enum):
-    """Which API a request came in on: decides headers passed, framing and error shapes."""
-
-    OPENAI = "openai"
-    NATIVE = "native"
-    #: ``InvokeEndpointWithResponseStream``: the answer is re-framed as AWS event-stream.
-    NATIVE_STREAM = "native_stream"
 
 
 @dataclass(slots=True)
@@ -133,6 +127,13 @@ class RoutedRequest:
         new_session: the request asked for a session (``NEW_SESSION``): the answer
             names it (:func:`prefixroute.server.headers.pin_new_session`).
         record: what happened to it so far (:class:`RequestRecord`), read when it ends.
+        selection: where the request may go
+            (:class:`prefixroute.core.selection.Selection`: the pool, the candidates
+            serving its model, an adapter's sticky set), or ``None`` for the whole pool.
+        route: the OpenAI route (:class:`prefixroute.core.openai_routes.OpenAIRoute`),
+            ``None`` on the native API.
+        target: the targeted production variant, if any; ``model``: the body's model,
+            if any (what :meth:`RouterState.reselect` needs).
     """
 
     request: web.Request | None
@@ -153,8 +154,24 @@ class RoutedRequest:
     session: Any = None
     new_session: bool = False
     record: RequestRecord = field(default_factory=RequestRecord)
+    selection: Any = None
+    route: Any = None
+    target: str | None = None
+    model: str | None = None
+
+    @property
+    def component(self) -> str | None:
+        """The inference component the request is routed to, or ``None``."""
+        return self.pool.component
+
+    @property
+    def done_marked(self) -> bool:
+        """Whether its event stream (if it streams) ends with ``data: [DONE]``: chat and
+        completions do; others (the Responses API's events) end otherwise."""
+        return self.api is Api.OPENAI and self.route in _DONE_ROUTES
 
 
+_DONE_ROUTES = frozenset({OpenAIRoute.CHAT, OpenAIRoute.COMPLETIONS})
 _POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
 
 
@@ -239,6 +256,109 @@ def _payload(body: bytes) -> bytes | io.BytesIO:
     return body if len(body) <= _LARGE_BODY else io.BytesIO(body)
 
 
+def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str] = frozenset(),
+            refuse_all_busy: bool = True) -> Lease:
+    """Decide where ``rr`` goes among its candidates (its selection's: the instances
+    serving its model, an adapter's sticky set) and claim an in-flight slot there; a
+    request for a LoRA adapter also counts in flight for the adapter on that instance
+    (so the adapter is never unloaded under it). ``refuse_all_busy=False``: an adapter's
+    saturated set takes the request anyway (its least outstanding instance: after a
+    load the request has waited for, it is not refused).
+
+    Raises:
+        NoHealthyInstance: no healthy, non-excluded candidate.
+        SetSaturated: an adapter's sticky set is empty, or every instance of it is at
+            ``ConcurrencyThreshold`` (never overflowed to an instance without it).
+    """
+    sel = rr.selection
+    if sel is None:
+        return rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session)
+    if sel.adapter is None:
+        return rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session, only=sel.only)
+    if sel.only is not None and not sel.only:
+        raise SetSaturated(f"LoRA adapter {sel.adapter!r} is loaded on no instance of {rr.pool.describe}")
+    lease = rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session, only=sel.only,
+                            refuse_all_busy=refuse_all_busy)
+    lease.attach(state.adapter_tracker.use(lease.decision.instance.instance_id, sel.adapter))
+    return lease
+
+
+async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
+                          exclude: set[str] | frozenset[str] = frozenset()) -> Lease:
+    """:func:`acquire`, and when an adapter's sticky set is saturated, empty or down
+    and ``LoraAdapters.Autoload`` is on, load the adapter on another instance
+    (:mod:`prefixroute.server.lora`: at most one load time, shared by every request
+    waiting for that adapter) and decide again within the grown set, where the request
+    is then taken even if that set is busy again (it waited one load, no more). A
+    saturated set that cannot grow (no free slot, no idle adapter with another copy to
+    unload) takes the request within itself, as any pool does when every instance is
+    busy (``all_busy``).
+
+    Raises:
+        NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow
+            (and, autoload on, when it is empty).
+    """
+    try:
+        return acquire(state, rr, exclude)
+    except (SetSaturated, NoHealthyInstance) as exc:
+        sel = rr.selection
+        lora = state.lora
+        if sel is None or sel.adapter is None or lora is None or not lora.autoload_for(rr.endpoint):
+            raise
+        members = sel.only if sel.only is not None else frozenset(i.instance_id for i in rr.pool.instances)
+        empty = not any(i.healthy and i.instance_id in members and i.instance_id not in exclude
+                        for i in rr.pool.instances)
+        if await lora.grow(rr, empty):
+            rr.selection = state.reselect(rr)
+            return acquire(state, rr, exclude, refuse_all_busy=False)
+        if isinstance(exc, SetSaturated) and not empty:
+            return acquire(state, rr, exclude, refuse_all_busy=False)
+        raise
+
+
+def count_routed(state: RouterState, rr: RoutedRequest, decision: Decision) -> None:
+    """Count a request an instance took (``requests_total``; per component copy and per
+    adapter instance too, when it was for one)."""
+    m = state.metrics
+    instance = decision.instance.instance_id
+    m.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
+    component = rr.pool.component
+    if component is not None:
+        m.component_requests.labels(rr.endpoint, component, instance).inc()
+    sel = rr.selection
+    if sel is not None and sel.adapter is not None:
+        m.adapter_requests.labels(rr.endpoint, sel.adapter, instance).inc()
+
+
+def our_headers(rr: RoutedRequest) -> dict[str, str]:
+    """The router's own headers on any answer to ``rr``: the request id, the production
+    variant and, when the request was for one, the inference component."""
+    out = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: rr.pool.name}
+    if rr.pool.component is not None:
+        out[H.INVOKED_COMPONENT] = rr.pool.component
+    return out
+
+
+def saturated_error(state: RouterState, rr: RoutedRequest, message: str, headers: dict[str, str]) -> web.Response:
+    """429 with ``Retry-After`` (the endpoint's ``LoraAdapters.RetryAfterSeconds``) for a
+    saturated sticky set: OpenAI ``rate_limit_error`` / SageMaker ``ModelNotReadyException``."""
+    retry = state.fleet.endpoint(rr.endpoint).config.lora.retry_after_s if rr.endpoint in state.fleet.endpoints \
+        else 1
+    headers = {**headers, H.RETRY_AFTER: str(retry)}
+    if rr.api is Api.OPENAI:
+        return openai_error(429, message, type_="rate_limit_error", code="sticky_set_saturated", headers=headers)
+    return sagemaker_error("ModelNotReadyException", message, status=429, headers=headers)
+
+
+def no_instance_error(rr: RoutedRequest, exc: BaseException, exclude: set[str] | frozenset[str],
+                      headers: dict[str, str]) -> web.Response:
+    """503 when no candidate could take ``rr`` (none healthy, or every one tried)."""
+    if exclude:
+        msg = f"no instance of {rr.pool.describe} could take the request (tried {', '.join(sorted(exclude))})"
+        return upstream_error(rr.api, 503, msg, "upstream_unavailable", headers)
+    return upstream_error(rr.api, 503, str(exc), "no_healthy_instance", headers)
+
+
 def upstream_error(api: Api, status: int, message: str, code: str, headers: dict[str, str]) -> web.Response:
     """The router's own answer when the instance could not give one (503/502/504), in
     the API's shape: OpenAI ``server_error`` with ``code``, or SageMaker
@@ -304,9 +424,8 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     settings = state.settings
     session = state.session
     assert session is not None, "the router app is not running"
-    pool = rr.pool
-    variant = pool.name
-    base_headers = {H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: variant}
+    variant = rr.pool.name
+    base_headers = our_headers(rr)
     up_headers = H.to_multidict(upstream_headers(state, rr))
     exclude: set[str] = set()
     router_s = 0.0  # router time before the upstream send, summed over attempts
@@ -317,15 +436,16 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
-                lease = rr.lease = pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session)
+                lease = rr.lease = await acquire_or_grow(state, rr, exclude)
             except NoHealthyInstance as exc:
                 code = 503
                 record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
-                if exclude:
-                    return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the "
-                                  f"request (tried {', '.join(sorted(exclude))})", "upstream_unavailable",
-                                  base_headers)
-                return upstream_error(rr.api, 503, str(exc), "no_healthy_instance", base_headers)
+                return no_instance_error(rr, exc, exclude, base_headers)
+            except SetSaturated as exc:
+                code = 429
+                record.error = "sticky_set_saturated"
+                return saturated_error(state, rr, str(exc), base_headers)
+            pool = rr.pool
             if rr.blocks:
                 # CACHE_AWARE learns what it sent once the request is on its way (the next
                 # loop turn, after aiohttp wrote it), off this request's latency path.
@@ -354,7 +474,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 except TimeoutError:
                     record.error = "headers_timeout"
                     m.upstream_errors.labels(instance, "headers_timeout").inc()
-                    m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                    count_routed(state, rr, decision)
                     state.health.passive_failure(instance)
                     code = 504 if rr.api is Api.OPENAI else 424
                     return upstream_error(rr.api, 504, f"instance {instance} timed out: no response headers within "
@@ -371,12 +491,12 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                         exclude.add(instance)
                         continue
                     m.upstream_errors.labels(instance, kind).inc()
-                    m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                    count_routed(state, rr, decision)
                     log.warning("instance %s: failed before responding (%s)", instance, kind)
                     code = 502 if rr.api is Api.OPENAI else 424
                     return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
                                   "upstream_error", {**base_headers, H.INSTANCE: instance})
-                m.requests.labels(rr.endpoint, variant, instance, decision.kind.value).inc()
+                count_routed(state, rr, decision)
                 state.health.passive_success(instance)
                 try:
                     resp, code = await _relay(state, rr, upstream, decision, router_s)
@@ -387,8 +507,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 lease.release()
         code = 503
         record.error = "upstream_unavailable"
-        return upstream_error(rr.api, 503, f"no instance of production variant {variant!r} could take the request "
-                      f"(tried {', '.join(sorted(exclude))})", "upstream_unavailable", base_headers)
+        return no_instance_error(rr, NoHealthyInstance(), exclude, base_headers)
     except asyncio.CancelledError:
         code = rr.completed_status or 499  # the client went away (handler cancelled)
         raise
@@ -451,6 +570,8 @@ async def _relay(
         h["X-Accel-Buffering"] = "no"  # a buffering proxy in front (nginx) must not hold a stream back
     h[H.REQUEST_ID] = rr.request_id
     h[H.INVOKED_VARIANT] = variant
+    if rr.pool.component is not None:
+        h[H.INVOKED_COMPONENT] = rr.pool.component
     h[H.INSTANCE] = instance
     h[H.DECISION] = decision.kind.value
     overhead = router_s + (time.perf_counter() - t_headers)
@@ -496,13 +617,13 @@ async def _relay(
             await resp.write(eventstream.payload_part(chunk) if framed else chunk)
         except ConnectionError:
             return resp, rr.completed_status or 499
-        if sse and rr.api is Api.OPENAI and not rr.completed_status and ends_with_done(tail):
+        if sse and rr.done_marked and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status
     if first:
         record.t_first = t = time.perf_counter()
         ttft.observe(t - rr.t0)
     upstream.release()
-    if sse and rr.api is Api.OPENAI and not ends_with_done(tail):
+    if sse and rr.done_marked and not ends_with_done(tail):
         m.upstream_errors.labels(instance, "no_done").inc()
         record.error = "no_done"
     try:
@@ -581,7 +702,7 @@ def model_error(state: RouterState, rr: RoutedRequest, decision: Decision, statu
         "ModelError",
         f"Received {side} error ({status}) from model instance {instance} with message \"{original}\".",
         extra={"OriginalStatusCode": status, "OriginalMessage": original},
-        headers={H.REQUEST_ID: rr.request_id, H.INVOKED_VARIANT: decision.variant, H.INSTANCE: instance,
+        headers={**our_headers(rr), H.INSTANCE: instance,
                  H.DECISION: decision.kind.value, H.OVERHEAD_MS: f"{overhead * 1e3:.3f}"},
     )
 
@@ -595,11 +716,14 @@ def broken_message(instance: str, kind: str, idle_s: float) -> str:
 
 
 async def forward_get(state: RouterState, request: web.Request, pool: VariantPool, path: str,
-                      request_id: str, drop_header: str | None = None) -> web.Response:
-    """``GET path`` on one healthy instance of ``pool`` (e.g. ``/v1/models``); no in-flight
-    slot is claimed, as this is not inference. Retries (idempotent) on another instance
-    after any failure to get an answer. ``drop_header``: a request header not passed on
-    (the one that carried the client's API key)."""
+                      request_id: str, drop_header: str | None = None, method: str = "GET",
+                      body: bytes = b"") -> web.Response:
+    """``method path`` (``GET`` by default: ``/v1/models``) on one healthy instance of
+    ``pool``, its answer returned whole; no in-flight slot is claimed, as this is not
+    inference. A ``GET`` or ``HEAD`` is retried on another instance after any failure to
+    get an answer; another method only when the connection could not be opened.
+    ``drop_header``: a request header not passed on (the one that carried the client's
+    API key)."""
     session = state.session
     assert session is not None, "the router app is not running"
     raw = request.raw_headers
@@ -609,6 +733,7 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
                                                 state.settings.admin_token))
     exclude: set[str] = set()
     rid = {H.REQUEST_ID: request_id}
+    idempotent = method in ("GET", "HEAD")
     for _attempt in range(1 + state.settings.max_retries):
         try:
             instance = pool.choose(None, exclude).instance.instance_id
@@ -618,9 +743,10 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
                                 code="upstream_unavailable" if exclude else "no_healthy_instance", headers=rid)
         try:
             async with asyncio.timeout(min(_MODELS_TIMEOUT_S, state.settings.response_headers_timeout_s)):
-                async with session.get(instance + path, headers=up_headers) as upstream:
-                    body = await upstream.read()
-            resp = web.Response(status=upstream.status, body=body,
+                async with session.request(method, instance + path, headers=up_headers,
+                                           data=body or None) as upstream:
+                    data = await upstream.read()
+            resp = web.Response(status=upstream.status, body=data,
                                 headers=H.to_multidict(H.openai_response_headers(upstream.raw_headers)))
             resp.headers[H.REQUEST_ID] = request_id
             resp.headers[H.INVOKED_VARIANT] = pool.name
@@ -632,6 +758,9 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
         except _UPSTREAM_ERRORS as exc:
             state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
             state.health.passive_failure(instance)
+            if not idempotent:
+                return openai_error(502, f"instance {instance} failed before answering", type_="server_error",
+                                    code="upstream_error", headers=rid)
         exclude.add(instance)
     return openai_error(503, f"no instance answered (tried {', '.join(sorted(exclude))})", type_="server_error",
                         code="upstream_unavailable", headers=rid)

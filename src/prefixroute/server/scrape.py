@@ -13,6 +13,11 @@ vLLM's names or, when those are absent, SGLang's (``--enable-metrics``):
 * requests queued in the engine: ``vllm:num_requests_waiting``; SGLang
   ``sglang:num_queue_reqs``
 
+and, for LoRA sticky sets, vLLM's ``vllm:lora_requests_info`` gauge (the series with the
+latest timestamp value): the adapters in ``running_lora_adapters`` and
+``waiting_lora_adapters`` (comma-separated) are loaded there, and ``max_lora`` is the
+engine's adapter slots (:meth:`prefixroute.core.catalog.ModelCatalog.set_lora_info`).
+
 Older vLLM releases name the counters ``vllm:gpu_prefix_cache_queries_total`` and
 ``vllm:gpu_prefix_cache_hits_total``; they are used when the new names are absent.
 SGLang counts a request's prompt and cached tokens when it finishes (its
@@ -74,6 +79,7 @@ _HITS = ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits", "sglang:cached_
 _RUNNING = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _WAITING = ("vllm:num_requests_waiting", "sglang:num_queue_reqs")
 _KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
+_LORA = "vllm:lora_requests_info"
 _FAMILIES = (*_QUERIES, *_HITS, *_RUNNING, *_WAITING, *_KV_USAGE)
 _COUNTERS = (_QUERIES, _HITS)
 #: Most series of one counter no longer exported whose last values are kept apart, per
@@ -121,6 +127,9 @@ class BackendStats:
             earliest are folded into one per name (one that comes back after that is
             counted anew: label sets churning that much are not an engine's);
             ``None``: this scrape's own values.
+        lora_adapters: the adapters ``vllm:lora_requests_info`` names running or
+            waiting (loaded), or ``None`` when the engine does not export it.
+        max_lora: its ``max_lora`` (adapter slots), or ``None``.
     """
 
     prefix_cache_queries: float | None = None
@@ -135,6 +144,8 @@ class BackendStats:
     counter_found: Mapping[Series, float] | None = None
     counter_marks: Mapping[Series, float] | None = None
     kv_usage: float | None = None
+    lora_adapters: tuple[str, ...] | None = None
+    max_lora: int | None = None
 
     @property
     def series_marks(self) -> Mapping[Series, float]:
@@ -252,8 +263,9 @@ def _total(series: Mapping[Series, float], names: tuple[str, ...],
 def _wanted(line: str) -> bool:
     if line.startswith("#"):
         parts = line.split(None, 3)
-        return len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and parts[2].removesuffix("_total") in _FAMILIES
-    return line.startswith(_FAMILIES)
+        return len(parts) >= 3 and parts[1] in ("HELP", "TYPE") and (
+            parts[2].removesuffix("_total") in _FAMILIES or parts[2] == _LORA)
+    return line.startswith(_FAMILIES) or line.startswith(_LORA)
 
 
 def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
@@ -268,8 +280,13 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
     bad: set[str] = set()
     series: dict[Series, float] = {}
     unknown: set[Series] = set()
+    lora: tuple[float, dict[str, str]] | None = None
     for family in text_string_to_metric_families(kept):
         for sample in family.samples:
+            if sample.name == _LORA:
+                if lora is None or float(sample.value) >= lora[0]:  # the latest (its value is a timestamp)
+                    lora = (float(sample.value), dict(sample.labels))
+                continue
             name = sample.name.removesuffix("_total")
             value = float(sample.value)
             if not 0.0 <= value < math.inf:  # NaN, infinite or negative: not a count, the figure stays unknown
@@ -286,8 +303,18 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
     def first(names: tuple[str, ...]) -> float | None:
         return next((sums[n] for n in names if n in sums), None)
 
+    adapters: tuple[str, ...] | None = None
+    max_lora: int | None = None
+    if lora is not None:
+        labels = lora[1]
+        names = [n.strip() for key in ("running_lora_adapters", "waiting_lora_adapters")
+                 for n in labels.get(key, "").split(",")]
+        adapters = tuple(dict.fromkeys(n for n in names if n))
+        slots = labels.get("max_lora", "").strip()
+        max_lora = int(slots) if slots.isdigit() and int(slots) > 0 else None
     return BackendStats(first(_QUERIES), first(_HITS), first(_RUNNING), first(_WAITING), scraped_at, True,
-                        counter_series=series, counter_unknown=frozenset(unknown), kv_usage=first(_KV_USAGE))
+                        counter_series=series, counter_unknown=frozenset(unknown), kv_usage=first(_KV_USAGE),
+                        lora_adapters=adapters, max_lora=max_lora)
 
 
 async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, timeout_s: float) -> BackendStats | None:
@@ -331,9 +358,11 @@ async def scrape_all(state: "RouterState") -> dict[str, BackendStats]:
     if session is None:
         return {}
     ids = state.instance_ids()
+    generations = [state.catalog.generation(i) for i in ids]
     results = await asyncio.gather(
         *(scrape_instance(session, i, state.settings.metrics_scrape_timeout_s) for i in ids))
     stats = state.backend_stats
+    lora_changed = False
     for gone in [i for i in stats if i not in ids]:
         del stats[gone]
     for instance_id, got in zip(ids, results):
@@ -345,6 +374,12 @@ async def scrape_all(state: "RouterState") -> dict[str, BackendStats]:
             if got.restarts > old.restarts:
                 state.engine_restarted(instance_id)
         stats[instance_id] = got
+    for instance_id, got, generation in zip(ids, results, generations):
+        if got is not None and got.lora_adapters is not None:
+            lora_changed = state.catalog.set_lora_info(instance_id, got.lora_adapters, got.max_lora,
+                                                       generation) or lora_changed
+    if lora_changed:
+        state.models_changed()
     state.publish_engine_load()
     return dict(stats)
 

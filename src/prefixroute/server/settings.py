@@ -146,6 +146,10 @@ class ServerSettings:
             ``"aiohttp"``: the aiohttp app serves the port itself (the reference
             implementation: the same routing, errors and metrics, about twice the CPU
             per request).
+        unknown_model: what an OpenAI request whose ``model`` no instance lists (in its
+            ``/v1/models``) gets: ``"reject"`` (default): 404 ``model_not_found``;
+            ``"any"``: routed among all the pool's instances (for engines that serve
+            any name, such as SGLang and TGI with a single model).
     """
 
     host: str = "127.0.0.1"
@@ -181,6 +185,7 @@ class ServerSettings:
     data_plane: str = "fast"
     session_header: str | None = None
     cache_aware_memory_bytes: int = DEFAULT_ROUTER_VIEW_BYTES
+    unknown_model: str = "reject"
 
     def __post_init__(self) -> None:
         _count("port", self.port, 0, 65535)
@@ -215,6 +220,8 @@ class ServerSettings:
                 c.isalnum() or c in "-_" for c in self.session_header)):
             raise ConfigError(f"session header: {self.session_header!r} is not a header name (letters, digits, - and _)")
         _count("CACHE_AWARE memory", self.cache_aware_memory_bytes, BYTES_PER_BLOCK_ENTRY)
+        if self.unknown_model not in ("reject", "any"):
+            raise ConfigError(f"unknown model: {self.unknown_model!r} is not one of reject, any")
         if self.data_plane not in DATA_PLANES:
             raise ConfigError(f"data plane: {self.data_plane!r} is not one of {', '.join(DATA_PLANES)}")
         if self.access_log is not None and not self.access_log:

@@ -17,12 +17,15 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import aiohttp
 
+from prefixroute.core.adapters import AdapterTracker
 from prefixroute.core.approx_cache import ViewBudget
+from prefixroute.core.catalog import ModelCatalog
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
-from prefixroute.core.endpoint import Fleet, UnknownEndpoint, UnknownVariant
+from prefixroute.core.endpoint import Fleet, UnknownComponent, UnknownEndpoint, UnknownVariant
 from prefixroute.core.kvevents.view import PreciseCacheView
 from prefixroute.server.clientkeys import ClientAuth, load_keys
+from prefixroute.core.selection import Selection, Selector
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
 from prefixroute.server.observe import Observers
@@ -32,6 +35,8 @@ from prefixroute.server.settings import ServerSettings
 if TYPE_CHECKING:
     from prefixroute.server.kv_subscriber import KvEventSubscriber
     from prometheus_client.metrics_core import Metric
+    from prefixroute.server.lora import LoraManager
+    from prefixroute.server.proxy import RoutedRequest
 
 __all__ = ["RouterState"]
 
@@ -67,6 +72,14 @@ class RouterState:
             status counters...).
         clients: the client API keys and their limits (:class:`ClientAuth`), or
             ``None`` when no key is configured (the inference routes are open).
+        catalog: what each instance serves (:class:`~prefixroute.core.catalog.ModelCatalog`,
+            from their ``/v1/models`` and ``/metrics``: :mod:`prefixroute.server.models`).
+        selector: picks a request's pool and candidates from the catalog
+            (:class:`~prefixroute.core.selection.Selector`).
+        adapter_tracker: requests in flight per (instance, LoRA adapter)
+            (:class:`~prefixroute.core.adapters.AdapterTracker`).
+        lora: loads and unloads adapters where their sticky sets must grow
+            (:class:`~prefixroute.server.lora.LoraManager`); set while the app runs.
 
     Raises:
         ConfigError: the API keys file (``settings.api_keys_file``) or
@@ -82,7 +95,8 @@ class RouterState:
         self.fleet = Fleet(config, settings.seed, counters, ViewBudget(settings.cache_aware_memory_bytes))
         self.backend_stats: dict[str, BackendStats] = {}
         self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats, multiprocess_dir=metrics_dir,
-                                     kv_view=lambda: getattr(self, "kv_view", None))
+                                     kv_view=lambda: getattr(self, "kv_view", None),
+                                     catalog=lambda: getattr(self, "catalog", None))
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
@@ -97,6 +111,11 @@ class RouterState:
         self.discovery: object | None = None
         self.kv_view: PreciseCacheView | None = None
         self.kv_subscriber: KvEventSubscriber | None = None
+        self.catalog = ModelCatalog()
+        self.selector = Selector(self.catalog, settings.unknown_model)
+        self.adapter_tracker = AdapterTracker()
+        self.lora: LoraManager | None = None
+        self._models_tasks: set[asyncio.Task[int]] = set()
         self._kv_serving = False
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self._make_kv_view(config)
@@ -139,7 +158,20 @@ class RouterState:
                 pool.prune_retired()
             counters.retain(self._held_slot_keys())
             counters.reserve(config_slot_keys(config))  # all or nothing, before any change
+        known = set(self.instance_ids())
         self.fleet.apply(config, self.settings.seed)
+        ids = self.instance_ids()
+        self.catalog.forget(ids)
+        self.fleet.discover_components(self.catalog)
+        new = set(ids) - known
+        if self.session is not None and new:  # new instances: ask what they serve now
+            from prefixroute.server.models import refresh_models
+
+            task = asyncio.get_running_loop().create_task(refresh_models(self, sorted(new)))
+            self._kv_tasks.add(task)
+            task.add_done_callback(self._kv_tasks.discard)
+            self._models_tasks.add(task)
+            task.add_done_callback(self._models_tasks.discard)
         self._apply_kv_events(config)
         if counters is not None:  # slots of instances gone for good may be taken over
             try:
@@ -242,7 +274,7 @@ class RouterState:
     def _held_slot_keys(self) -> list[int]:
         """The shared slots this process's pools need: their instances' and their
         removed instances' with requests in flight."""
-        return [slot_key(ep, pool.name, i) for ep, pool in self.fleet.all_pools()
+        return [slot_key(ep, pool.slot_scope, i) for ep, pool in self.fleet.all_pools()
                 for i in (*(s.instance_id for s in pool.instances), *pool.retired_ids)]
 
     def set_routing(self, endpoint: str, variant: str, routing: RoutingConfig) -> FleetConfig:
@@ -264,6 +296,28 @@ class RouterState:
         variants = tuple(v.model_copy(update={"routing": routing}) if v.name == variant else v
                          for v in ep_cfg.variants)
         new_ep = ep_cfg.model_copy(update={"variants": variants})
+        new = cfg.model_copy(update={"endpoints": tuple(new_ep if e.name == endpoint else e for e in cfg.endpoints)})
+        self.apply_config(new)
+        return new
+
+    def set_component_routing(self, endpoint: str, component: str, routing: RoutingConfig) -> FleetConfig:
+        """Switch one inference component's routing; returns the new configuration.
+        Its copies keep their in-flight counts.
+
+        Raises:
+            UnknownEndpoint: no such endpoint.
+            UnknownComponent: the endpoint has no such inference component.
+        """
+        cfg = self.config
+        ep_cfg = next((e for e in cfg.endpoints if e.name == endpoint), None)
+        if ep_cfg is None:
+            raise UnknownEndpoint(f"endpoint {endpoint!r} not found (endpoints: {', '.join(self.fleet.endpoints)})")
+        if all(c.name != component for c in ep_cfg.components):
+            raise UnknownComponent(f"endpoint {endpoint!r} has no inference component {component!r} "
+                                   f"(inference components: {', '.join(c.name for c in ep_cfg.components) or 'none'})")
+        components = tuple(c.model_copy(update={"routing": routing}) if c.name == component else c
+                           for c in ep_cfg.components)
+        new_ep = ep_cfg.model_copy(update={"components": components})
         new = cfg.model_copy(update={"endpoints": tuple(new_ep if e.name == endpoint else e for e in cfg.endpoints)})
         self.apply_config(new)
         return new
@@ -333,15 +387,6 @@ class RouterState:
                 return True
         return False
 
-    def healthy_counts(self) -> tuple[int, int]:
-        """``(healthy, total)`` instances over the fleet (an instance in two variants counts twice)."""
-        healthy = total = 0
-        for _, pool in self.fleet.all_pools():
-            for inst in pool.instances:
-                total += 1
-                healthy += inst.healthy
-        return healthy, total
-
     def engine_restarted(self, instance_id: str) -> None:
         """The instance's engine restarted (its scraped counters went back): every
         variant that has it forgets what its strategy learned about its prefix cache
@@ -373,22 +418,46 @@ class RouterState:
                 seen.setdefault(inst.instance_id, None)
         return list(seen)
 
+    async def models_settled(self) -> None:
+        """Wait (at most the health-check timeout, plus a second) until the model lists
+        of the instances a configuration change added are read: an admin change answers
+        once the new instances can be routed to by model."""
+        tasks = list(self._models_tasks)
+        if tasks:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.health_check_timeout_s + 1.0):
+                    await asyncio.gather(*tasks, return_exceptions=True)
 
-class _ClientCollector:
-    """``prefixroute_client_in_flight{client,tenant}``: each API key's requests in flight."""
+    def models_changed(self) -> None:
+        """The catalog changed (a model list, an adapter loaded or unloaded): inference
+        components with ``Instances: DISCOVER`` follow it."""
+        if self.fleet.discover_components(self.catalog):
+            log.info("inference components' copies now: %s", "; ".join(
+                f"{e}/{p.component}: {len(p.instances)}" for e, p in self.fleet.all_pools() if p.component))
 
-    def __init__(self, clients: "Callable[[], ClientAuth | None]") -> None:
-        self._clients = clients
+    def reselect(self, rr: "RoutedRequest") -> Selection:
+        """``rr``'s selection again (after its adapter's sticky set grew).
 
-    def collect(self) -> "Iterable[Metric]":
-        from prometheus_client.metrics_core import GaugeMetricFamily
+        Raises:
+            LookupError: as :meth:`prefixroute.core.selection.Selector.select`.
+        """
+        sel = self.selector.select(self.fleet.endpoint(rr.endpoint), variant=rr.target, component=rr.component,
+                                   model=rr.model, native=rr.route is None)
+        rr.pool = sel.pool
+        return sel
 
-        g = GaugeMetricFamily("prefixroute_client_in_flight", "Requests in flight per client API key.",
-                              labels=("client", "tenant"))
-        clients = self._clients()
-        for name, tenant, n in clients.in_flight() if clients is not None else ():
-            g.add_metric((name, tenant), n)
-        return [g]
+    def healthy_counts(self) -> tuple[int, int]:
+        """``(healthy, total)`` instances over the fleet (an instance in two variants counts
+        twice; an inference component's copies are their variant's instances, not counted
+        again)."""
+        healthy = total = 0
+        for _, pool in self.fleet.all_pools():
+            if pool.component is not None:
+                continue
+            for inst in pool.instances:
+                total += 1
+                healthy += inst.healthy
+        return healthy, total
 
 
 #: Changes the "configuration applied" line names; the rest are counted.
@@ -449,3 +518,20 @@ def describe_changes(old: FleetConfig, new: FleetConfig) -> str:
         more = len(changes) - _SUMMARY_CHANGES
         changes = [*changes[:_SUMMARY_CHANGES], f"... and {more:,} more change{'s' if more > 1 else ''}"]
     return "; ".join(changes)
+
+
+class _ClientCollector:
+    """``prefixroute_client_in_flight{client,tenant}``: each API key's requests in flight."""
+
+    def __init__(self, clients: "Callable[[], ClientAuth | None]") -> None:
+        self._clients = clients
+
+    def collect(self) -> "Iterable[Metric]":
+        from prometheus_client.metrics_core import GaugeMetricFamily
+
+        g = GaugeMetricFamily("prefixroute_client_in_flight", "Requests in flight per client API key.",
+                              labels=("client", "tenant"))
+        clients = self._clients()
+        for name, tenant, n in clients.in_flight() if clients is not None else ():
+            g.add_metric((name, tenant), n)
+        return [g]

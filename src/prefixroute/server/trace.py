@@ -30,7 +30,9 @@ import orjson
 
 from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, openai_tenant, render_chat_text,
                                    validate_tenant_id)
+from prefixroute.core.openai_routes import OpenAIRoute
 from prefixroute.server import headers as H
+from prefixroute.server.routes import Api
 from prefixroute.workloads.traces import make_trace_record
 
 if TYPE_CHECKING:
@@ -116,11 +118,13 @@ class TraceRecorder:
             return
         arrival = time.time() - (time.perf_counter() - rr.t0)
         try:
-            if rr.upstream_path.startswith("/v1/"):
+            if rr.api is Api.OPENAI:
+                if rr.route not in (OpenAIRoute.CHAT, OpenAIRoute.COMPLETIONS):
+                    return  # a trace replays chat and completions only
                 payload = loads_body(rr.body)
                 if not isinstance(payload, dict):
                     return
-                chat = rr.upstream_path == "/v1/chat/completions"
+                chat = rr.route is OpenAIRoute.CHAT
                 data: Any = render_chat_text(payload) if chat else completion_prompt(payload)
                 tenant = openai_tenant(payload, validate_tenant_id(rr.headers.get(H.PREFIX_AWARE_ID)))
                 max_tokens = payload.get("max_completion_tokens", payload.get("max_tokens"))
@@ -128,7 +132,7 @@ class TraceRecorder:
                           "scope": str(payload.get("model", "")), "tenant": tenant,
                           "routing_data": data, "max_tokens": max_tokens if isinstance(max_tokens, int) else None}
             else:
-                component = rr.headers.get(H.INFERENCE_COMPONENT)
+                component = rr.component  # (from the path or the header)
                 fields = {"api": "native", "scope": f"{rr.endpoint}:{component}" if component else rr.endpoint,
                           "tenant": validate_tenant_id(rr.headers.get(H.PREFIX_AWARE_ID)), "routing_data": rr.body,
                           "max_tokens": None}

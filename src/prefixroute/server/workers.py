@@ -817,6 +817,7 @@ class Supervisor:
         app.router.add_get("/admin/kv-events", self._get_kv_events, allow_head=False)
         app.router.add_put("/admin/config", self._change)
         app.router.add_put("/admin/endpoints/{endpoint}/variants/{variant}/routing", self._change)
+        app.router.add_put("/admin/endpoints/{endpoint}/inference-components/{component}/routing", self._change)
         app.router.add_post("/admin/reload", self._change)
         add_status_routes(app, self._get_status)
         return app
