@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.core.keys import openai_route
 from prefixroute.core.kvevents.codec import encode_batch
 from prefixroute.core.kvevents.events import BlockStored, EventBatch
 from prefixroute.core.kvevents.view import PrefixHolding
@@ -407,3 +408,78 @@ def test_serve_flags_build_the_kv_events_configuration() -> None:
             build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", *bad]))
     with pytest.raises(ConfigError, match="KvEvents section"):
         build_config(p.parse_args(["--config", "x.yaml", "--kv-events-from-info"]))
+
+
+# -- CACHE_AWARE routes on the events (precise mode) ---------------------------------
+
+
+async def cache_aware_router(instances: list[str], data_plane: str = "fast") -> RouterHandle:
+    routing = RoutingConfig.build("cache-aware", concurrency_threshold=8)
+    base = FleetConfig.single(instances, routing).model_dump(by_alias=True)
+    config = FleetConfig.from_mapping({**base, "KvEvents": {"Discovery": {"FromInfo": True}, "Tokenizer": "tiny"}})
+    return await start_router(config, ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                                                     data_plane=data_plane))
+
+
+async def send_decided(url: str, body: dict[str, Any], chat_api: bool = True) -> tuple[str, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + ("/v1/chat/completions" if chat_api else "/v1/completions"), json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+            return r.headers.get("X-Prefixroute-Instance", ""), r.headers.get("X-Prefixroute-Decision", "")
+
+
+@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
+async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: str) -> None:
+    # Each engine computes a document of its own without the router knowing (another
+    # router replica sent it): the router's learned view is empty, its events are not.
+    # Every follow-up question goes to the engine holding its document, whichever that
+    # is (a placement by rendezvous would get one of the two wrong), chat and completions.
+    engines = [await Engine().start() for _ in range(2)]
+    router = await cache_aware_router([e.url for e in engines], data_plane)
+    try:
+        for e in engines:
+            await connected(router, e.url)
+        pool = router.state.fleet.endpoint(None).variant(None)
+
+        def learned_choice(doc: str) -> str:  # where the learned view alone would send it
+            _, blocks = openai_route({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": doc}]},
+                                     True, pool.routing)
+            return pool.choose(None, blocks=blocks).instance.instance_id
+
+        for i, e in enumerate(engines):
+            # A document the learned view would place on the other engine.
+            doc = next(d for j in range(100) if learned_choice(
+                (d := f"Document {i}.{j}: " + f"the engine {i} computed this text first " * 30) + " x") != e.url)
+            first = {"model": DEFAULT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": doc}]}
+            await send(e.url, first)  # straight to the engine
+            await send(e.url, {"model": DEFAULT_MODEL, "prompt": doc, "max_tokens": 2}, chat_api=False)
+            await eventually(lambda: held(router, e.url, first) == full_blocks(first), what="the document's blocks")
+            follow = {**first, "messages": [{"role": "user", "content": doc + " And one more question?"}]}
+            assert await send_decided(router.url, follow) == (e.url, "affinity")
+            completion = {"model": DEFAULT_MODEL, "prompt": doc + " continued", "max_tokens": 2}
+            assert await send_decided(router.url, completion, chat_api=False) == (e.url, "affinity")
+        keyer = router.state.kv_keyer
+        assert keyer is not None and keyer.stats()["hits"] > 0
+    finally:
+        await router.close()
+        for e in engines:
+            await e.stop()
+
+
+def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    config = build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--strategy", "cache-aware",
+                                        "--concurrency-threshold", "8", "--kv-events-from-info", "--tokenizer",
+                                        "tiny", "--cpu-tier-tokens", "400000", "--shared-tier"]))
+    assert config.kv_events is not None and config.kv_events.tokenizer == "tiny"
+    tiers = config.endpoints[0].variants[0].routing.cache_aware.kv_tiers  # type: ignore[union-attr]
+    assert tiers is not None and (tiers.cpu_tier_tokens, tiers.shared_tier) == (400_000, True)
+    from prefixroute.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="Tokenizer"):
+        build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--kv-events-from-info", "--tokenizer",
+                                   "/no/such/model"]))

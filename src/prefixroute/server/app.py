@@ -48,6 +48,7 @@ from prefixroute.server.errors import json_response, openai_error, sagemaker_err
 from prefixroute.server.limits import Refusal
 from prefixroute.server.health import health_check_loop, readiness
 from prefixroute.server.metrics import CONTENT_TYPE
+from prefixroute.server.precise import attach_precise
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
@@ -522,9 +523,11 @@ def prepare_inference(state: RouterState, api: Api, chat: bool, headers: Mapping
                              session=session, new_session=new_session)
     if openai:
         try:
-            _, key, blocks = parse_openai_request(body, chat, pool.routing, tenant)
+            payload, key, blocks = parse_openai_request(body, chat, pool.routing, tenant)
         except InvalidRequest as exc:
             return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
+        if state.kv_keyer is not None and blocks:  # precise mode: the request's KV block keys
+            attach_precise(state, payload, chat, blocks)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         # Its digests go if it came encoded (the native API never passes them on).
         decoded = "Content-Encoding" in headers and request_coding(headers) != "identity"  # (else a 415 before)
