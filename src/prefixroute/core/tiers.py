@@ -37,12 +37,12 @@ Sans-I/O: constants and arithmetic only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = ["PREFILL_S_PER_TOKEN", "CPU_LOAD_S_PER_TOKEN", "SHARED_LOAD_S_PER_TOKEN", "SHARED_LOAD_LATENCY_S",
-           "TierCosts", "KvTiersConfig"]
+           "TierCosts", "KvTiersConfig", "TierSpec", "CPU_TIER_FACTOR", "SHARED_TIER_FACTOR"]
 
 #: Seconds to prefill one token (``EngineConfig.prefill_s_per_token``).
 PREFILL_S_PER_TOKEN = 35e-6
@@ -163,3 +163,62 @@ class KvTiersConfig(BaseModel):
                 "PrefillSPerToken": self.prefill_s_per_token, "CpuLoadSPerToken": self.cpu_load_s_per_token,
                 "SharedLoadSPerToken": self.shared_load_s_per_token,
                 "SharedLoadLatencyS": self.shared_load_latency_s}
+
+
+#: A CPU tier's size when only named (``--tiers cpu``): 4x the instance's GPU KV
+#: capacity (engine/model.py: a 2 TB host keeps ~5 M tokens of Llama-70B KV, 4x the GPU's 1.2 M).
+CPU_TIER_FACTOR = 4
+#: A shared tier's size when only named (``--tiers shared``): 4x the fleet's GPU KV capacity.
+SHARED_TIER_FACTOR = 4
+
+
+@dataclass(frozen=True, slots=True)
+class TierSpec:
+    """Which KV tiers a fleet has, as the ``--tiers`` flag of ``prefixroute demo``,
+    ``prefixroute simulate`` and ``bench/policy_vs_peers.py`` names them.
+
+    Attributes:
+        cpu: each instance has a CPU tier.
+        shared: the instances share a tier.
+    """
+
+    cpu: bool = False
+    shared: bool = False
+
+    CHOICES: ClassVar[tuple[str, ...]] = ("none", "cpu", "shared", "cpu+shared")
+
+    @classmethod
+    def parse(cls, text: str | None) -> "TierSpec":
+        """``none`` (or ``None``), ``cpu``, ``shared`` or ``cpu+shared``.
+
+        Raises:
+            ValueError: anything else.
+        """
+        if text is None or text == "none":
+            return cls()
+        parts = set(text.split("+"))
+        if not parts or not parts <= {"cpu", "shared"} or len(parts) != len(text.split("+")):
+            raise ValueError(f"--tiers: {text!r} is not one of {', '.join(cls.CHOICES)}")
+        return cls("cpu" in parts, "shared" in parts)
+
+    def __bool__(self) -> bool:
+        return self.cpu or self.shared
+
+    @property
+    def name(self) -> str:
+        """``none``, ``cpu``, ``shared`` or ``cpu+shared``."""
+        return "+".join(n for n, on in (("cpu", self.cpu), ("shared", self.shared)) if on) or "none"
+
+    def cpu_tokens(self, kv_capacity_tokens: int) -> int:
+        """Each instance's CPU tier, tokens: :data:`CPU_TIER_FACTOR` x its GPU capacity (0 without)."""
+        return CPU_TIER_FACTOR * kv_capacity_tokens if self.cpu else 0
+
+    def shared_tokens(self, kv_capacity_tokens: int, instances: int) -> int:
+        """The shared tier, tokens: :data:`SHARED_TIER_FACTOR` x the fleet's GPU capacity (0 without)."""
+        return SHARED_TIER_FACTOR * kv_capacity_tokens * instances if self.shared else 0
+
+    def kv_tiers(self, kv_capacity_tokens: int) -> KvTiersConfig | None:
+        """``CACHE_AWARE``'s ``KvTiers`` for such a fleet (``None`` without tiers)."""
+        if not self:
+            return None
+        return KvTiersConfig(CpuTierTokens=self.cpu_tokens(kv_capacity_tokens), SharedTier=self.shared)
