@@ -54,8 +54,10 @@ class Engine:
     """An emulated engine with the tiny tokenizer, publishing its KV events."""
 
     def __init__(self, http_port: int = 0, pub_port: int | None = None, replay_port: int | None = None,
-                 replay: bool = True, seed: int | None = None, config: EngineConfig | None = None) -> None:
+                 replay: bool = True, seed: int | None = None, config: EngineConfig | None = None,
+                 lora_adapters: tuple[str, ...] = (), encoding: str = "array") -> None:
         self.http_port, self.seed, self.config = http_port, seed, config or EngineConfig()
+        self.lora_adapters, self.encoding = lora_adapters, encoding
         self.pub_port = pub_port or free_port()
         self.replay_port = (replay_port or free_port()) if replay else None
         self.runner: Any = None
@@ -64,9 +66,10 @@ class Engine:
         # "*": vLLM's rule binds only a wildcard endpoint (a host alone would connect).
         settings = KvEventsSettings(f"tcp://*:{self.pub_port}",
                                     f"tcp://*:{self.replay_port}" if self.replay_port else None,
-                                    hash_seed=self.seed)
+                                    hash_seed=self.seed, encoding=self.encoding)  # type: ignore[arg-type]
         self.runner, self.http_port = await start_engine_server(self.config, "127.0.0.1", self.http_port, 0.0,
-                                                                tokenizer=TOK, kv_events=settings)
+                                                                tokenizer=TOK, kv_events=settings,
+                                                                lora_adapters=self.lora_adapters)
         return self
 
     @property
@@ -483,3 +486,52 @@ def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers()
     with pytest.raises(ConfigError, match="Tokenizer"):
         build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--kv-events-from-info", "--tokenizer",
                                    "/no/such/model"]))
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+async def test_the_routers_block_chain_is_the_one_rebuilt_from_the_engines_events(encoding: str) -> None:
+    # For one prompt at a time (chat and completions, on the base model and on a LoRA
+    # adapter), on a fresh engine: the keys the router computes for the request are
+    # exactly the keys it rebuilt from the engine's events for that prompt's blocks, in
+    # both encodings; the same prompt on the other model shares none of them.
+    from prefixroute.core.kvevents.chain import block_keys, chain_root
+
+    engine = await Engine(lora_adapters=("sql-lora",), encoding=encoding).start()
+    router = await cache_aware_router([engine.url])
+    try:
+        await connected(router, engine.url)
+        view, keyer = router.state.kv_view, router.state.kv_keyer
+        assert view is not None and keyer is not None
+        index = view.stream(engine.url).index  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(engine.url + "/v1/models") as r:
+                cards = {c["id"]: c["parent"] for c in (await r.json())["data"]}
+            assert cards == {DEFAULT_MODEL: None, "sql-lora": DEFAULT_MODEL}
+            async with session.post(engine.url + "/v1/completions", json={"model": "other", "prompt": "x"}) as r:
+                assert r.status == 404
+        doc = "A prompt whose blocks the router must rebuild exactly. " * 12
+        cases = [({"model": m, "max_tokens": 1, "messages": [{"role": "system", "content": doc},
+                                                             {"role": "user", "content": f"Question for {m}?"}]}, True)
+                 for m in (DEFAULT_MODEL, "sql-lora")]
+        cases += [({"model": m, "max_tokens": 1, "prompt": f"{doc} completed by {m}"}, False)
+                  for m in (DEFAULT_MODEL, "sql-lora")]
+        for body, chat_api in cases:
+            async with aiohttp.ClientSession() as session:  # reset the engine's cache: only this prompt
+                async with session.post(engine.url + "/reset_prefix_cache") as r:
+                    assert r.status == 200
+            await eventually(lambda: len(index) == 0, what="the cleared cache")
+            await send(engine.url, body, chat_api)
+            lora = body["model"] if body["model"] == "sql-lora" else None
+            ids = TOK.request_token_ids(body, chat_api)
+            want = block_keys(ids, BS, chain_root(lora))
+            await eventually(lambda: len(index) >= len(want), what="the prompt's blocks")
+            assert view.lora_name(body["model"]) == lora
+            keys, tokens = keyer.keys(body, chat_api, view.lora_name(body["model"]))
+            assert (keys, tokens) == (want, len(ids)) and len(keys) >= 10
+            # The events' blocks are the prompt's (and at most one more for the output token).
+            assert set(keys) <= set(index.held) and len(index.held) - len(keys) <= 1, (body["model"], chat_api)
+            other = block_keys(ids, BS, chain_root(None if lora else "sql-lora"))
+            assert not set(other) & set(index.held)
+    finally:
+        await router.close()
+        await engine.stop()

@@ -156,6 +156,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
 
     raw: list[float] = []  # units an instance holds itself (GPU or CPU), at routing-block ends
     saved: list[float] = []  # units of prefill its holding saves (tier-weighted)
+    shared_seen = False  # the events show the request's blocks in a shared tier
     if is_precise is not None:
         assert precise is not None and view is not None
         # Tokens to routing-text units by this request's own ratio, snapped down to a
@@ -189,6 +190,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                 s = g + (own - g) * wc
                 if every > own:
                     s += max(0.0, (every - own) * ws - lat)
+                    shared_seen = True
                 saved.append(s)
             else:
                 u = float(unit(approx_depth(i)))
@@ -213,7 +215,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                 saved[i] += max(0.0, (top - raw[i]) * ws - lat)
     # With a shared tier a copy elsewhere costs a load, not a prefill: homes keep their
     # requests by a smaller margin.
-    replicate = C.REPLICATE_FRACTION * (costs.shared_weight if modelled_shared else 1.0)
+    replicate = C.REPLICATE_FRACTION * (costs.shared_weight if modelled_shared or shared_seen else 1.0)
 
     tokens = strategy.tokens(candidates)
     bits = strategy._bits_of(candidates)[0]

@@ -89,6 +89,14 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         help="a Jinja chat template replacing the tokenizer's (only with --tokenizer)",
     )
     p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME[=PATH]",
+        help="LoRA adapters served, as vLLM's flag (the path is ignored: the emulator has no weights): a request "
+        "naming one in 'model' runs on it, its KV blocks the adapter's own (their KV events name it) (default: none)",
+    )
+    p.add_argument(
         "--tokenizer-media-tokens",
         type=int,
         default=0,
@@ -156,7 +164,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 async def _serve(args: argparse.Namespace, config: EngineConfig, tokenizer: ModelTokenizer | None,
                  kv_events: KvEventsSettings | None, shared_tier: FileSharedTier | None) -> None:
     runner, port = await start_engine_server(config, args.host, args.port, args.time_scale, args.instance_id,
-                                             tokenizer=tokenizer, kv_events=kv_events, shared_tier=shared_tier)
+                                             tokenizer=tokenizer, kv_events=kv_events, shared_tier=shared_tier,
+                                             lora_adapters=[m.partition("=")[0] for m in args.lora_modules])
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -216,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         if args.chat_template is not None and args.tokenizer is None:
             raise ValueError("--chat-template needs --tokenizer")
         tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
+        if any(not m.partition("=")[0] for m in args.lora_modules):
+            raise ValueError("--lora-modules: each adapter needs a name (NAME or NAME=PATH)")
         if args.tokenizer_media_tokens:
             if tokenizer is None or args.tokenizer_media_tokens < 0:
                 raise ValueError("--tokenizer-media-tokens needs --tokenizer and a number >= 0")

@@ -201,6 +201,7 @@ class _Request:
     out_payload: bytearray = field(default_factory=bytearray)
     cpu_tokens: int = 0  # of cached_tokens, loaded from the CPU tier
     shared_tokens: int = 0  # of cached_tokens, loaded from the shared tier
+    lora_name: str | None = None  # the LoRA adapter it runs on (None: the base model)
 
 
 class EngineCore:
@@ -293,7 +294,8 @@ class EngineCore:
     # -- requests ----------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_tokens: TokenizedPrompt | HashedPrompt | Sequence[int] | str, max_tokens: int
+        self, request_id: str, prompt_tokens: TokenizedPrompt | HashedPrompt | Sequence[int] | str, max_tokens: int,
+        lora_name: str | None = None,
     ) -> None:
         """Queue a request (FCFS); it is admitted by a later :meth:`step`.
 
@@ -302,6 +304,10 @@ class EngineCore:
             prompt_tokens: a :class:`TokenizedPrompt`, a list of token ids (used as is),
                 text (tokenized with the 4-byte rule) or a :class:`HashedPrompt`.
             max_tokens: output tokens to generate, exactly (>= 1).
+            lora_name: the LoRA adapter it runs on (``None``: the base model). Its
+                blocks are the adapter's own: they hash differently from the base
+                model's (a :class:`HashedPrompt`'s hashes are taken as given) and its
+                KV events name the adapter.
         Raises:
             RequestRejected: duplicate id, empty prompt, ``max_tokens < 1``, prompt plus
                 output over ``max_model_len`` tokens, or more KV blocks than the whole
@@ -344,8 +350,8 @@ class EngineCore:
             hashes = list(prompt_tokens.block_hashes)
         else:
             seed = xxhash.xxh3_64_intdigest(prompt.payload, _OUTPUT_SEED)
-            hashes = prompt_block_hashes(prompt, cfg.block_size)
-        self._waiting[request_id] = _Request(request_id, prompt, max_tokens, hashes, seed)
+            hashes = prompt_block_hashes(prompt, cfg.block_size, lora_name)
+        self._waiting[request_id] = _Request(request_id, prompt, max_tokens, hashes, seed, lora_name=lora_name)
 
     def abort(self, request_id: str) -> bool:
         """Remove a waiting or running request and free its blocks (computed full blocks
@@ -498,7 +504,7 @@ class EngineCore:
         events = self.events
         if events is not None:
             tokens = self._token_ids(req, new, full) if events.wants_tokens and req.prompt.token_bytes else None
-            events.stored(req.block_hashes, new, full, tokens, _GPU)
+            events.stored(req.block_hashes, new, full, tokens, _GPU, req.lora_name)
         if self.shared_tier is not None:  # write-through
             run = req.block_hashes[new:full]
             published = [events.engine_hash(h) for h in run] if events is not None else [0] * len(run)

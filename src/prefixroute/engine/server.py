@@ -26,7 +26,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -105,6 +105,7 @@ class _Job:
     max_tokens: int
     stream: bool
     include_usage: bool
+    lora_name: str | None = None
 
 
 @dataclass(slots=True)
@@ -185,6 +186,10 @@ class EngineServer:
         shared_tier: a KV tier shared with other instances
             (:class:`~prefixroute.engine.shared_tier_file.FileSharedTier` across
             processes); ``None``: none. The CPU tier is ``config.cpu_tier_tokens``.
+        lora_adapters: names of the LoRA adapters it serves (vLLM's ``--lora-modules``):
+            a request naming one in ``model`` runs on it, its blocks the adapter's own
+            (their KV events name it); ``/v1/models`` lists them with the base model as
+            ``parent``.
     Raises:
         ValueError: ``time_scale`` is negative or not finite.
 
@@ -195,10 +200,11 @@ class EngineServer:
 
     def __init__(self, config: EngineConfig, *, time_scale: float = 1.0, instance_id: str | None = None,
                  tokenizer: ModelTokenizer | None = None, kv_events: KvEventsSettings | None = None,
-                 shared_tier: SharedTier | None = None) -> None:
+                 shared_tier: SharedTier | None = None, lora_adapters: Sequence[str] = ()) -> None:
         if not (isinstance(time_scale, (int, float)) and math.isfinite(time_scale) and time_scale >= 0):
             raise ValueError(f"time_scale must be a finite number >= 0, got {time_scale!r}")
         self.config = config
+        self.lora_adapters = tuple(dict.fromkeys(lora_adapters))
         self.time_scale = float(time_scale)
         self.instance_id = instance_id or f"engine-{uuid.uuid4().hex[:8]}"
         self.tokenizer = tokenizer
@@ -335,7 +341,7 @@ class EngineServer:
 
     def _submit(self, request_id: str, job: _Job) -> _InFlight:
         try:
-            self.core.add_request(request_id, job.prompt, job.max_tokens)
+            self.core.add_request(request_id, job.prompt, job.max_tokens, job.lora_name)
         except RequestRejected as exc:
             raise _ClientError(400, str(exc)) from None
         loop = asyncio.get_running_loop()
@@ -362,7 +368,8 @@ class EngineServer:
 
     def _parse(self, payload: dict[str, Any], chat: bool) -> _Job:
         model = payload.get("model")
-        if model is not None and model != self.config.model:
+        lora_name = model if model in self.lora_adapters else None
+        if model is not None and model != self.config.model and lora_name is None:
             raise _ClientError(404, f"The model `{model}` does not exist.")
         try:
             if not chat:
@@ -397,7 +404,7 @@ class EngineServer:
             tokens = tokenize(prompt) if self.tokenizer is None or isinstance(prompt, str) else from_token_ids(prompt)
         except ValueError as exc:
             raise _ClientError(400, str(exc)) from None
-        return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)))
+        return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)), lora_name)
 
     # -- handlers ----------------------------------------------------------------------
 
@@ -518,10 +525,12 @@ class EngineServer:
         return resp
 
     async def _models(self, request: web.Request) -> web.Response:
-        card = {"id": self.config.model, "object": "model", "created": int(time.time()), "owned_by": "vllm",
-                "root": self.config.model, "parent": None, "max_model_len": self.config.max_model_len,
-                "permission": []}
-        return web.json_response({"object": "list", "data": [card]}, dumps=lambda v: orjson.dumps(v).decode())
+        now = int(time.time())
+        cards = [{"id": name, "object": "model", "created": now, "owned_by": "vllm", "root": name,
+                  "parent": None if name == self.config.model else self.config.model,
+                  "max_model_len": self.config.max_model_len, "permission": []}
+                 for name in (self.config.model, *self.lora_adapters)]
+        return web.json_response({"object": "list", "data": cards}, dumps=lambda v: orjson.dumps(v).decode())
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
@@ -575,6 +584,7 @@ async def start_engine_server(
     tokenizer: ModelTokenizer | None = None,
     kv_events: KvEventsSettings | None = None,
     shared_tier: SharedTier | None = None,
+    lora_adapters: Sequence[str] = (),
 ) -> tuple[web.AppRunner, int]:
     """Start one emulated engine on the running event loop.
 
@@ -588,6 +598,7 @@ async def start_engine_server(
         tokenizer: the model's tokenizer and chat template (see :class:`EngineServer`).
         kv_events: publish KV events with these settings (see :class:`EngineServer`).
         shared_tier: a KV tier shared with other instances (see :class:`EngineServer`).
+        lora_adapters: the LoRA adapters it serves (see :class:`EngineServer`).
     Returns:
         ``(runner, port)``: the bound port, and the runner to stop with
         ``await runner.cleanup()``; the :class:`EngineServer` is
@@ -597,7 +608,7 @@ async def start_engine_server(
         zmq.ZMQError: a KV-event endpoint cannot be bound.
     """
     server = EngineServer(config, time_scale=time_scale, instance_id=instance_id, tokenizer=tokenizer,
-                          kv_events=kv_events, shared_tier=shared_tier)
+                          kv_events=kv_events, shared_tier=shared_tier, lora_adapters=lora_adapters)
     runner = web.AppRunner(
         server.build_app(), handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout_s
     )
