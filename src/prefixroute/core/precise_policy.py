@@ -43,8 +43,10 @@ Sans-I/O: the view is asked, never waited for.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from bisect import bisect_right
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -56,9 +58,10 @@ from prefixroute.core.tiers import TierCosts
 
 if TYPE_CHECKING:
     from prefixroute.core.cache_aware import CacheAwareStrategy
-    from prefixroute.core.kvevents.view import PreciseCacheView
+    from prefixroute.core.kvevents.view import PreciseCacheView, PrefixHolding
 
-__all__ = ["UNITS_PER_TOKEN", "DEFAULT_TIER_COSTS", "PreciseRequest", "choose_precise", "decide"]
+__all__ = ["UNITS_PER_TOKEN", "DEFAULT_TIER_COSTS", "PreciseRequest", "choose_precise", "decide",
+           "leading_holdings", "Speculative"]
 
 #: Routing-text units one token stands for in a precise decision (4 characters).
 UNITS_PER_TOKEN = 4
@@ -147,7 +150,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         return d
 
     size = float(size_chain)
-    units = [e >> shift for e in ends] if chain else [unit(d) for d in range(1, n + 1)]
+    units = ends if chain and not shift else [e >> shift for e in ends] if chain else [unit(d) for d in range(1, n + 1)]
     amin = min(C.ANCHOR_MIN_BLOCKS, n - 1)
 
     def anchor(u: float) -> int:
@@ -171,7 +174,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             d = bisect_right(units, tokens_held * ratio + tol)
             return units[d - 1] if d else 0
 
-        held = view.holdings(precise.keys, [c.instance_id for c in candidates])
+        held = leading_holdings(view, precise.keys, candidates)
         wc, ws = 1.0 - costs.cpu_weight, 1.0 - costs.shared_weight
         lat = costs.shared_latency_tokens * ratio
         pbs = precise.block_size
@@ -321,50 +324,119 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
     return candidates[i], kind
 
 
+def _run_end(keys: Sequence[int], lo: int, hi: int, holds: Callable[[int], bool]) -> int:
+    """The end of the run of ``keys[lo:hi]`` that ``holds``, found by bisection: the
+    first index in ``[lo, hi]`` whose key is not held, taking held keys to form a
+    prefix of the chain (checked at both ends first: the usual answers, all or none)."""
+    if lo >= hi or not holds(keys[lo]):
+        return lo
+    if holds(keys[hi - 1]):
+        return hi
+    lo, hi = lo + 1, hi - 1  # keys[lo - 1] held, keys[hi] not
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if holds(keys[mid]):
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+def leading_holdings(view: "PreciseCacheView", keys: Sequence[int], candidates: Sequence[InstanceState]
+                     ) -> dict[str, "PrefixHolding"]:
+    """:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.holdings` of the
+    candidates in a few dictionary reads each, not one per block: each run (GPU, then
+    CPU, then the shared tier) is found by bisection, on the engines' own rule that a
+    block is findable only while its parent is (vLLM and the emulated engine free a
+    sequence's blocks last first, and a lookup walks a prompt from its first block). A
+    block an engine still lists after its parent went is one it can no longer find; it
+    would count here (rare: it goes first under LRU). Exact holdings:
+    ``view.holdings``."""
+    from prefixroute.core.kvevents.index import CPU_UNIT
+    from prefixroute.core.kvevents.view import PrefixHolding
+
+    bs = view.block_size
+    n = len(keys)
+    shared = view.shared.held
+    gpu_mask = CPU_UNIT - 1
+    out: dict[str, PrefixHolding] = {}
+    for c in candidates:
+        stream = view.stream(c.instance_id)
+        if stream is None:
+            out[c.instance_id] = PrefixHolding()
+            continue
+        get = stream.index.held.get
+        g = _run_end(keys, 0, n, lambda k: bool(get(k, 0) & gpu_mask))
+        cpu = _run_end(keys, g, n, lambda k: get(k, 0) >= CPU_UNIT)
+        sh = _run_end(keys, cpu, n, shared.__contains__) if shared else cpu
+        out[c.instance_id] = PrefixHolding(g * bs, (cpu - g) * bs, (sh - cpu) * bs)
+    return out
+
+
 class Speculative:
     """The KV block keys of requests a router sent to each instance in precise mode, for
     the time the instance's events lag behind them (their prefill is queued or running):
     the router's own knowledge of what is about to be held, as the learned view has it.
 
-    An entry counts for a later request sharing a prefix with it while the events do not
-    show that prefix. Once the events have shown a prefix of it, they are the truth for
-    that prefix: if they later show less of it (evicted), the entry is dropped. Entries
-    also go when the instance has nothing in flight (every prefill is done) and beyond
+    An entry counts for a later request sharing a prefix of at least
+    :data:`SPECULATIVE_MIN_BLOCKS` + 1 blocks with it (found by that block's key: one
+    lookup, whatever the number of entries) while the events do not show that prefix.
+    Once the events have shown a prefix of it, they are the truth for that prefix: if
+    they later show less of it (evicted), the entry is dropped. Entries also go when the
+    instance has nothing in flight (every prefill is done) and beyond
     :data:`SPECULATIVE_PER_INSTANCE` per instance, the oldest first.
     """
 
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "_order")
 
     def __init__(self) -> None:
-        #: instance -> [[keys, blocks the events have confirmed], ...], oldest first
-        self.entries: dict[str, list[list]] = {}
+        #: instance -> key of block SPECULATIVE_MIN_BLOCKS -> [[keys, blocks the events confirmed], ...]
+        self.entries: dict[str, dict[int, list[list]]] = {}
+        self._order: dict[str, deque[tuple[int, list]]] = {}
+
+    @staticmethod
+    def _anchor(keys: Sequence[int]) -> int:
+        return keys[min(SPECULATIVE_MIN_BLOCKS, len(keys) - 1)]
 
     def routed(self, instance_id: str, keys: Sequence[int]) -> None:
         """A request with ``keys`` was sent to the instance."""
         if not len(keys):
             return
-        lst = self.entries.setdefault(instance_id, [])
-        lst.append([keys, 0])
-        if len(lst) > SPECULATIVE_PER_INSTANCE:
-            del lst[0]
+        entry = [keys, 0]
+        anchor = self._anchor(keys)
+        self.entries.setdefault(instance_id, {}).setdefault(anchor, []).append(entry)
+        order = self._order.setdefault(instance_id, deque())
+        order.append((anchor, entry))
+        if len(order) > SPECULATIVE_PER_INSTANCE:
+            old_anchor, old = order.popleft()
+            self._drop(instance_id, old_anchor, old)
+
+    def _drop(self, instance_id: str, anchor: int, entry: list) -> None:
+        group = self.entries.get(instance_id, {}).get(anchor)
+        if group is not None:
+            with contextlib.suppress(ValueError):
+                group.remove(entry)
+            if not group:
+                del self.entries[instance_id][anchor]
 
     def match(self, inst: InstanceState, keys: Sequence[int], held_blocks: int) -> int:
         """Leading blocks of ``keys`` about to be held on ``inst`` (0 when no entry
         shares more than ``held_blocks``, what its events show)."""
-        lst = self.entries.get(inst.instance_id)
-        if not lst:
+        groups = self.entries.get(inst.instance_id)
+        if not groups:
             return 0
         if inst.in_flight <= 0:  # nothing pending there: the events are complete
-            lst.clear()
+            groups.clear()
+            self._order.pop(inst.instance_id, None)
             return 0
-        first = keys[0]
+        anchor = self._anchor(keys)
+        group = groups.get(anchor)
+        if not group:
+            return 0
         n = len(keys)
         best = 0
-        for j in range(len(lst) - 1, -1, -1):
-            entry = lst[j]
+        for entry in list(group):
             e = entry[0]
-            if e[0] != first:
-                continue
             hi = min(n, len(e))
             if e[hi - 1] == keys[hi - 1]:
                 m = hi
@@ -381,12 +453,15 @@ class Speculative:
                 if m > entry[1]:
                     entry[1] = m  # the events show this much of it
             elif entry[1] > held_blocks:
-                del lst[j]  # they showed more of it before: evicted since
+                self._drop(inst.instance_id, anchor, entry)  # they showed more of it before: evicted since
             elif m > best:
                 best = m
         return best
 
 
+#: An entry counts for requests sharing at least this many blocks and one more with it
+#: (256 tokens of 16-token blocks: a document, a system prompt; not a template's header).
+SPECULATIVE_MIN_BLOCKS = 16
 #: Speculative entries kept per instance (at most about its requests in flight).
 SPECULATIVE_PER_INSTANCE = 64
 
