@@ -532,13 +532,17 @@ class RouterSpec:
 # prefixroute ------------------------------------------------------------------------------
 
 
-def prefixroute_fleet_config(backends: Sequence[str], routing: dict[str, Any]) -> dict[str, Any]:
+def prefixroute_fleet_config(backends: Sequence[str], routing: dict[str, Any],
+                             kv_events: dict[str, Any] | None = None) -> dict[str, Any]:
     """A one-endpoint, one-variant ``FleetConfig`` document (the YAML ``--config`` and
     ``PUT /admin/config`` shape) routing to ``backends`` with ``routing`` (a SageMaker
-    ``RoutingConfig`` dict)."""
-    return {"Endpoints": [{"EndpointName": "default", "ProductionVariants": [{
+    ``RoutingConfig`` dict), and precise mode's ``KvEvents`` section when given."""
+    doc: dict[str, Any] = {"Endpoints": [{"EndpointName": "default", "ProductionVariants": [{
         "VariantName": "AllTraffic", "InitialVariantWeight": 1,
         "Instances": [_norm(b) for b in backends], "RoutingConfig": routing}]}]}
+    if kv_events is not None:
+        doc["KvEvents"] = kv_events
+    return doc
 
 
 _LISTENING = re.compile(r"prefixroute-(serve|admin) listening on (http://\S+)")
@@ -553,15 +557,19 @@ class PrefixrouteSpec(RouterSpec):
         routing: the variant's RoutingConfig document.
         extra_args: more ``prefixroute serve`` flags.
         python: the interpreter that has prefixroute installed (default: this one).
+        kv_events: precise mode's ``KvEvents`` section (the engines' KV events and
+            tokenizer), or ``None``.
     """
 
     routing: dict[str, Any] = field(default_factory=dict)
     extra_args: tuple[str, ...] = ()
     python: str = sys.executable
+    kv_events: dict[str, Any] | None = None
 
     def start(self, tracker, backends, executable="", all_backends=(), ready_timeout_s=60.0):
         cfg = tracker.path("prefixroute", ".yaml")
-        cfg.write_text(yaml.safe_dump(prefixroute_fleet_config(backends, self.routing), sort_keys=False))
+        cfg.write_text(yaml.safe_dump(prefixroute_fleet_config(backends, self.routing, self.kv_events),
+                                      sort_keys=False))
         argv = [self.python, "-m", "prefixroute", "serve", "--config", str(cfg), "--host", "127.0.0.1",
                 "--port", "0", *self.extra_args]  # the admin API then listens on a free port
         proc = tracker.start(f"prefixroute-{self.strategy}", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))

@@ -110,6 +110,17 @@ class BenchSettings:
         repeat: runs of each (workload, router, replicas); tables show the median run
             by P90 TTFT, and the JSON every run (for the run-to-run noise).
         seed: workload and router seed.
+        precise: ``off``, ``on`` or ``both``: prefixroute CACHE_AWARE in precise mode
+            (``prefixroute CACHE_AWARE precise``: on the engines' KV events) instead of,
+            or beside, its learned view. With ``on`` or ``both`` every engine of every
+            run tokenizes with the bundled tiny tokenizer (an image part as 576 tokens of
+            stand-in text) and publishes its KV events, so every router meets the same
+            engines.
+        tiers: ``none``, ``cpu``, ``shared`` or ``cpu+shared``: KV tiers in every engine
+            (a CPU tier of 4x its KV capacity, a shared tier of 4x the fleet's);
+            prefixroute CACHE_AWARE is told of them (``KvTiers``).
+        tier_aware: with tiers, ``on``, ``off`` or ``both``: CACHE_AWARE runs told of
+            the tiers, not told (``tier-unaware`` in its label), or both.
     """
 
     instances: int = 4
@@ -126,6 +137,18 @@ class BenchSettings:
     baselines_replicas: tuple[int, ...] = (1,)
     repeat: int = 1
     seed: int = 0
+    precise: str = "off"
+    tiers: str = "none"
+    tier_aware: str = "on"
+
+    @property
+    def fleet_mode(self) -> str:
+        """What the tables say of the fleet: tokenizer, KV events and tiers."""
+        parts = []
+        if self.precise != "off":
+            parts.append("engines tokenize with the tiny tokenizer and publish KV events")
+        parts.append(f"KV tiers: {self.tiers}")
+        return "; ".join(parts)
 
 
 FULL = BenchSettings()
@@ -162,11 +185,7 @@ def router_specs(s: BenchSettings) -> list[RouterSpec]:
                         routing={"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {
                             "PrefixLength": s.prefix_length, "ConcurrencyThreshold": threshold}},
                         extra_args=extra),
-        PrefixrouteSpec("prefixroute CACHE_AWARE", "prefixroute", SUBJECT,
-                        routing={"RoutingStrategy": SUBJECT, "CacheAwareRoutingConfig": {
-                            "ConcurrencyThreshold": s.cache_aware_threshold,
-                            "InstanceCacheTokens": s.kv_capacity_tokens}},
-                        extra_args=extra),
+        *cache_aware_specs(s, extra),
         PrefixrouteSpec("llm-d scorers (re-implementation)", "prefixroute", "LLMD_REFERENCE",
                         routing={"RoutingStrategy": "LLMD_REFERENCE"}, extra_args=extra),
         SGLangRouterSpec("sglang-router cache_aware", "sglang-router", "cache_aware"),
@@ -176,6 +195,53 @@ def router_specs(s: BenchSettings) -> list[RouterSpec]:
                     f"balance-factor {s.balance_factor}", hash_bytes=s.prefix_length,
                     balance_factor=s.balance_factor),
     ]
+
+
+#: precise mode's KvEvents section: endpoints from each engine's GET /info, its tokenizer.
+PRECISE_KV_EVENTS = {"Discovery": {"FromInfo": True}, "Tokenizer": "tiny"}
+
+
+def cache_aware_specs(s: BenchSettings, extra: tuple[str, ...]) -> list[PrefixrouteSpec]:
+    """prefixroute CACHE_AWARE once per mode the settings ask for: learned view and/or
+    precise (``s.precise``), told of the engines' tiers or not (``s.tier_aware``)."""
+    from prefixroute.core.tiers import TierSpec
+
+    tiers = TierSpec.parse(s.tiers)
+    precise_modes = {"off": (False,), "on": (True,), "both": (False, True)}[s.precise]
+    aware_modes = {"on": (True,), "off": (False,), "both": (True, False)}[s.tier_aware] if tiers else (False,)
+    out = []
+    for aware in aware_modes:
+        ca: dict[str, Any] = {"ConcurrencyThreshold": s.cache_aware_threshold,
+                              "InstanceCacheTokens": s.kv_capacity_tokens}
+        kv_tiers = tiers.kv_tiers(s.kv_capacity_tokens) if aware else None
+        if kv_tiers is not None:
+            ca["KvTiers"] = kv_tiers.to_api()
+        for precise in precise_modes:
+            label = "prefixroute CACHE_AWARE" + (" precise" if precise else "") + \
+                ("" if aware or not tiers else " tier-unaware")
+            out.append(PrefixrouteSpec(label, "prefixroute", SUBJECT,
+                                       routing={"RoutingStrategy": SUBJECT, "CacheAwareRoutingConfig": ca},
+                                       extra_args=extra, kv_events=PRECISE_KV_EVENTS if precise else None))
+    return out
+
+
+def engine_args(s: BenchSettings, shared_tier: Path | None) -> list[str]:
+    """The ``prefixroute emulate`` flags every engine of a run gets for precise mode
+    (tokenizer, KV events on free ports) and the tiers."""
+    from prefixroute.core.tiers import TierSpec
+
+    out: list[str] = []
+    if s.precise != "off":
+        out += ["--tokenizer", "tiny", "--tokenizer-media-tokens", "576", "--kv-events-config",
+                '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", '
+                '"replay_endpoint": "tcp://127.0.0.1:*"}']
+    tiers = TierSpec.parse(s.tiers)
+    if tiers.cpu:
+        out += ["--cpu-tier-tokens", str(tiers.cpu_tokens(s.kv_capacity_tokens))]
+    if tiers.shared and shared_tier is not None:
+        out += ["--shared-tier", str(shared_tier),
+                "--shared-tier-tokens", str(tiers.shared_tokens(s.kv_capacity_tokens, s.instances))]
+    return out
 
 
 def _slug(label: str) -> str:
@@ -241,12 +307,13 @@ def start_fleet(tracker: ProcessTracker, count: int, s: BenchSettings, python: s
         PeerError: an engine exited or did not listen within 60 s.
     """
     procs = []
+    shared_tier = tracker.path("shared-tier", ".kv") if "shared" in s.tiers else None
     for i in range(count):
         iid = f"instance-{i}"
         procs.append((iid, tracker.start(f"engine-{i}", [
             python, "-m", "prefixroute", "emulate", "--host", "127.0.0.1", "--port", "0", "--instance-id", iid,
             "--time-scale", str(s.time_scale), "--kv-capacity-tokens", str(s.kv_capacity_tokens),
-            "--log-level", "warning"])))
+            "--log-level", "warning", *engine_args(s, shared_tier)])))
     out = []
     for iid, p in procs:
         found: list[str] = []
@@ -499,11 +566,13 @@ def replica_drift(runs: Sequence[RunResult], subject: str = SUBJECT) -> dict[str
 # -- output -----------------------------------------------------------------------------------
 
 
-def render_workload_table(workload: WorkloadSpec, runs: Sequence[RunResult], description: str) -> Any:
+def render_workload_table(workload: WorkloadSpec, runs: Sequence[RunResult], description: str,
+                          fleet_mode: str = "") -> Any:
     """A rich table: one row per (router, replicas), sorted by replicas then router order."""
     from rich.table import Table
 
-    table = Table(title=f"{workload.name}: {workload.title}\n{description}", title_justify="left")
+    table = Table(title=f"{workload.name}: {workload.title}\n{description}" + (f"\n{fleet_mode}" if fleet_mode else ""),
+                  title_justify="left")
     for col in ("router", "replicas", "cache hit", "P50 TTFT", "P90 TTFT", "throughput", "busiest", "errors",
                 "requests"):
         table.add_column(col, justify="left" if col == "router" else "right", no_wrap=True)
@@ -550,6 +619,35 @@ def verdict_lines(runs: Sequence[RunResult]) -> list[str]:
         lines.append(f"{wl}: {SUBJECT} hit rate with {most} replicas vs 1: {drift:+.1f} pts "
                      f"({'within' if ok else 'outside'} 2 pts)")
     return lines
+
+
+def precise_comparisons(runs: Sequence[RunResult]) -> list[dict[str, Any]]:
+    """Per (workload, replicas) with both: prefixroute CACHE_AWARE precise against its
+    learned view (the issue's bar: precise hit rate >= learned's, P90 TTFT <= learned's,
+    0 errors). ``hit_points`` = precise - learned; ratios precise / learned."""
+    out = []
+    by = {(r.workload, r.summary.replicas, r.label): r for r in runs}
+    for (wl, reps, label), p in by.items():
+        if not label.startswith("prefixroute CACHE_AWARE precise"):
+            continue
+        learned = by.get((wl, reps, label.replace(" precise", "", 1)))
+        if learned is None:
+            continue
+        a, b = p.summary, learned.summary
+        hit = (a.cache_hit_rate - b.cache_hit_rate) * 100
+        p50, p90 = _ratio(a.p50_ttft_s, b.p50_ttft_s), _ratio(a.p90_ttft_s, b.p90_ttft_s)
+        out.append({"workload": wl, "replicas": reps, "label": label, "hit_points": hit, "p50_ratio": p50,
+                    "p90_ratio": p90, "errors": a.errors + b.errors,
+                    "meets": hit >= 0 and p90 <= 1 and a.errors == 0 and b.errors == 0})
+    return out
+
+
+def precise_lines(runs: Sequence[RunResult]) -> list[str]:
+    """:func:`precise_comparisons` as text, one line each."""
+    return [f"{c['workload']}, {c['replicas']} replica{'s' if c['replicas'] > 1 else ''}: precise vs learned "
+            f"view: hit {c['hit_points']:+.1f} pts, P50 x{c['p50_ratio']:.2f}, P90 x{c['p90_ratio']:.2f}, "
+            f"{c['errors']} errors: {'meets' if c['meets'] else 'MISSES'} (hit >=, P90 <=, 0 errors)"
+            for c in precise_comparisons(runs)]
 
 
 def write_plots(out_dir: Path, workloads: Sequence[WorkloadSpec], runs: Sequence[RunResult]) -> list[Path]:
@@ -607,6 +705,7 @@ def write_json(path: Path, workloads: Sequence[WorkloadSpec], descriptions: dict
         "command": command,
         "skipped": skipped,
         "comparisons": [asdict(c) | {"wins": c.wins} for c in compare(runs)],
+        "precise_comparisons": precise_comparisons(runs),
         "replica_drift_points": replica_drift(runs),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -638,6 +737,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="multiply every workload's number of closed-loop users (default: 1)")
     p.add_argument("--time-scale", type=float, default=None, help="engine time scale (real s per model s)")
     p.add_argument("--seed", type=int, default=None, help="workload and router seed")
+    p.add_argument("--precise", nargs="?", const="on", choices=("off", "on", "both"), default="off",
+                   help="prefixroute CACHE_AWARE in precise mode, on the engines' KV events (every engine then "
+                        "tokenizes with the tiny tokenizer and publishes them); both: beside its learned view "
+                        "(default: off)")
+    p.add_argument("--tiers", choices=("none", "cpu", "shared", "cpu+shared"), default="none",
+                   help="KV tiers in every engine (a CPU tier of 4x its KV capacity, a shared tier of 4x the "
+                        "fleet's); prefixroute CACHE_AWARE is told of them (default: none)")
+    p.add_argument("--tier-aware", choices=("on", "off", "both"), default="on",
+                   help="with --tiers: CACHE_AWARE told of the tiers, not told ('tier-unaware'), or both (default: on)")
     p.add_argument("--peers-venv", type=Path, default=DEFAULT_PEERS_VENV,
                    help=f"virtual environment for the Python peers (default: {DEFAULT_PEERS_VENV})")
     p.add_argument("--no-install", action="store_true", help="never install peers; skip the missing ones")
@@ -657,6 +765,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         upd["seed"] = args.seed
     if args.replicas:
         upd["replicas"] = tuple(int(x) for x in args.replicas.split(",") if x.strip())
+    upd["precise"], upd["tiers"], upd["tier_aware"] = args.precise, args.tiers, args.tier_aware
     if args.repeat is not None:
         if args.repeat < 1:
             raise SystemExit("error: --repeat must be at least 1")
@@ -718,7 +827,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     total = len(plan) * s.repeat
     console.print(f"[bold]policy_vs_peers[/bold]: {len(routers)} routers, {len(workloads)} workloads, replicas "
                   f"{','.join(map(str, s.replicas))}: {total} runs; {s.instances} emulated instances (time scale "
-                  f"{s.time_scale}, {s.kv_capacity_tokens:,} KV tokens each), {s.duration_s:g} s of traffic per run")
+                  f"{s.time_scale}, {s.kv_capacity_tokens:,} KV tokens each), {s.duration_s:g} s of traffic per run; "
+                  f"{s.fleet_mode}")
     all_runs: list[RunResult] = []
     runs: list[RunResult] = []
     descriptions = {w.name: w.make(s.seed).describe() for w in workloads}
@@ -754,11 +864,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for wl in workloads:
         wr = [r for r in runs if r.workload == wl.name]
         if wr:
-            console.print(render_workload_table(wl, wr, descriptions[wl.name]))
+            console.print(render_workload_table(wl, wr, descriptions[wl.name], s.fleet_mode))
     console.print("[bold]Verdicts[/bold] (CACHE_AWARE against every other router: it should have the highest hit "
                   "rate and the lowest P50/P90 TTFT)")
     for line in verdict_lines(runs):
         console.print("  " + line)
+    lines = precise_lines(runs)
+    if lines:
+        console.print("[bold]Precise mode[/bold] (prefixroute CACHE_AWARE on the engines' KV events against its "
+                      "learned view)")
+        for line in lines:
+            console.print("  " + line)
     if skipped:
         console.print("[yellow]skipped:[/yellow] " + escape("; ".join(f"{k}: {v}" for k, v in skipped.items())))
     if not args.no_plots and runs:

@@ -263,3 +263,43 @@ def test_repeated_runs_are_summarised_by_their_medians():
     med = bench.median_run([run(0.9, 0.02, 0.20), run(0.8, 0.03, 0.05), run(0.95, 0.01, 0.06)])
     assert (med.summary.cache_hit_rate, med.summary.p50_ttft_s, med.summary.p90_ttft_s, med.repeats) == \
         (0.9, 0.02, 0.06, 3)
+
+
+def test_precise_and_tier_modes_add_labelled_cache_aware_runs_and_their_verdicts():
+    s = bench.settings_from(bench.parse_args(["--precise", "both", "--tiers", "cpu+shared", "--tier-aware", "both"]))
+    labels = [r.label for r in bench.router_specs(s) if r.strategy == "CACHE_AWARE"]
+    assert labels == ["prefixroute CACHE_AWARE", "prefixroute CACHE_AWARE precise",
+                      "prefixroute CACHE_AWARE tier-unaware", "prefixroute CACHE_AWARE precise tier-unaware"]
+    specs = {r.label: r for r in bench.router_specs(s)}
+    assert specs["prefixroute CACHE_AWARE precise"].kv_events == bench.PRECISE_KV_EVENTS
+    assert specs["prefixroute CACHE_AWARE"].kv_events is None
+    for label, spec in specs.items():
+        if spec.router == "prefixroute":
+            FleetConfig.from_mapping(peers.prefixroute_fleet_config(["http://127.0.0.1:9001"], spec.routing,
+                                                                    spec.kv_events))
+    tiers = specs["prefixroute CACHE_AWARE"].routing["CacheAwareRoutingConfig"]["KvTiers"]
+    assert tiers["CpuTierTokens"] == 4 * s.kv_capacity_tokens and tiers["SharedTier"] is True
+    assert "KvTiers" not in specs["prefixroute CACHE_AWARE tier-unaware"].routing["CacheAwareRoutingConfig"]
+    assert "tiny tokenizer" in s.fleet_mode and "cpu+shared" in s.fleet_mode
+    runs = [_run("w", "prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.90, 0.100, 0.300),
+            _run("w", "prefixroute CACHE_AWARE precise", "CACHE_AWARE", 1, 0.91, 0.090, 0.310)]
+    (c,) = bench.precise_comparisons(runs)
+    assert (round(c["hit_points"], 1), round(c["p90_ratio"], 3), c["meets"]) == (1.0, 1.033, False)
+    assert "precise vs learned view: hit +1.0 pts" in bench.precise_lines(runs)[0]
+
+
+def test_a_precise_fleet_with_tiers_serves_every_workload_and_the_router_follows_its_events():
+    s = bench.BenchSettings(time_scale=0.05, kv_capacity_tokens=20_000, precise="on", tiers="cpu+shared")
+    spec = next(r for r in bench.router_specs(s) if r.label == "prefixroute CACHE_AWARE precise")
+    with peers.ProcessTracker() as tracker:
+        fleet = bench.start_fleet(tracker, 2, s)
+        urls = [u for _, u in fleet]
+        (router,) = spec.start_replicas(tracker, 1, urls, all_backends=urls)
+        for w in (bench.WORKLOADS[0], bench.WORKLOADS[-1]):  # documents, and questions about images
+            results, _, _ = asyncio.run(bench.drive([router.url], iter(w.make(0).sessions()), w.session_key, 2, 1.0,
+                                                    s.time_scale))
+            assert results and [r.error for r in results if r.error] == []
+        with urllib.request.urlopen(router.admin_url + "/admin/kv-events", timeout=5) as resp:
+            doc = json.loads(resp.read())
+        assert {row["Mode"] for row in doc["Instances"]} == {"precise"}
+        assert sum(row["Blocks"] for row in doc["Instances"]) > 0

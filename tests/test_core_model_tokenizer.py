@@ -177,3 +177,23 @@ def test_emulate_cli_rejects_bad_tokenizer_flags(capsys: pytest.CaptureFixture[s
     assert "--chat-template needs --tokenizer" in capsys.readouterr().err
     assert cli.run(parser.parse_args(["--tokenizer", str(tmp_path / "nowhere")])) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_a_multimodal_stand_in_gives_equal_images_equal_tokens(tiny: ModelTokenizer) -> None:
+    # --tokenizer-media-tokens: an image part becomes its routing stand-in text (N x 4
+    # characters), so the same image prefills the same tokens and another image others.
+    import dataclasses
+
+    mm = dataclasses.replace(tiny, media_tokens=64)
+
+    def ask(url: str, q: str) -> list[int]:
+        return mm.chat_token_ids({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": q}]}]})
+
+    a1, a2, b = ask("http://img/a.png", "what is it?"), ask("http://img/a.png", "and its colour?"), \
+        ask("http://img/b.png", "what is it?")
+    common = next(i for i, (x, y) in enumerate(zip(a1, a2)) if x != y)
+    assert common > 40  # the image's stand-in is shared
+    assert next(i for i, (x, y) in enumerate(zip(a1, b)) if x != y) < common
+    with pytest.raises(InvalidRequest, match="text only"):
+        tiny.chat_token_ids({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]})

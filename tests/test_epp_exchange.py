@@ -223,3 +223,34 @@ def test_in_flight_returns_to_zero_wherever_the_stream_ends(cut: int, status: by
     run(ex, msgs[:cut])
     ex.close()
     assert st_.fleet.default.variant().total_in_flight() == 0
+
+
+def test_precise_mode_picks_the_instance_whose_events_show_the_prompt():
+    """The endpoint picker prepares requests as serve does (``prepare_inference``), so
+    precise mode's KV block keys reach CACHE_AWARE here too: two pickers with empty
+    learned views pick the instance whose events hold the prompt, whichever it is."""
+    from prefixroute.core.kvevents.events import BlockStored
+    from prefixroute.core.model_tokenizer import ModelTokenizer
+
+    routing = RoutingConfig.build("cache-aware", concurrency_threshold=8)
+    base = FleetConfig.single(URLS, routing).model_dump(by_alias=True)
+    config = FleetConfig.from_mapping({**base, "KvEvents": {"Tokenizer": "tiny", "Instances": {
+        u: {"Endpoint": f"tcp://127.0.0.{i + 1}:5557"} for i, u in enumerate(URLS)}}})
+    tok = ModelTokenizer.load("tiny")
+    for holder in URLS:
+        pickers = []
+        for _ in range(2):
+            st_ = RouterState(config, ServerSettings(port=0, admin_port=0, health_check_interval_s=0))
+            view = st_.kv_view
+            assert view is not None
+            for u in URLS:
+                view.add_instance(u).on_connected()
+            doc = f"document held by {holder}: " + "tokens of a long shared document " * 60
+            ids = tok.request_token_ids(json.loads(chat(doc)), True)
+            n = len(ids) // 16 * 16
+            view.stream(holder).index.apply([BlockStored(list(range(1, n // 16 + 1)), None, ids[:n], 16)])
+            ex = Exchange(st_)
+            pickers.append(destination(run(ex, [headers_msg(), *body_msgs(chat(doc + " and a question?"))])[0]))
+            assert ex.lease.decision.kind.value == "affinity"
+            ex.close()
+        assert pickers == [endpoint_address(holder)] * 2

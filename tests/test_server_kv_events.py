@@ -4,6 +4,7 @@ loopback, the router subscribing, and the faults its streams must survive."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import zmq
 import zmq.asyncio
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.core.keys import openai_route
 from prefixroute.core.kvevents.codec import encode_batch
 from prefixroute.core.kvevents.events import BlockStored, EventBatch
 from prefixroute.core.kvevents.view import PrefixHolding
@@ -53,8 +55,10 @@ class Engine:
     """An emulated engine with the tiny tokenizer, publishing its KV events."""
 
     def __init__(self, http_port: int = 0, pub_port: int | None = None, replay_port: int | None = None,
-                 replay: bool = True, seed: int | None = None, config: EngineConfig | None = None) -> None:
+                 replay: bool = True, seed: int | None = None, config: EngineConfig | None = None,
+                 lora_adapters: tuple[str, ...] = (), encoding: str = "array") -> None:
         self.http_port, self.seed, self.config = http_port, seed, config or EngineConfig()
+        self.lora_adapters, self.encoding = lora_adapters, encoding
         self.pub_port = pub_port or free_port()
         self.replay_port = (replay_port or free_port()) if replay else None
         self.runner: Any = None
@@ -63,9 +67,12 @@ class Engine:
         # "*": vLLM's rule binds only a wildcard endpoint (a host alone would connect).
         settings = KvEventsSettings(f"tcp://*:{self.pub_port}",
                                     f"tcp://*:{self.replay_port}" if self.replay_port else None,
-                                    hash_seed=self.seed)
-        self.runner, self.http_port = await start_engine_server(self.config, "127.0.0.1", self.http_port, 0.0,
-                                                                tokenizer=TOK, kv_events=settings)
+                                    hash_seed=self.seed, encoding=self.encoding)  # type: ignore[arg-type]
+        config = dataclasses.replace(self.config, max_loras=max(1, self.config.max_loras)) if self.lora_adapters \
+            else self.config
+        self.runner, self.http_port = await start_engine_server(
+            config, "127.0.0.1", self.http_port, 0.0, tokenizer=TOK, kv_events=settings,
+            lora_modules={name: f"/adapters/{name}" for name in self.lora_adapters})
         return self
 
     @property
@@ -407,3 +414,127 @@ def test_serve_flags_build_the_kv_events_configuration() -> None:
             build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", *bad]))
     with pytest.raises(ConfigError, match="KvEvents section"):
         build_config(p.parse_args(["--config", "x.yaml", "--kv-events-from-info"]))
+
+
+# -- CACHE_AWARE routes on the events (precise mode) ---------------------------------
+
+
+async def cache_aware_router(instances: list[str], data_plane: str = "fast") -> RouterHandle:
+    routing = RoutingConfig.build("cache-aware", concurrency_threshold=8)
+    base = FleetConfig.single(instances, routing).model_dump(by_alias=True)
+    config = FleetConfig.from_mapping({**base, "KvEvents": {"Discovery": {"FromInfo": True}, "Tokenizer": "tiny"}})
+    return await start_router(config, ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
+                                                     data_plane=data_plane))
+
+
+async def send_decided(url: str, body: dict[str, Any], chat_api: bool = True) -> tuple[str, str]:
+    async with aiohttp.ClientSession() as session:
+        async with session.post(url + ("/v1/chat/completions" if chat_api else "/v1/completions"), json=body) as r:
+            assert r.status == 200, await r.text()
+            await r.read()
+            return r.headers.get("X-Prefixroute-Instance", ""), r.headers.get("X-Prefixroute-Decision", "")
+
+
+@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
+async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: str) -> None:
+    # Each engine computes a document of its own without the router knowing (another
+    # router replica sent it): the router's learned view is empty, its events are not.
+    # Every follow-up question goes to the engine holding its document, whichever that
+    # is (a placement by rendezvous would get one of the two wrong), chat and completions.
+    engines = [await Engine().start() for _ in range(2)]
+    router = await cache_aware_router([e.url for e in engines], data_plane)
+    try:
+        for e in engines:
+            await connected(router, e.url)
+        pool = router.state.fleet.endpoint(None).variant(None)
+
+        def learned_choice(doc: str) -> str:  # where the learned view alone would send it
+            _, blocks = openai_route({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": doc}]},
+                                     True, pool.routing)
+            return pool.choose(None, blocks=blocks).instance.instance_id
+
+        for i, e in enumerate(engines):
+            # A document the learned view would place on the other engine.
+            doc = next(d for j in range(100) if learned_choice(
+                (d := f"Document {i}.{j}: " + f"the engine {i} computed this text first " * 30) + " x") != e.url)
+            first = {"model": DEFAULT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": doc}]}
+            await send(e.url, first)  # straight to the engine
+            await send(e.url, {"model": DEFAULT_MODEL, "prompt": doc, "max_tokens": 2}, chat_api=False)
+            await eventually(lambda: held(router, e.url, first) == full_blocks(first), what="the document's blocks")
+            follow = {**first, "messages": [{"role": "user", "content": doc + " And one more question?"}]}
+            assert await send_decided(router.url, follow) == (e.url, "affinity")
+            completion = {"model": DEFAULT_MODEL, "prompt": doc + " continued", "max_tokens": 2}
+            assert await send_decided(router.url, completion, chat_api=False) == (e.url, "affinity")
+        keyer = router.state.kv_keyer
+        assert keyer is not None and keyer.stats()["hits"] > 0
+    finally:
+        await router.close()
+        for e in engines:
+            await e.stop()
+
+
+def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser()
+    configure_parser(p)
+    config = build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--strategy", "cache-aware",
+                                        "--concurrency-threshold", "8", "--kv-events-from-info", "--tokenizer",
+                                        "tiny", "--cpu-tier-tokens", "400000", "--shared-tier"]))
+    assert config.kv_events is not None and config.kv_events.tokenizer == "tiny"
+    tiers = config.endpoints[0].variants[0].routing.cache_aware.kv_tiers  # type: ignore[union-attr]
+    assert tiers is not None and (tiers.cpu_tier_tokens, tiers.shared_tier) == (400_000, True)
+    from prefixroute.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="Tokenizer"):
+        build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--kv-events-from-info", "--tokenizer",
+                                   "/no/such/model"]))
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+async def test_the_routers_block_chain_is_the_one_rebuilt_from_the_engines_events(encoding: str) -> None:
+    # For one prompt at a time (chat and completions, on the base model and on a LoRA
+    # adapter), on a fresh engine: the keys the router computes for the request are
+    # exactly the keys it rebuilt from the engine's events for that prompt's blocks, in
+    # both encodings; the same prompt on the other model shares none of them.
+    from prefixroute.core.kvevents.chain import block_keys, chain_root
+
+    engine = await Engine(lora_adapters=("sql-lora",), encoding=encoding).start()
+    router = await cache_aware_router([engine.url])
+    try:
+        await connected(router, engine.url)
+        view, keyer = router.state.kv_view, router.state.kv_keyer
+        assert view is not None and keyer is not None
+        index = view.stream(engine.url).index  # type: ignore[union-attr]
+        async with aiohttp.ClientSession() as session:
+            async with session.get(engine.url + "/v1/models") as r:
+                cards = {c["id"]: c["parent"] for c in (await r.json())["data"]}
+            assert cards == {DEFAULT_MODEL: None, "sql-lora": DEFAULT_MODEL}
+            async with session.post(engine.url + "/v1/completions", json={"model": "other", "prompt": "x"}) as r:
+                assert r.status == 404
+        doc = "A prompt whose blocks the router must rebuild exactly. " * 12
+        cases = [({"model": m, "max_tokens": 1, "messages": [{"role": "system", "content": doc},
+                                                             {"role": "user", "content": f"Question for {m}?"}]}, True)
+                 for m in (DEFAULT_MODEL, "sql-lora")]
+        cases += [({"model": m, "max_tokens": 1, "prompt": f"{doc} completed by {m}"}, False)
+                  for m in (DEFAULT_MODEL, "sql-lora")]
+        for body, chat_api in cases:
+            async with aiohttp.ClientSession() as session:  # reset the engine's cache: only this prompt
+                async with session.post(engine.url + "/reset_prefix_cache") as r:
+                    assert r.status == 200
+            await eventually(lambda: len(index) == 0, what="the cleared cache")
+            await send(engine.url, body, chat_api)
+            lora = body["model"] if body["model"] == "sql-lora" else None
+            ids = TOK.request_token_ids(body, chat_api)
+            want = block_keys(ids, BS, chain_root(lora))
+            await eventually(lambda: len(index) >= len(want), what="the prompt's blocks")
+            assert view.lora_name(body["model"]) == lora
+            keys, tokens = keyer.keys(body, chat_api, view.lora_name(body["model"]))
+            assert (keys, tokens) == (want, len(ids)) and len(keys) >= 10
+            # The events' blocks are the prompt's (and at most one more for the output token).
+            assert set(keys) <= set(index.held) and len(index.held) - len(keys) <= 1, (body["model"], chat_api)
+            other = block_keys(ids, BS, chain_root(None if lora else "sql-lora"))
+            assert not set(other) & set(index.held)
+    finally:
+        await router.close()
+        await engine.stop()

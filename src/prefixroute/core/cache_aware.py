@@ -267,8 +267,11 @@ class CacheAwareStrategy(Strategy):
         self.load_weight = ca.load_weight
         #: routing-text units (characters) of prefill one request in flight costs
         self.load_units = ca.load_weight * bs
-        #: units (characters) each instance's view may cover: InstanceCacheTokens x 4
-        self.capacity_units = ca.instance_cache_tokens * 4
+        #: the engines' KV tiers (core/tiers.py), or None
+        self.kv_tiers = ca.kv_tiers
+        #: units (characters) each instance's view may cover: InstanceCacheTokens x 4, and
+        #: the engines' CPU tier too when they have one (a block moved there stays held)
+        self.capacity_units = (ca.instance_cache_tokens + (ca.kv_tiers.cpu_tier_tokens if ca.kv_tiers else 0)) * 4
         #: most blocks one view holds: as many as full blocks fill its units
         self.capacity_blocks = max(1, self.capacity_units // bs)
         self.tie_units = TIE_BLOCKS * bs
@@ -350,6 +353,18 @@ class CacheAwareStrategy(Strategy):
         self.uncached_units = 0
         if not len(blocks):
             return least_outstanding(candidates, self.rng), DecisionKind.FALLBACK
+        # -- precise mode and KV tiers (issue 33; core/precise_policy.py) ------------------
+        # A request carrying engine-reported holdings (blocks.precise), or engines with a
+        # shared KV tier to model, are decided by the same rule on those holdings; when
+        # it has nothing to add (no precise candidate), the rule below decides as before.
+        precise = getattr(blocks, "precise", None)
+        if precise is not None or self.kv_tiers is not None:
+            from prefixroute.core.precise_policy import choose_precise
+
+            chosen = choose_precise(self, candidates, blocks, precise)
+            if chosen is not None:
+                return chosen
+        # -- end of the precise-mode hook ---------------------------------------------------
         found = self._decide(candidates, blocks, self.threshold)
         if found is None:
             # Every candidate is at the threshold, so it cannot be honoured: the same rule

@@ -71,7 +71,7 @@ def compile_chat_template(source: str) -> Any:
         raise ValueError(f"chat template does not compile: {exc.message} (line {exc.lineno})") from None
 
 
-def _content(content: Any) -> Any:
+def _content(content: Any, media_chars: int = 0) -> Any:
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -89,17 +89,23 @@ def _content(content: Any) -> Any:
             if not isinstance(text, str):
                 raise InvalidRequest("content part 'text' must be a string")
             texts.append(text)
+        elif media_chars and kind in ("image_url", "input_audio", "file"):
+            from prefixroute.core.keys import _content_text
+
+            texts.append(_content_text([part], media_chars))  # its stand-in text (the routing rule's)
         else:
             raise InvalidRequest(f"content parts of type {kind!r} are not supported: this model takes text only")
     return "\n".join(texts)
 
 
-def chat_messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
+def chat_messages(payload: Mapping[str, Any], media_chars: int = 0) -> list[dict[str, Any]]:
     """The request's ``messages`` as the template sees them.
 
     Each message keeps its fields (``role``, ``name``, ``tool_calls``,
     ``tool_call_id``...); ``content`` given as parts becomes their texts joined by
-    ``"\\n"``.
+    ``"\\n"``. An image, audio or file part is refused (a text-only model), or, with
+    ``media_chars`` > 0, becomes its stand-in text of that many characters
+    (:func:`prefixroute.core.keys.render_chat_text`'s: the same media, the same text).
 
     Raises:
         InvalidRequest: ``messages`` is missing or not a list, a message is not an
@@ -115,13 +121,13 @@ def chat_messages(payload: Mapping[str, Any]) -> list[dict[str, Any]]:
         if not isinstance(msg.get("role"), str):
             raise InvalidRequest("each message must have a string 'role'")
         m = dict(msg)
-        m["content"] = _content(msg.get("content"))
+        m["content"] = _content(msg.get("content"), media_chars)
         out.append(m)
     return out
 
 
 def render_chat_prompt(template_source: str, payload: Mapping[str, Any], *, bos_token: str = "",
-                       eos_token: str = "") -> str:
+                       eos_token: str = "", media_chars: int = 0) -> str:
     """The prompt text a vLLM server builds from an OpenAI chat request.
 
     Args:
@@ -131,6 +137,8 @@ def render_chat_prompt(template_source: str, payload: Mapping[str, Any], *, bos_
             ``chat_template_kwargs`` (an object of extra template variables).
         bos_token: the tokenizer's beginning-of-sequence token text.
         eos_token: its end-of-sequence (end-of-turn) token text.
+        media_chars: characters of an image, audio or file part's stand-in text; 0:
+            such parts are refused (see :func:`chat_messages`).
     Returns:
         The rendered text, to be tokenized without adding special tokens.
     Raises:
@@ -142,7 +150,7 @@ def render_chat_prompt(template_source: str, payload: Mapping[str, Any], *, bos_
     """
     import jinja2
 
-    messages = chat_messages(payload)
+    messages = chat_messages(payload, media_chars)
     add_generation_prompt = payload.get("add_generation_prompt", True)
     if not isinstance(add_generation_prompt, bool):
         raise InvalidRequest("'add_generation_prompt' must be a boolean")

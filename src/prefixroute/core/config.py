@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from prefixroute.core.discovery_config import DiscoveryConfig
 from prefixroute.core.kvevents.config import KvEventsConfig
 from prefixroute.core.lora_config import LoraAdaptersConfig
+from prefixroute.core.tiers import KvTiersConfig
 
 __all__ = [
     "ConfigError",
@@ -157,6 +158,9 @@ class CacheAwareRoutingConfig(BaseModel):
             part of a chat request stands for. The routing text weighs each such part as
             this many tokens (x 4 characters), so a repeated image keeps its instance as
             a repeated document does. 576 is LLaVA-1.5's 24 x 24 image patches.
+        kv_tiers: ``KvTiers``: the engines' CPU and shared KV tiers and their costs
+            (:class:`prefixroute.core.tiers.KvTiersConfig`), or ``None``: the engines
+            have none (precise mode still weighs the tiers its events report).
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -167,6 +171,7 @@ class CacheAwareRoutingConfig(BaseModel):
     instance_cache_tokens: int = Field(default=1_200_000, alias="InstanceCacheTokens", ge=1_024, le=100_000_000)
     load_weight: float = Field(default=0.5, alias="LoadWeight", ge=0.0, le=1e6)
     media_tokens: int = Field(default=576, alias="MediaTokens", ge=0, le=100_000)
+    kv_tiers: KvTiersConfig | None = Field(default=None, alias="KvTiers")
 
     @field_validator("concurrency_threshold", mode="before")
     @classmethod
@@ -190,9 +195,12 @@ class CacheAwareRoutingConfig(BaseModel):
 
     def to_api(self) -> dict[str, Any]:
         """SageMaker-style dict of every setting."""
-        return {"ConcurrencyThreshold": self.concurrency_threshold, "BlockSize": self.block_size,
-                "MaxPrefixLength": self.max_prefix_length, "InstanceCacheTokens": self.instance_cache_tokens,
-                "LoadWeight": self.load_weight, "MediaTokens": self.media_tokens}
+        out = {"ConcurrencyThreshold": self.concurrency_threshold, "BlockSize": self.block_size,
+               "MaxPrefixLength": self.max_prefix_length, "InstanceCacheTokens": self.instance_cache_tokens,
+               "LoadWeight": self.load_weight, "MediaTokens": self.media_tokens}
+        if self.kv_tiers is not None:
+            out["KvTiers"] = self.kv_tiers.to_api()
+        return out
 
 
 class NativeKey(str, enum.Enum):
@@ -272,7 +280,7 @@ class RoutingConfig(BaseModel):
 
         For ``CACHE_AWARE``, ``concurrency_threshold`` and the keyword arguments
         (``block_size``, ``max_prefix_length``, ``instance_cache_tokens``, ``load_weight``,
-        ``media_tokens``; ``None`` = default) fill ``CacheAwareRoutingConfig``;
+        ``media_tokens``, ``kv_tiers``; ``None`` = default) fill ``CacheAwareRoutingConfig``;
         ``prefix_length`` is unused. ``native_key``: ``RAW_BYTES`` (default) or
         ``CANONICAL_JSON``.
 

@@ -553,9 +553,15 @@ class BlockChain(Sequence[int]):
             (0 for text and raw bodies; 1 for token ids: 8 bytes = 4 characters' worth).
         full: how many of the blocks are full (on the schedule of :func:`block_ends`);
             default all. The rest (at most one) is the final partial block.
+
+    Attributes:
+        precise: the request's precise-mode data
+            (:class:`prefixroute.core.precise_policy.PreciseRequest`: its KV block keys
+            from its token ids), set by the driver that computed them, else ``None``.
+            ``CACHE_AWARE`` then weighs what the engines report holding.
     """
 
-    __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift", "full")
+    __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift", "full", "precise")
 
     def __init__(self, data: bytes | memoryview, root: int, ends: Sequence[int], unit_shift: int = 0,
                  full: int | None = None) -> None:
@@ -566,6 +572,7 @@ class BlockChain(Sequence[int]):
         self._all: list[int] | None = None
         self.unit_shift = unit_shift
         self.full = len(ends) if full is None else full
+        self.precise: object = None
 
     def __len__(self) -> int:
         return len(self.ends)

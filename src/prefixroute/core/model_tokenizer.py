@@ -69,6 +69,10 @@ class ModelTokenizer:
             :data:`OUTPUT_VOCABULARY_SIZE` ids of whole-word tokens (a byte-level ``Ġ``
             and at least two ASCII letters), lowest ids first, so that generated text
             tokenizes back to the same ids in the next turn of a conversation.
+        media_tokens: 0 (a text-only model: an image, audio or file part is refused),
+            or the tokens' worth of stand-in text such a part becomes (``x 4``
+            characters; :func:`prefixroute.core.chat_template.chat_messages`), for an
+            emulated multimodal model (``prefixroute emulate --tokenizer-media-tokens``).
     """
 
     name: str
@@ -77,6 +81,7 @@ class ModelTokenizer:
     bos_token: str = ""
     eos_token: str = ""
     output_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    media_tokens: int = 0
 
     # -- loading -----------------------------------------------------------------------
 
@@ -159,7 +164,8 @@ class ModelTokenizer:
         """
         if not self.chat_template:
             raise InvalidRequest(f"the tokenizer {self.name!r} has no chat template; use /v1/completions")
-        return render_chat_prompt(self.chat_template, payload, bos_token=self.bos_token, eos_token=self.eos_token)
+        return render_chat_prompt(self.chat_template, payload, bos_token=self.bos_token, eos_token=self.eos_token,
+                                  media_chars=self.media_tokens * 4)
 
     def chat_token_ids(self, payload: Mapping[str, Any]) -> list[int]:
         """Token ids of a chat request: the template applied, no special tokens added."""

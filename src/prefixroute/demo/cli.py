@@ -63,6 +63,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency-threshold", type=int, default=12,
                    help="ConcurrencyThreshold for PREFIX_AWARE and CACHE_AWARE, 1-1024 requests in flight on the preferred "
                         "instance before overflow (default: 12)")
+    g.add_argument("--precise", nargs="?", const="on", choices=("off", "on", "both"), default="off",
+                   help="precise mode: the engines tokenize with the bundled tiny tokenizer and publish their KV "
+                        "events, and CACHE_AWARE routes on them (serve --tokenizer tiny --kv-events-from-info); "
+                        "both: CACHE_AWARE once on its learned view and once precise (emulated engines only; "
+                        "default: off)")
+    g.add_argument("--tiers", choices=("none", "cpu", "shared", "cpu+shared"), default="none",
+                   help="KV tiers in every emulated engine: a CPU tier of 4x its KV capacity, a tier shared by the "
+                        "fleet of 4x the fleet's (a file in /dev/shm); CACHE_AWARE is told of them (--cpu-tier-tokens, "
+                        "--shared-tier) (default: none)")
     g = p.add_argument_group("workload")
     g.add_argument("--groups", type=int, default=None,
                    help="prefix groups (documents) (default: 200; 16 with --engine llama-cpp)")
@@ -90,7 +99,37 @@ def _strategies(text: str) -> list[RoutingStrategy]:
     return [RoutingStrategy.parse(s) for s in text.split(",") if s.strip()]
 
 
-async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_procs, progress, task):
+def _arms(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> list[tuple[RoutingStrategy, bool]]:
+    """The runs: ``(strategy, precise)``, CACHE_AWARE once per mode ``--precise`` asks for."""
+    out = []
+    for st in strategies:
+        modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.precise] \
+            if st is RoutingStrategy.CACHE_AWARE else (False,)
+        out += [(st, m) for m in modes]
+    return out
+
+
+def _engine_args(args: argparse.Namespace, i: int, shared_tier: str | None) -> list[str]:
+    """``prefixroute emulate`` flags for instance ``i``: precise mode's tokenizer and KV
+    events (free ports), and the tiers."""
+    from prefixroute.core.tiers import TierSpec
+
+    out = []
+    if args.precise != "off":
+        out += ["--tokenizer", "tiny", "--kv-events-config",
+                '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", '
+                '"replay_endpoint": "tcp://127.0.0.1:*"}']
+    tiers = TierSpec.parse(args.tiers)
+    if tiers.cpu:
+        out += ["--cpu-tier-tokens", str(tiers.cpu_tokens(args.kv_capacity_tokens))]
+    if tiers.shared and shared_tier is not None:
+        out += ["--shared-tier", shared_tier,
+                "--shared-tier-tokens", str(tiers.shared_tokens(args.kv_capacity_tokens, args.instances))]
+    return out
+
+
+async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_procs, progress, task,
+                   precise: bool = False):
     if args.multi_model:
         import tempfile
 
@@ -100,6 +139,9 @@ async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_pr
         with tempfile.TemporaryDirectory(prefix="prefixroute-demo-") as tmp:
             return await run_strategy(args, strategy, group_procs, Path(tmp),
                                       lambda _r: progress.update(task, completed=next(count)))
+
+    from prefixroute.core.tiers import TierSpec
+
     if args.engine == "llama-cpp":
         from prefixroute.engines.llama_cpp import run_demo_strategy
 
@@ -110,17 +152,33 @@ async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_pr
     from prefixroute.demo.report import scrape_counters, summarize
     from prefixroute.workloads.shared_prefix import SharedPrefixWorkload
 
+    tiers = TierSpec.parse(args.tiers)
+    shared_dir = None
+    if tiers.shared:  # a fresh shared tier per run (a file every engine maps)
+        import tempfile
+
+        shm = Path("/dev/shm")
+        shared_dir = tempfile.mkdtemp(prefix="prefixroute-demo-", dir=shm if shm.is_dir() else None)
+        group_procs.cleanup_paths.append(shared_dir)
+    shared_tier = str(Path(shared_dir) / "shared-tier") if shared_dir else None
     engines = []
     for i in range(args.instances):
         engines.append(await asyncio.to_thread(group_procs.start, f"engine-{i}", [
             "emulate", "--port", "0", "--instance-id", f"instance-{i}",
             "--time-scale", str(args.time_scale), "--kv-capacity-tokens", str(args.kv_capacity_tokens),
+            *_engine_args(args, i, shared_tier),
         ]))
     urls = [e.url for e in engines]
     serve = ["serve", "--port", "0", "--admin-port", "0", "--strategy", strategy.cli_name, "--seed", str(args.seed)]
     if strategy is RoutingStrategy.CACHE_AWARE:
         serve += ["--concurrency-threshold", str(args.concurrency_threshold),
                   "--instance-cache-tokens", str(args.kv_capacity_tokens)]
+        if tiers.cpu:
+            serve += ["--cpu-tier-tokens", str(tiers.cpu_tokens(args.kv_capacity_tokens))]
+        if tiers.shared:
+            serve += ["--shared-tier"]
+        if precise:
+            serve += ["--tokenizer", "tiny", "--kv-events-from-info"]
     if strategy is RoutingStrategy.PREFIX_AWARE:
         serve += ["--prefix-length", str(args.prefix_length), "--concurrency-threshold", str(args.concurrency_threshold)]
     for u in urls:
@@ -142,7 +200,7 @@ async def _run_one(args: argparse.Namespace, strategy: RoutingStrategy, group_pr
     )
     counters = await scrape_counters(urls, ["vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"])
     summary = summarize(
-        strategy.value, results, wall, args.time_scale, urls,
+        strategy.value + (" precise" if precise else ""), results, wall, args.time_scale, urls,
         counters["vllm:prefix_cache_hits_total"], counters["vllm:prefix_cache_queries_total"],
     )
     group_procs.stop_all()
@@ -176,18 +234,23 @@ async def _main(args: argparse.Namespace, strategies: list[RoutingStrategy]) -> 
         TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} requests"),
         TimeElapsedColumn(), console=console, transient=False,
     ) as progress:
-        for strategy in strategies:
-            task = progress.add_task(f"{strategy.value:<27}", total=None)
-            workload, results, summary = await _run_one(args, strategy, procs, progress, task)
+        for strategy, precise in _arms(args, strategies):
+            label = strategy.value + (" precise" if precise else "")
+            task = progress.add_task(f"{label:<27}", total=None)
+            workload, results, summary = await _run_one(args, strategy, procs, progress, task, precise)
             progress.update(task, total=len(results), completed=len(results))
             workload_desc = workload.describe()
             summaries.append(summary)
-            runs[strategy.value] = results
+            runs[label] = results
 
     title = ("Shared-prefix workload on llama.cpp; real seconds" if args.engine == "llama-cpp" else
              "Shared-prefix workload; times in model seconds, overhead in real milliseconds")
     if args.multi_model:
         title = title.replace("Shared-prefix workload", "Two inference components, one shared-prefix workload each")
+    if args.engine != "llama-cpp":
+        title += f"; KV tiers: {args.tiers}" + {"off": "", "on": "; CACHE_AWARE precise (KV events, tiny "
+                                                       "tokenizer)", "both": "; CACHE_AWARE learned and precise "
+                                                       "(KV events, tiny tokenizer)"}[args.precise]
     wide = render_table(summaries, title)
     console.print(wide if console.width >= 180 else render_narrow_table(summaries, title))
     if args.multi_model:
@@ -223,6 +286,10 @@ def _check(args: argparse.Namespace) -> list[RoutingStrategy]:
             setattr(args, name, value)
     if args.multi_model and args.instances < 2:
         raise ConfigError(f"--multi-model needs at least 2 instances (one copy per component), got {args.instances}")
+    if args.multi_model and (args.precise != "off" or args.tiers != "none"):
+        raise ConfigError("--multi-model runs without --precise and --tiers")
+    if args.engine == "llama-cpp" and (args.precise != "off" or args.tiers != "none"):
+        raise ConfigError("--precise and --tiers need the emulated engines (--engine emulated)")
     if args.requests is not None and args.requests < 1:
         raise ConfigError(f"--requests must be at least 1, got {args.requests}")
     strategies = _strategies(args.strategies)

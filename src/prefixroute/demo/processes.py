@@ -9,9 +9,11 @@ after a grace period).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import selectors
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +46,9 @@ class ProcessGroup:
 
     def __init__(self) -> None:
         self.children: list[Child] = []
+        #: Files or directories the children used (a shared KV tier's file), removed
+        #: once every child has stopped.
+        self.cleanup_paths: list[str] = []
         self._closed = False
         _LIVE.add(self)
 
@@ -153,6 +158,13 @@ class ProcessGroup:
                     pass
         for c in list(self.children):
             self.stop(c)
+        paths, self.cleanup_paths = self.cleanup_paths, []
+        for path in paths:
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            elif os.path.exists(path):
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
 
     def close(self) -> None:
         """Stop every child and refuse to start new ones."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import math
 import os
@@ -80,7 +81,9 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
-        help="LoRA adapters loaded at start (vLLM's flag); needs --enable-lora",
+        help="LoRA adapters loaded at start (vLLM's flag; the path is not read: the emulator has no weights): a "
+        "request naming one in 'model' runs on it, its KV blocks the adapter's own (their KV events name it); "
+        "needs --enable-lora",
     )
     p.add_argument(
         "--allow-runtime-lora-updating", action="store_true",
@@ -117,6 +120,15 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="a Jinja chat template replacing the tokenizer's (only with --tokenizer)",
+    )
+    p.add_argument(
+        "--tokenizer-media-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --tokenizer: an image, audio or file part of a chat request becomes N tokens' worth of stand-in "
+        "text (N x 4 characters, the routing rule's stand-in), as a multimodal model prefills it; 0: refused with "
+        "400, as a text-only model does (default: 0)",
     )
     p.add_argument(
         "--shared-tier",
@@ -269,6 +281,10 @@ def run(args: argparse.Namespace) -> int:
         if args.embedding_dim < 1:
             raise ValueError(f"--embedding-dim must be >= 1, got {args.embedding_dim}")
         tokenizer = load_tokenizer(args.tokenizer, args.chat_template)
+        if args.tokenizer_media_tokens:
+            if tokenizer is None or args.tokenizer_media_tokens < 0:
+                raise ValueError("--tokenizer-media-tokens needs --tokenizer and a number >= 0")
+            tokenizer = dataclasses.replace(tokenizer, media_tokens=args.tokenizer_media_tokens)
         kv_events = kv_events_from_args(args)
         shared_tier = None
         if args.shared_tier is not None:

@@ -311,8 +311,9 @@ class EngineCore:
             max_tokens: output tokens to generate, exactly (>= 1).
             lora: the LoRA adapter the request runs with, or ``None`` (the base model).
                 Its KV blocks are the adapter's own (the adapter is in every block's
-                hash, as vLLM puts the LoRA name in each block's extra keys), and it
-                takes one of ``max_loras`` adapter slots of the batch while it runs.
+                hash, as vLLM puts the LoRA name in each block's extra keys), its KV
+                events name the adapter, and it takes one of ``max_loras`` adapter
+                slots of the batch while it runs.
         Raises:
             RequestRejected: duplicate id, empty prompt, ``max_tokens < 1``, prompt plus
                 output over ``max_model_len`` tokens, or more KV blocks than the whole
@@ -541,7 +542,7 @@ class EngineCore:
         events = self.events
         if events is not None:
             tokens = self._token_ids(req, new, full) if events.wants_tokens and req.prompt.token_bytes else None
-            events.stored(req.block_hashes, new, full, tokens, _GPU)
+            events.stored(req.block_hashes, new, full, tokens, _GPU, req.lora)
         if self.shared_tier is not None:  # write-through
             run = req.block_hashes[new:full]
             published = [events.engine_hash(h) for h in run] if events is not None else [0] * len(run)

@@ -62,8 +62,8 @@ class KvEventRecorder:
         block_size: tokens per block (the engine's).
         hash_seed: the ``NONE_HASH`` seeding the published hashes, 0 to 2**64 - 1;
             ``None`` draws one at random (as vLLM does without ``PYTHONHASHSEED``).
-        lora_name: the LoRA adapter of the blocks (``None``: the base model; the
-            emulated engine serves no adapters yet, so the fields are always ``None``).
+        lora_name: the LoRA adapter of blocks stored without one named (``None``: the
+            base model); a request on an adapter names its own (:meth:`stored`).
     Raises:
         ValueError: ``block_size`` < 1 or ``hash_seed`` out of range.
     """
@@ -79,7 +79,7 @@ class KvEventRecorder:
         self.block_size = block_size
         self.none_hash = secrets.randbits(64) if hash_seed is None else hash_seed
         self.lora_name = lora_name
-        # internal hash -> [parent internal hash or None, packed token ids, medium bits]
+        # internal hash -> [parent internal hash or None, packed token ids, medium bits, LoRA name]
         self._blocks: dict[int, list] = {}
         self._events: list[KvEvent] = []
         self._pack = struct.Struct(f"<{block_size}Q")
@@ -96,7 +96,7 @@ class KvEventRecorder:
     # -- what the core reports ------------------------------------------------------------
 
     def stored(self, hashes: Sequence[int], start: int, end: int, token_ids: Sequence[int] | None,
-               medium: str = MEDIUM_GPU) -> None:
+               medium: str = MEDIUM_GPU, lora_name: str | None = None) -> None:
         """Blocks ``hashes[start:end]`` (one chain run) became findable in ``medium``.
 
         Args:
@@ -105,6 +105,8 @@ class KvEventRecorder:
             token_ids: the run's token ids (``(end - start) * block_size``), or ``None``
                 when every block of the run is already known (a move between tiers).
             medium: ``"GPU"`` or ``"CPU"`` (``"SHARED"`` goes through :meth:`stored_shared`).
+            lora_name: the LoRA adapter of blocks new to the recorder (default: the
+                recorder's ``lora_name``).
         Raises:
             ValueError: ``token_ids`` is ``None`` for a block never reported before.
         """
@@ -119,7 +121,8 @@ class KvEventRecorder:
                 if token_ids is None:
                     raise ValueError("token ids are needed for a block never reported")
                 j = (i - start) * bs
-                blocks[h] = [hashes[i - 1] if i else None, pack.pack(*token_ids[j:j + bs]), bit]
+                blocks[h] = [hashes[i - 1] if i else None, pack.pack(*token_ids[j:j + bs]), bit,
+                             lora_name or self.lora_name]
             else:
                 entry[2] |= bit
         self._events.append(self._stored_event(hashes[start:end], medium))
@@ -142,9 +145,11 @@ class KvEventRecorder:
         else:
             packed = b"".join(blocks[h][1] for h in run)
             tokens = struct.unpack(f"<{len(run) * self.block_size}Q", packed)
+        lora = first[3]
         return BlockStored([self.engine_hash(h) for h in run],
                            None if parent is None else self.engine_hash(parent),
-                           list(tokens), self.block_size, None, medium, self.lora_name)
+                           list(tokens), self.block_size, None, medium, lora,
+                           [(lora,)] * len(run) if lora else None)
 
     def has_block(self, internal: int) -> bool:
         """True while the block is known (in the GPU or CPU tier)."""

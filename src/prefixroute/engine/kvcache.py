@@ -36,9 +36,15 @@ _ROOT_TEXT = xxhash.xxh3_64_intdigest(b"prefixroute/text", BLOCK_HASH_SEED)
 _ROOT_IDS = xxhash.xxh3_64_intdigest(b"prefixroute/token-ids", BLOCK_HASH_SEED)
 
 
-def root_hash(token_bytes: int) -> int:
-    """The parent hash of the first block: separates text prompts from token-id prompts."""
-    return _ROOT_TEXT if token_bytes == TEXT_TOKEN_BYTES else _ROOT_IDS
+def root_hash(token_bytes: int, lora_name: str | None = None) -> int:
+    """The parent hash of the first block: separates text prompts from token-id prompts,
+    and a LoRA adapter's blocks from the base model's (vLLM puts the adapter's name in
+    every block's extra keys)."""
+    root = _ROOT_TEXT if token_bytes == TEXT_TOKEN_BYTES else _ROOT_IDS
+    if lora_name:
+        root = xxhash.xxh3_64_intdigest(root.to_bytes(8, "little") + lora_name.encode("utf-8", "surrogatepass"),
+                                        BLOCK_HASH_SEED)
+    return root
 
 
 def lora_root_hash(token_bytes: int, lora: str) -> int:
@@ -69,13 +75,14 @@ def chain_block_hashes(payload: bytes, bytes_per_block: int, num_blocks: int, pa
     return out
 
 
-def prompt_block_hashes(prompt: TokenizedPrompt, block_size: int) -> list[int]:
-    """Hashes of the full blocks of a prompt: ``prompt.num_tokens // block_size`` of them."""
+def prompt_block_hashes(prompt: TokenizedPrompt, block_size: int, lora_name: str | None = None) -> list[int]:
+    """Hashes of the full blocks of a prompt: ``prompt.num_tokens // block_size`` of them
+    (on the base model, or on the LoRA adapter ``lora_name``)."""
     return chain_block_hashes(
         prompt.payload,
         block_size * prompt.token_bytes,
         prompt.num_tokens // block_size,
-        root_hash(prompt.token_bytes),
+        root_hash(prompt.token_bytes, lora_name),
     )
 
 

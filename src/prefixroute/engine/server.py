@@ -40,7 +40,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Mapping
 

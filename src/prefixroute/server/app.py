@@ -57,6 +57,7 @@ from prefixroute.server.health import health_check_loop, readiness
 from prefixroute.server.lora import LoraManager
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.models import refresh_models
+from prefixroute.server.precise import attach_precise
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.scrape import scrape_loop
@@ -575,6 +576,8 @@ def prepare_inference(state: RouterState, match: RouteMatch, headers: Mapping[st
             key, blocks = route_key(payload, route, pool.routing, tenant, pool.component)
         except InvalidRequest as exc:
             return count_answer(state, endpoint.name, pool.name, openai_error(400, str(exc), headers=hdrs), t0)
+        if state.kv_keyer is not None and blocks and route in (OpenAIRoute.CHAT, OpenAIRoute.COMPLETIONS):
+            attach_precise(state, payload, route is OpenAIRoute.CHAT, blocks)  # precise mode: its KV block keys
         path = match.tail + (f"?{query}" if query and route is OpenAIRoute.OTHER else "")
         # Its digests go if it came encoded (the native API never passes them on).
         decoded = "Content-Encoding" in headers and request_coding(headers) != "identity"  # (else a 415 before)

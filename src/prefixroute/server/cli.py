@@ -118,6 +118,15 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--media-tokens", type=int, metavar="N",
                    help="CACHE_AWARE MediaTokens: prompt tokens one image, audio or file part of a chat request "
                         "stands for, so a repeated image keeps its instance (default: 576)")
+    g.add_argument("--cpu-tier-tokens", type=int, metavar="N",
+                   help="CACHE_AWARE KvTiers.CpuTierTokens: the engines have a CPU KV tier of N tokens each (vLLM "
+                        "CPU offloading, LMCache); the learned view then remembers N tokens more per instance "
+                        "(default: 0)")
+    g.add_argument("--shared-tier", action="store_true", default=None,
+                   help="CACHE_AWARE KvTiers.SharedTier: the engines share a KV tier (LMCache remote, a managed "
+                        "tiered cache): a prefix any instance computed costs the others a load, not a prefill, so "
+                        "a hot prefix is replicated more freely (tier costs: the emulated engine's, "
+                        "core/tiers.py) (default: off)")
     g.add_argument("--native-key", choices=("raw-bytes", "canonical-json"), default=None,
                    help="what native (/invocations) requests are keyed on: the raw body's first PrefixLength bytes "
                         "(SageMaker's rule, the default), or a JSON body re-serialized canonically (sorted keys, no "
@@ -172,6 +181,13 @@ def add_precise_flags(p: argparse.ArgumentParser) -> None:
                    help="ask each instance's GET /info for its endpoints (prefixroute emulate answers it)")
     k.add_argument("--kv-block-size", type=int, metavar="N",
                    help="the engines' KV block size in tokens (vLLM: 16 on CUDA by default) (default: 16)")
+    k.add_argument("--tokenizer", metavar="SPEC",
+                   help="the engines' model tokenizer, so CACHE_AWARE matches requests against what the events "
+                        "report: tiny (bundled, as `prefixroute emulate --tokenizer tiny`), a model directory "
+                        "holding tokenizer.json and tokenizer_config.json, or a tokenizer.json (default: none: the "
+                        "events are followed but routing stays on the learned view)")
+    k.add_argument("--chat-template", metavar="PATH",
+                   help="a Jinja chat template file replacing the tokenizer's (as vLLM's --chat-template)")
 
 
 def add_listener_flags(p: argparse.ArgumentParser) -> None:
@@ -309,7 +325,9 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
                                    ("--kv-events-template", getattr(args, "kv_events_template", None)),
                                    ("--kv-events-replay-template", getattr(args, "kv_events_replay_template", None)),
                                    ("--kv-events-from-info", getattr(args, "kv_events_from_info", None)),
-                                   ("--kv-block-size", getattr(args, "kv_block_size", None))) if given]
+                                   ("--kv-block-size", getattr(args, "kv_block_size", None)),
+                                   ("--tokenizer", getattr(args, "tokenizer", None)),
+                                   ("--chat-template", getattr(args, "chat_template", None))) if given]
     if args.config:
         if args.backend:
             raise ConfigError("use either --config or --backend, not both")
@@ -347,7 +365,8 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
                                   native_key=getattr(args, "native_key", None),
                                   block_size=value["block_size"], max_prefix_length=value["max_prefix_length"],
                                   instance_cache_tokens=value["instance_cache_tokens"], load_weight=value["load_weight"],
-                                  media_tokens=value["media_tokens"])
+                                  media_tokens=value["media_tokens"],
+                                  kv_tiers=_kv_tiers(value["cpu_tier_tokens"], value["shared_tier"]))
     endpoint, variant = args.endpoint_name or "default", args.variant_name or "AllTraffic"
     if discovering:
         config = single_with_discovery(args.backend, routing, discovery_from_args(args), endpoint, variant)
@@ -441,6 +460,10 @@ def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
     data: dict[str, Any] = {"Instances": instances}
     if args.kv_block_size is not None:
         data["BlockSize"] = args.kv_block_size
+    if getattr(args, "tokenizer", None):
+        data["Tokenizer"] = args.tokenizer
+    if getattr(args, "chat_template", None):
+        data["ChatTemplate"] = args.chat_template
     if args.kv_events_template or args.kv_events_replay_template or args.kv_events_from_info:
         discovery: dict[str, Any] = {"FromInfo": bool(args.kv_events_from_info)}
         if args.kv_events_template:
@@ -456,17 +479,26 @@ def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
     return parse_model(KvEventsConfig, data, "KvEvents")
 
 
+def _kv_tiers(cpu_tier_tokens: int | None, shared_tier: bool | None) -> dict[str, Any] | None:
+    """``KvTiers`` from ``--cpu-tier-tokens`` and ``--shared-tier`` (``None``: neither given)."""
+    if cpu_tier_tokens is None and not shared_tier:
+        return None
+    return {"CpuTierTokens": cpu_tier_tokens or 0, "SharedTier": bool(shared_tier)}
+
+
 #: Flags a --config file overrides (their argparse destinations; None when not given).
 _CONFIG_FLAGS = {"--strategy": "strategy", "--prefix-length": "prefix_length",
                  "--concurrency-threshold": "concurrency_threshold", "--block-size": "block_size",
                  "--max-prefix-length": "max_prefix_length", "--instance-cache-tokens": "instance_cache_tokens",
                  "--load-weight": "load_weight", "--media-tokens": "media_tokens", "--native-key": "native_key",
+                 "--cpu-tier-tokens": "cpu_tier_tokens", "--shared-tier": "shared_tier",
                  "--endpoint-name": "endpoint_name", "--variant-name": "variant_name"}
 #: Routing flags and their argparse destinations.
 _ROUTING_FLAGS = {"--prefix-length": "prefix_length", "--concurrency-threshold": "concurrency_threshold",
                   "--block-size": "block_size", "--max-prefix-length": "max_prefix_length",
                   "--instance-cache-tokens": "instance_cache_tokens", "--load-weight": "load_weight",
-                  "--media-tokens": "media_tokens"}
+                  "--media-tokens": "media_tokens", "--cpu-tier-tokens": "cpu_tier_tokens",
+                  "--shared-tier": "shared_tier"}
 #: The routing flags a strategy cannot do without, and what each one is.
 _REQUIRED_FLAGS = {
     RoutingStrategy.PREFIX_AWARE: {
@@ -482,7 +514,8 @@ _REQUIRED_FLAGS = {
 _STRATEGY_FLAGS = {
     RoutingStrategy.PREFIX_AWARE: {"--prefix-length", "--concurrency-threshold"},
     RoutingStrategy.CACHE_AWARE: {"--concurrency-threshold", "--block-size", "--max-prefix-length",
-                                  "--instance-cache-tokens", "--load-weight", "--media-tokens"},
+                                  "--instance-cache-tokens", "--load-weight", "--media-tokens",
+                                  "--cpu-tier-tokens", "--shared-tier"},
 }
 
 

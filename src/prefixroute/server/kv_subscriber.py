@@ -13,13 +13,18 @@ bytes and time. Per instance, one task:
    with ``ReplayTimeoutS`` as the longest wait for each of its frames.
 
 **Off the request path, never blocking the event loop.** Every socket is asynchronous;
-messages are applied in slices of at most :data:`SLICE_S` seconds, and after a full slice
-(a publisher sending faster than the router applies) the task sleeps as long as the
-slice took, so ingest takes at most about half of the loop's time and requests are
+messages are applied in slices of at most :data:`SLICE_S` seconds, and every instance's
+ingest together takes at most :data:`INGEST_DUTY` of the loop's time: after a slice,
+the next one (of any instance) waits three times as long as it took, and requests are
 served in between. What a flood adds beyond that stays in ZeroMQ's queue
 (``ReceiveHwm``) and is then dropped by it: the stream sees a gap and repairs or resets
-(:mod:`~prefixroute.core.kvevents.stream`). A stream that never connects costs nothing:
-ZeroMQ retries in the background and the instance stays approximate.
+(:mod:`~prefixroute.core.kvevents.stream`). A publisher that keeps every slice full for
+:data:`FLOOD_S` seconds is shed: its subscription is closed for a backoff
+(:data:`FLOOD_BACKOFF_S`, doubling while it floods), during which the instance is
+approximate and its publisher's messages cost the router nothing, then taken up again
+(a reconnection: the stream resumes or resets and catches up through replay). A stream
+that never connects costs nothing: ZeroMQ retries in the background and the instance
+stays approximate.
 """
 
 from __future__ import annotations
@@ -37,12 +42,18 @@ from prefixroute.core.kvevents.config import KvEventsConfig, KvEventsEndpoint, c
 from prefixroute.core.kvevents.stream import InstanceStream, Mode, RequestReplay
 from prefixroute.core.kvevents.view import PreciseCacheView
 
-__all__ = ["KvEventSubscriber", "SLICE_S", "INFO_RETRY_S"]
+__all__ = ["KvEventSubscriber", "SLICE_S", "INGEST_DUTY", "FLOOD_S", "FLOOD_BACKOFF_S", "INFO_RETRY_S"]
 
 log = logging.getLogger("prefixroute.kv_events")
 
 #: Longest run of message handling before the task yields to the event loop, seconds.
-SLICE_S = 0.002
+SLICE_S = 0.001
+#: Most of the event loop's time all instances' ingest takes together.
+INGEST_DUTY = 0.25
+#: Seconds of back-to-back full slices after which a publisher is a flood and is shed.
+FLOOD_S = 1.0
+#: A shed publisher's subscription is closed this long (seconds), doubling up to the second.
+FLOOD_BACKOFF_S = (1.0, 30.0)
 #: Batches a replay's backlog applies between two checks of the slice's time.
 _DRAIN_STEP = 16
 #: Backoff between two ``GET /info`` discovery attempts, seconds (first, then doubling to the last).
@@ -85,6 +96,10 @@ class KvEventSubscriber:
         self._specs: dict[str, tuple[Any, ...]] = {}
         #: Seconds spent applying messages, per instance (the ingest's own CPU time).
         self.busy_s: dict[str, float] = {}
+        #: Times each instance's flooding publisher was shed (its subscription closed for a while).
+        self.sheds: dict[str, int] = {}
+        # time.perf_counter() before which no ingest slice starts (INGEST_DUTY, all instances)
+        self._next_ingest = 0.0
 
     # -- membership ---------------------------------------------------------------------
 
@@ -188,27 +203,38 @@ class KvEventSubscriber:
             log.info("kv events %s: no endpoint configured or discovered: approximate mode", instance)
             return
         stream.settings = self.config.stream_settings(ep.replay_endpoint is not None)
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
-        sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
-        watcher = asyncio.create_task(self._watch(monitor, stream, instance), name=f"kv-events-monitor {instance}")
-        replays: set[asyncio.Task[None]] = set()
-        try:
-            sub.connect(ep.endpoint)
-            log.info("kv events %s: subscribed to %s (replay: %s)", instance, ep.endpoint, ep.replay_endpoint)
-            await self._receive(sub, stream, ep, instance, replays)
-        finally:
-            for task in (watcher, *replays):
-                task.cancel()
-            for task in (watcher, *replays):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
-            with contextlib.suppress(Exception):
-                sub.disable_monitor()
-            monitor.close(linger=0)
-            sub.close(linger=0)
+        backoff = FLOOD_BACKOFF_S[0]
+        while True:
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, self.config.receive_hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, self.config.topic.encode())
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+            watcher = asyncio.create_task(self._watch(monitor, stream, instance),
+                                          name=f"kv-events-monitor {instance}")
+            replays: set[asyncio.Task[None]] = set()
+            try:
+                sub.connect(ep.endpoint)
+                log.info("kv events %s: subscribed to %s (replay: %s)", instance, ep.endpoint, ep.replay_endpoint)
+                await self._receive(sub, stream, ep, instance, replays)
+            finally:
+                for task in (watcher, *replays):
+                    task.cancel()
+                for task in (watcher, *replays):
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await task
+                with contextlib.suppress(Exception):
+                    sub.disable_monitor()
+                monitor.close(linger=0)
+                sub.close(linger=0)
+            # _receive returned: the publisher floods. Shed it for a while.
+            reason = f"flooding: unsubscribed for {backoff:g} s"
+            stream.on_disconnected(reason)
+            self.sheds[instance] = self.sheds.get(instance, 0) + 1
+            log.warning("kv events %s: the publisher sends faster than the router applies for %.0f s: %s "
+                        "(approximate meanwhile)", instance, FLOOD_S, reason)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, FLOOD_BACKOFF_S[1])
 
     async def _watch(self, monitor: Any, stream: InstanceStream, instance: str) -> None:
         zmq = _zmq()
@@ -231,8 +257,13 @@ class KvEventSubscriber:
         clock, perf = self._clock, time.perf_counter
         busy = self.busy_s
         busy.setdefault(instance, 0.0)
+        loop_time = perf
+        streak_since: float | None = None  # back-to-back full slices since then
         while True:
             frames = await sub.recv_multipart()
+            wait = self._next_ingest - loop_time()
+            if wait > 0:  # every instance's ingest together within INGEST_DUTY of the loop
+                await asyncio.sleep(wait)
             t0 = perf()
             now = clock()
             full = False
@@ -253,10 +284,18 @@ class KvEventSubscriber:
                     frames = raw.recv_multipart(flags=zmq.NOBLOCK)
                 except zmq.Again:
                     break
-            took = perf() - t0
+            end = perf()
+            took = end - t0
             busy[instance] += took
-            # A full slice: the publisher outpaces us. Leave the loop as much time again.
-            await asyncio.sleep(took if full else 0)
+            self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
+            if full:  # the publisher outpaces us
+                if streak_since is None:
+                    streak_since = t0
+                elif end - streak_since >= FLOOD_S:
+                    return  # shed (see _run)
+            else:
+                streak_since = None
+            await asyncio.sleep(0)
 
     async def _replay(self, stream: InstanceStream, endpoint: str, start: int, instance: str) -> None:
         zmq = _zmq()
@@ -295,9 +334,11 @@ class KvEventSubscriber:
         t0 = perf()
         while stream.drain(_DRAIN_STEP):
             if perf() - t0 >= SLICE_S:
-                took = perf() - t0
+                end = perf()
+                took = end - t0
                 self.busy_s[instance] = self.busy_s.get(instance, 0.0) + took
-                await asyncio.sleep(took)
+                self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
+                await asyncio.sleep(max(0.0, self._next_ingest - perf()))
                 t0 = perf()
         self.busy_s[instance] = self.busy_s.get(instance, 0.0) + perf() - t0
         log.info("kv events %s: replay from %d %s (%d batches); %s", instance, start,

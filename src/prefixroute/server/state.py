@@ -68,6 +68,9 @@ class RouterState:
             (``holdings``, ``mode``).
         kv_subscriber: the :class:`~prefixroute.server.kv_subscriber.KvEventSubscriber`
             feeding ``kv_view``; set while the app runs.
+        kv_keyer: precise mode's :class:`~prefixroute.core.precise_keys.RequestKeyer`
+            (the engines' tokenizer: a request's KV block keys), ``None`` without
+            ``KvEvents.Tokenizer``: then ``CACHE_AWARE`` routes on its learned view.
         observers: what is told of each request's end (:class:`Observers`: the live
             status counters...).
         clients: the client API keys and their limits (:class:`ClientAuth`), or
@@ -116,9 +119,12 @@ class RouterState:
         self.adapter_tracker = AdapterTracker()
         self.lora: LoraManager | None = None
         self._models_tasks: set[asyncio.Task[int]] = set()
+        self.kv_keyer: Any = None
+        self._kv_keyer_spec: tuple[Any, ...] | None = None
         self._kv_serving = False
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self._make_kv_view(config)
+        self._make_kv_keyer(config, startup=True)
         self.observers = Observers()
         keys = load_keys(settings.api_keys_file)
         self.clients = None if keys is None else ClientAuth(keys, self.metrics.client_outcome)
@@ -130,6 +136,30 @@ class RouterState:
             self.kv_view = None
         elif self.kv_view is None or self.kv_view.block_size != kv.block_size:
             self.kv_view = PreciseCacheView(kv.block_size, kv.stream_settings(True), kv.shared_tier_max_blocks)
+
+    def _make_kv_keyer(self, config: FleetConfig, startup: bool = False) -> None:
+        """Load the engines' tokenizer when ``KvEvents.Tokenizer`` names one (again only
+        when it changed). At start-up a tokenizer that does not load is a
+        :class:`ConfigError`; on a reload it is logged and the keyer in place kept."""
+        kv = config.kv_events
+        spec = None if kv is None or kv.tokenizer is None else (kv.tokenizer, kv.chat_template, kv.block_size,
+                                                                  kv.tokenizer_cache_pieces)
+        if spec == self._kv_keyer_spec:
+            return
+        if spec is None:
+            self.kv_keyer, self._kv_keyer_spec = None, None
+            return
+        from prefixroute.core.model_tokenizer import ModelTokenizer
+        from prefixroute.core.precise_keys import RequestKeyer
+
+        try:
+            tokenizer = ModelTokenizer.load(spec[0], spec[1])
+        except (ValueError, ImportError) as exc:
+            if startup:
+                raise ConfigError(f"KvEvents.Tokenizer: {exc}") from None
+            log.error("KvEvents.Tokenizer %r not loaded, precise routing keeps the tokenizer it had: %s", spec[0], exc)
+            return
+        self.kv_keyer, self._kv_keyer_spec = RequestKeyer(tokenizer, spec[2], spec[3]), spec
 
     @property
     def config(self) -> FleetConfig:
@@ -225,6 +255,7 @@ class RouterState:
         ones, start or stop the whole of it."""
         old_view = self.kv_view
         self._make_kv_view(config)
+        self._make_kv_keyer(config)
         if not self._kv_serving:
             return  # the app's startup subscribes
         sub = self.kv_subscriber

@@ -21,6 +21,7 @@ import sys
 from typing import Any, Sequence
 
 from prefixroute.core.config import ConfigError, RoutingConfig, RoutingStrategy
+from prefixroute.core.tiers import TierSpec
 from prefixroute.workloads.catalog import BENCH_WORKLOADS, bench_workload
 
 __all__ = ["configure_parser", "run", "build_workload", "run_strategies"]
@@ -81,6 +82,13 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--shared-tier-tokens", type=int, default=0,
                    help="a KV tier shared by every instance, tokens: each instance writes its blocks through "
                         "and any instance loads them, at a higher cost than the CPU tier; 0: none (default: 0)")
+    g.add_argument("--tiers", choices=("none", "cpu", "shared", "cpu+shared"), default=None,
+                   help="KV tiers in every engine, sized for the fleet when --cpu-tier-tokens/--shared-tier-tokens "
+                        "are not given (a CPU tier of 4x each instance's KV capacity, a shared tier of 4x the "
+                        "fleet's); CACHE_AWARE is told of them (KvTiers) unless --tier-aware off (default: none)")
+    g.add_argument("--tier-aware", choices=("on", "off", "both"), default="on",
+                   help="with tiers: whether CACHE_AWARE knows the engines' tiers (KvTiers); both: one run each, "
+                        "'tier-unaware' in the table (default: on)")
     g.add_argument("--overhead-ms", type=float, default=0.0,
                    help="model milliseconds each request spends outside the engine (router, network, HTTP), "
                         "added to TTFT and latency (default: 0)")
@@ -89,6 +97,10 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated strategies, the first is the baseline (default: {DEFAULT_STRATEGIES})")
     g.add_argument("--prefix-length", type=int, default=4096,
                    help="PrefixLength for PREFIX_AWARE, characters (default: 4096)")
+    g.add_argument("--precise", nargs="?", const="on", choices=("off", "on", "both"), default="off",
+                   help="precise mode: CACHE_AWARE routes on the engines' reported KV state (as `prefixroute serve` "
+                        "does on their KV events) instead of its learned view; both: one run each, labelled "
+                        "'precise' in the table (default: off)")
     g.add_argument("--concurrency-threshold", type=int, default=8,
                    help="ConcurrencyThreshold for PREFIX_AWARE and CACHE_AWARE (default: 8; CACHE_AWARE's other "
                         "settings are its defaults)")
@@ -285,6 +297,40 @@ def tiers_label(cpu_tier_tokens: int, shared_tier_tokens: int) -> str:
     return "KV tiers: " + " + ".join(parts)
 
 
+def mode_label(args: argparse.Namespace) -> str:
+    """How a table names CACHE_AWARE's mode: ``""`` (learned view), ``"; CACHE_AWARE
+    precise"`` or ``"; CACHE_AWARE learned and precise"``."""
+    precise = getattr(args, "precise", "off")
+    return {"off": "", "on": "; CACHE_AWARE precise", "both": "; CACHE_AWARE learned and precise"}[precise]
+
+
+def arms(strategies: Sequence[RoutingStrategy], routings: Sequence[RoutingConfig], args: argparse.Namespace,
+         tiers: TierSpec, cpu_tier_tokens: int) -> list[tuple[str, RoutingConfig, bool]]:
+    """The runs: ``(label, routing, precise)`` per strategy, CACHE_AWARE once per mode
+    asked for (``--precise``, ``--tier-aware``). Labels: the strategy, then
+    ``precise`` (precise mode) and ``tier-unaware`` (tiers CACHE_AWARE is not told of)."""
+    out = []
+    for s, r in zip(strategies, routings):
+        if s is not RoutingStrategy.CACHE_AWARE:
+            out.append((s.value, r, False))
+            continue
+        precise_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.precise]
+        aware_modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.tier_aware] if tiers else (False,)
+        for aware in aware_modes:
+            routing = r
+            if aware:
+                ca = r.cache_aware
+                assert ca is not None
+                kv = TierSpec(tiers.cpu, tiers.shared).kv_tiers(ca.instance_cache_tokens)
+                if kv is not None:
+                    kv = kv.model_copy(update={"cpu_tier_tokens": cpu_tier_tokens})
+                routing = r.model_copy(update={"cache_aware": ca.model_copy(update={"kv_tiers": kv})})
+            for precise in precise_modes:
+                label = s.value + (" precise" if precise else "") + ("" if aware or not tiers else " tier-unaware")
+                out.append((label, routing, precise))
+    return out
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``prefixroute simulate``; returns the exit status (2 for bad arguments)."""
     if args.scenario:
@@ -303,6 +349,14 @@ def run(args: argparse.Namespace) -> int:
                     for s in strategies]
         changes = parse_changes(args.change)
         engine_kw = {} if args.kv_capacity_tokens is None else {"kv_capacity_tokens": args.kv_capacity_tokens}
+        tiers = TierSpec.parse(args.tiers)
+        kv_tokens = BENCH_KV_TOKENS if args.bench_workload else EngineConfig(**engine_kw).kv_capacity_tokens
+        n_instances = BENCH_INSTANCES if args.bench_workload else args.instances
+        if tiers.cpu and not args.cpu_tier_tokens:
+            args.cpu_tier_tokens = tiers.cpu_tokens(kv_tokens)
+        if tiers.shared and not args.shared_tier_tokens:
+            args.shared_tier_tokens = tiers.shared_tokens(kv_tokens, n_instances)
+        tiers = TierSpec(bool(args.cpu_tier_tokens), bool(args.shared_tier_tokens))
         engine = EngineConfig(cpu_tier_tokens=args.cpu_tier_tokens, **engine_kw)
         build_workload(args)  # validate once, before any run
         if args.engine_load_interval < 0:
@@ -321,19 +375,19 @@ def run(args: argparse.Namespace) -> int:
             engine = EngineConfig(kv_capacity_tokens=BENCH_KV_TOKENS, cpu_tier_tokens=args.cpu_tier_tokens)
             routings = [bench_routing(s) for s in strategies]
             common.update(engine_load_interval_s=1.0, replica_per="session")
-            configs = [(s.value, SimConfig(ids[:BENCH_INSTANCES], r, engine=engine, duration_s=duration,
-                                           users=bw.users, changes=changes, **common))
-                       for s, r in zip(strategies, routings)]
+            configs = [(label, SimConfig(ids[:BENCH_INSTANCES], r, engine=engine, duration_s=duration,
+                                         users=bw.users, changes=changes, precise=precise, **common))
+                       for label, r, precise in arms(strategies, routings, args, tiers, args.cpu_tier_tokens)]
         else:
-            configs = [(s.value, SimConfig(instance_ids(args.instances), r, engine=engine, duration_s=args.duration,
-                                           users=args.users, overhead_s=args.overhead_ms / 1000, changes=changes,
-                                           **common))
-                       for s, r in zip(strategies, routings)]
+            configs = [(label, SimConfig(instance_ids(args.instances), r, engine=engine, duration_s=args.duration,
+                                         users=args.users, overhead_s=args.overhead_ms / 1000, changes=changes,
+                                         precise=precise, **common))
+                       for label, r, precise in arms(strategies, routings, args, tiers, args.cpu_tier_tokens)]
     except (ConfigError, ValueError, TraceError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     console = _console()
-    tiers = tiers_label(args.cpu_tier_tokens, args.shared_tier_tokens)
+    tiers = tiers_label(args.cpu_tier_tokens, args.shared_tier_tokens) + mode_label(args)
     if args.bench_workload:
         bw = bench_workload(args.bench_workload)
         load = f"{bw.users} users" if bw.users else "open loop"
@@ -347,7 +401,7 @@ def run(args: argparse.Namespace) -> int:
                       f"replica(s), {args.workload}, {load}, {args.duration:,.0f} model s per strategy, {tiers}")
         make = (lambda: build_workload(args))
     results = run_strategies(configs, make, progress=not args.no_progress, console=console)
-    summaries = [res.summary() for res in results]
+    summaries = [res.summary(label) for (label, _), res in zip(configs, results)]
     console.print(render_table(summaries, f"{results[0].workload}; {tiers}; simulated, times in model seconds"))
     if not args.no_plots:
         paths = write_plots(args.out_dir, {s.strategy: res.results() for s, res in zip(summaries, results)},

@@ -37,7 +37,8 @@ class DirectObserver:
         """The hash a block is "published" under: its own."""
         return internal
 
-    def stored(self, hashes: Sequence[int], start: int, end: int, token_ids: object, medium: str = "GPU") -> None:
+    def stored(self, hashes: Sequence[int], start: int, end: int, token_ids: object, medium: str = "GPU",
+               lora_name: str | None = None) -> None:
         """Blocks ``hashes[start:end]`` entered the GPU or the CPU tier."""
         unit = GPU_UNIT if medium == "GPU" else CPU_UNIT
         held = self.index.held

@@ -33,10 +33,12 @@ from typing import Callable, Iterable, Iterator, Sequence
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.kvevents.view import PreciseCacheView
 from prefixroute.core.pool import Lease, NoHealthyInstance, VariantPool
-from prefixroute.engine.core import EngineCore, RequestRejected, StepOutput
+from prefixroute.core.precise_policy import PreciseRequest
+from prefixroute.engine.core import EngineCore, HashedPrompt, RequestRejected, StepOutput
+from prefixroute.engine.kvcache import prompt_block_hashes
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tiers import MemorySharedTier
-from prefixroute.engine.tokenizer import decode
+from prefixroute.engine.tokenizer import decode, tokenize
 from prefixroute.core.keys import LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS
 from prefixroute.sim.blocks import prompt_blocks, prompt_fixed_blocks
 from prefixroute.sim.precise import DirectObserver
@@ -103,10 +105,12 @@ class SimConfig:
         shared_tier_tokens: capacity of a KV tier shared by every instance, tokens
             (:class:`~prefixroute.engine.tiers.MemorySharedTier`); 0 (default): none.
             The CPU tier of each instance is ``engine.cpu_tier_tokens``.
-        precise: keep precise state: every engine's cache changes, per medium, in
+        precise: precise mode: every engine's cache changes, per medium, in
             :attr:`Simulator.kv_view` (a :class:`~prefixroute.core.kvevents.view.PreciseCacheView`
-            keyed by the prompts' block hashes, :mod:`prefixroute.sim.precise`), which
-            a routing policy asks as it asks the router's.
+            keyed by the prompts' block hashes, :mod:`prefixroute.sim.precise`), and
+            ``CACHE_AWARE`` requests carry their keys (``blocks.precise``), so the
+            strategy decides on what the engines hold (:mod:`prefixroute.core.precise_policy`),
+            as the router does with KV events.
 
     Raises:
         ValueError: on construction, for no instances, duplicate ids, replicas < 1,
@@ -262,9 +266,12 @@ class _Instance:
 
 
 class _Flight:
-    __slots__ = ("record", "lease", "session", "turn", "answers", "tokens", "output_tokens", "prompt", "instance")
+    __slots__ = ("record", "lease", "session", "turn", "answers", "tokens", "output_tokens", "prompt", "instance",
+                 "engine_prompt")
 
-    def __init__(self, record, lease, session, turn, answers, output_tokens, prompt, instance) -> None:
+    def __init__(self, record, lease, session, turn, answers, output_tokens, prompt, instance,
+                 engine_prompt=None) -> None:
+        self.engine_prompt = engine_prompt
         self.record = record
         self.lease = lease
         self.session = session
@@ -447,8 +454,12 @@ class Simulator:
                             prompt_tokens=turn.prompt.num_tokens)
         self._records.append(rec)
         key = turn.prompt.routing_key(self._prefix_length) if self._prefix_length is not None else None
+        engine_prompt = None
         if self._blocks is not None:
             blocks: Sequence[int] = prompt_blocks(turn.prompt, *self._blocks)
+            if self.kv_view is not None:  # precise mode: the request's KV block keys, as the router computes them
+                engine_prompt = turn.prompt.engine_prompt(cfg.engine.block_size)
+                blocks.precise = self._precise_request(engine_prompt)  # type: ignore[attr-defined]
         elif self._fixed_blocks:
             blocks = prompt_fixed_blocks(turn.prompt, LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS)
         else:
@@ -468,13 +479,28 @@ class Simulator:
         decision = lease.decision
         rec.instance = decision.instance.instance_id
         rec.decision = decision.kind.value
-        flight = _Flight(rec, lease, s, k, answers, turn.output_tokens, turn.prompt, self._instances[rec.instance])
+        flight = _Flight(rec, lease, s, k, answers, turn.output_tokens, turn.prompt, self._instances[rec.instance],
+                         engine_prompt)
         rid = str(rec.index)
         self._flights[rid] = flight
         if cfg.overhead_s > 0:
             self._push(t + cfg.overhead_s, _ENGINE_IN, rid)
         else:
             self._engine_in(rid, t)
+
+    def _precise_request(self, engine_prompt: object) -> PreciseRequest:
+        """A request's precise-mode data: its full prompt blocks' hashes, which are the
+        keys :class:`DirectObserver` indexes the engines' caches by."""
+        bs = self.config.engine.block_size
+        if isinstance(engine_prompt, HashedPrompt):
+            n = engine_prompt.num_tokens
+            keys = list(engine_prompt.block_hashes[: n // bs])
+        else:  # the exact path's text, as the engine tokenizes it
+            tokenized = tokenize(engine_prompt)  # type: ignore[arg-type]
+            n = tokenized.num_tokens
+            keys = prompt_block_hashes(tokenized, bs)
+        assert self.kv_view is not None
+        return PreciseRequest(self.kv_view, keys, n, bs)
 
     def _engine_in(self, rid: str, t: float) -> None:
         flight = self._flights[rid]
@@ -489,11 +515,14 @@ class Simulator:
                 inst.version += 1
                 self._push(inst.run_start + j * inst.run_d, _STEP_END, inst, inst.version)
         try:
-            inst.core.add_request(rid, flight.prompt.engine_prompt(self.config.engine.block_size), flight.output_tokens)
+            prompt = flight.engine_prompt
+            if prompt is None:
+                prompt = flight.prompt.engine_prompt(self.config.engine.block_size)
+            inst.core.add_request(rid, prompt, flight.output_tokens)
         except RequestRejected as exc:
             self._fail(rid, str(exc), t)
             return
-        flight.prompt = None  # the engine has it; free the chain
+        flight.prompt = flight.engine_prompt = None  # the engine has it; free the chain
         if inst.state == _IDLE:
             self._start_next(inst, t)
 

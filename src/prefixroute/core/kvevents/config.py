@@ -129,6 +129,15 @@ class KvEventsConfig(BaseModel):
         receive_hwm: ``ReceiveHwm``: messages ZeroMQ queues per subscription before it
             drops (then a gap shows).
         shared_tier_max_blocks: ``SharedTierMaxBlocks``: most shared-tier blocks remembered.
+        tokenizer: ``Tokenizer``: the engines' model tokenizer, ``tiny`` (bundled) or the
+            path of a model directory or ``tokenizer.json``
+            (:meth:`prefixroute.core.model_tokenizer.ModelTokenizer.load`); ``None``:
+            the router follows the events (status, metrics) but cannot match requests
+            against them, so ``CACHE_AWARE`` stays on its learned view.
+        chat_template: ``ChatTemplate``: a Jinja chat template file replacing the
+            tokenizer's (as vLLM's ``--chat-template``), or ``None``.
+        tokenizer_cache_pieces: ``TokenizerCachePieces``: prompt pieces whose token ids
+            and keys are remembered (:class:`prefixroute.core.precise_keys.RequestKeyer`).
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -142,6 +151,33 @@ class KvEventsConfig(BaseModel):
     min_replay_interval_s: float = Field(default=1.0, alias="MinReplayIntervalS", ge=0, le=3600)
     receive_hwm: int = Field(default=100_000, alias="ReceiveHwm", ge=1, le=100_000_000)
     shared_tier_max_blocks: int = Field(default=10_000_000, alias="SharedTierMaxBlocks", ge=1)
+    tokenizer: str | None = Field(default=None, alias="Tokenizer", min_length=1)
+    chat_template: str | None = Field(default=None, alias="ChatTemplate", min_length=1)
+    tokenizer_cache_pieces: int = Field(default=4096, alias="TokenizerCachePieces", ge=0, le=10_000_000)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _v_tokenizer(cls, v: str | None) -> str | None:
+        from pathlib import Path
+
+        from prefixroute.core.model_tokenizer import BUNDLED_TOKENIZERS
+
+        if v is None or v in BUNDLED_TOKENIZERS:
+            return v
+        path = Path(v)
+        if not (path / "tokenizer.json").is_file() and not path.is_file():
+            raise ValueError(f"Tokenizer: {v!r} is neither {' nor '.join(BUNDLED_TOKENIZERS)}, a tokenizer.json file "
+                             f"nor a directory holding one")
+        return v
+
+    @field_validator("chat_template")
+    @classmethod
+    def _v_template(cls, v: str | None) -> str | None:
+        from pathlib import Path
+
+        if v is not None and not Path(v).is_file():
+            raise ValueError(f"ChatTemplate: {v!r} is not a file")
+        return v
 
     @field_validator("instances", mode="before")
     @classmethod

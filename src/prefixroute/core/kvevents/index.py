@@ -91,6 +91,9 @@ class SharedIndex:
         self.max_blocks = max_blocks
         self.held: dict[int, int] = {}  # router key -> copies (insertion order = age)
         self.keys: dict[EngineBlockHash, int] = {}  # engine hash (as published) -> router key
+        #: LoRA adapters named by any instance's stored blocks: a request naming one of
+        #: them in ``model`` runs on that adapter (its keys are rooted in its name).
+        self.lora_names: set[str] = set()
 
     def __len__(self) -> int:
         return len(self.held)
@@ -179,6 +182,8 @@ class InstanceIndex:
         if tier is None or e.block_size != self.block_size or (e.group_idx or 0) != 0:
             c.ignored += 1
             return
+        if e.lora_name and e.lora_name not in self.shared.lora_names and isinstance(e.lora_name, str):
+            self.shared.lora_names.add(e.lora_name)
         parent = self._parent_key(e)
         hashes = e.block_hashes
         if parent is None:

@@ -124,6 +124,7 @@ class InstanceStream:
         self._pending: list[tuple[int, bytes]] = []
         self._backlog: deque[tuple[int, bytes]] = deque()  # batches to apply, in order (after a replay)
         self._reason = "never connected"
+        self._off_reason = "disconnected"
         self._now = 0.0
         self._warned: dict[str, float] = {}  # kind of warning -> when last logged
 
@@ -142,7 +143,7 @@ class InstanceStream:
         if self._replaying or self._backlog:
             return "repairing a gap through replay" if not self._replay_from_empty else "catching up through replay"
         if not self.connected:
-            return "never connected" if not self.ever_connected else "disconnected"
+            return "never connected" if not self.ever_connected else self._off_reason
         return self._reason
 
     @property
@@ -168,9 +169,11 @@ class InstanceStream:
         self.connected = self.ever_connected = True
         self._reason = "events flowing"
 
-    def on_disconnected(self) -> None:
-        """The connection dropped (the instance stopped, or the network)."""
+    def on_disconnected(self, reason: str = "disconnected") -> None:
+        """The connection dropped (the instance stopped, or the network), or the driver
+        dropped it (``reason`` says why: a flooding publisher)."""
         self.connected = False
+        self._off_reason = reason
 
     # -- live messages ------------------------------------------------------------------
 

@@ -185,6 +185,17 @@ class PreciseCacheView:
             out[instance] = PrefixHolding(gpu * bs, (cpu - gpu) * bs, (i - cpu) * bs)
         return out
 
+    def lora_name(self, model: object) -> str | None:
+        """The LoRA adapter a request naming ``model`` runs on: ``model`` itself when
+        some instance's events stored blocks of an adapter of that name, else ``None``
+        (the base model; an adapter no engine has stored a block of matches nothing
+        either way)."""
+        return model if isinstance(model, str) and model in self.shared.lora_names else None
+
+    def any_precise(self) -> bool:
+        """Whether any tracked instance is in precise mode now."""
+        return any(s.mode is Mode.PRECISE for s in self._streams.values())
+
     def holds(self, instance: str, key: int) -> bool:
         """Whether the instance holds the block ``key`` on its GPU."""
         stream = self._streams.get(instance)
