@@ -36,7 +36,8 @@ installed is skipped with the reason printed.
 Usage::
 
     python bench/policy_vs_peers.py --quick              # about 12 minutes on 2 cores
-    python bench/policy_vs_peers.py --json results.json  # the full run (about 2 hours 30 minutes)
+    python bench/policy_vs_peers.py --json results.json  # the full run (about 2 hours 40 minutes)
+    python bench/policy_vs_peers.py --json results.json --resume  # go on after an interruption
 
 Times in tables and JSON are **model seconds** (real seconds / ``--time-scale``), as
 in ``prefixroute demo``. docs/BENCHMARKS.md has a run's output and how to read it.
@@ -276,6 +277,37 @@ class RunResult:
                  instances=self.instances, membership_events=self.events, repeat=self.repeat,
                  repeats=self.repeats)
         return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "RunResult":
+        """A run as :meth:`to_json` wrote it (its per-request results are not kept)."""
+        import dataclasses
+
+        names = {f.name for f in dataclasses.fields(RunSummary)}
+        summary = RunSummary(**{k: v for k, v in d.items() if k in names})
+        return cls(d["workload"], d["label"], summary, events=list(d.get("membership_events", [])),
+                   instances=list(d.get("instances", [])), repeat=int(d.get("repeat", 0)),
+                   repeats=int(d.get("repeats", 1)))
+
+
+def resume_runs(path: Path, s: BenchSettings) -> list[RunResult]:
+    """The runs a previous invocation with the same settings left in ``path`` (written
+    after every run), to skip them: every repeat of each (workload, label, replicas).
+
+    Raises:
+        SystemExit: the file's settings differ from this invocation's (the runs would
+            not compare).
+    """
+    if not path.exists():
+        return []
+    doc = orjson.loads(path.read_bytes())
+    theirs = doc.get("settings", {})
+    ours = orjson.loads(orjson.dumps(asdict(s)))
+    if theirs != ours:
+        diff = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        raise SystemExit(f"error: --resume: {path} was run with other settings ({', '.join(diff)})")
+    runs = doc.get("repeated_runs") or doc.get("runs") or []
+    return [RunResult.from_json(r) for r in runs]
 
 
 def median_run(runs: Sequence[RunResult]) -> RunResult:
@@ -721,6 +753,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"smoke run: {QUICK.duration_s:g} s of traffic per run instead of {FULL.duration_s:g} s, and "
                         "4 replicas on the shared-prefix workload only")
     p.add_argument("--json", metavar="PATH", help="write SPEC §7 JSON (every run, plus settings and verdicts)")
+    p.add_argument("--resume", action="store_true",
+                   help="with --json: keep the runs already in that file (it is rewritten after every run) and run "
+                        "only the missing ones; the settings must be the same")
     p.add_argument("--out-dir", default="prefixroute-bench", help="plots go here (default: ./prefixroute-bench)")
     p.add_argument("--no-plots", action="store_true", help="do not write plots")
     p.add_argument("--workloads", default=",".join(w.name for w in WORKLOADS),
@@ -832,11 +867,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     all_runs: list[RunResult] = []
     runs: list[RunResult] = []
     descriptions = {w.name: w.make(s.seed).describe() for w in workloads}
+    if args.resume and not args.json:
+        raise SystemExit("error: --resume needs --json PATH (the file to resume)")
+    done: dict[tuple[str, str, int], list[RunResult]] = {}
+    for r in resume_runs(Path(args.json), s) if args.resume else []:
+        done.setdefault((r.workload, r.label, r.summary.replicas), []).append(r)
+    if done:
+        console.print(f"resuming {args.json}: {sum(map(len, done.values()))} runs kept")
     n = 0
     t_start = time.monotonic()
     for wl, reps, spec in plan:
-        repeats: list[RunResult] = []
-        for k in range(s.repeat):
+        repeats: list[RunResult] = sorted(done.get((wl.name, spec.label, reps), []), key=lambda r: r.repeat)
+        n += len(repeats)
+        for k in range(len(repeats), s.repeat):
             n += 1
             t0 = time.monotonic()
             try:
@@ -860,6 +903,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         all_runs += repeats
         if repeats:
             runs.append(median_run(repeats))
+        if args.json:  # after every run: an interrupted run resumes from here (--resume)
+            write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped, all_runs)
     console.print(f"all runs: {time.monotonic() - t_start:.0f} s")
     for wl in workloads:
         wr = [r for r in runs if r.workload == wl.name]

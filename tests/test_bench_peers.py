@@ -138,6 +138,20 @@ def test_json_has_spec_fields_and_the_extras(tmp_path):
     assert doc["comparisons"][0]["wins"] is True
 
 
+def test_an_interrupted_run_resumes_from_its_json_with_the_same_settings_only(tmp_path):
+    runs = [_run("shared-prefix", "prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.1, 0.2),
+            _run("shared-prefix", "haproxy hash-balance-factor", "hash", 4, 0.8, 0.2, 0.4, errors=1)]
+    out = tmp_path / "r.json"
+    bench.write_json(out, bench.WORKLOADS[:1], {"shared-prefix": "desc"}, runs, bench.QUICK, "cmd", {})
+    back = bench.resume_runs(out, bench.QUICK)
+    assert [(r.workload, r.label, r.summary.replicas, r.summary.errors) for r in back] == [
+        ("shared-prefix", "prefixroute CACHE_AWARE", 1, 0), ("shared-prefix", "haproxy hash-balance-factor", 4, 1)]
+    assert back[0].summary.cache_hit_rate == 0.9 and back[1].summary.p90_ttft_s == 0.4
+    assert bench.resume_runs(tmp_path / "none.json", bench.QUICK) == []
+    with pytest.raises(SystemExit, match="other settings .*duration_s"):
+        bench.resume_runs(out, bench.FULL)
+
+
 def test_missing_python_peers_are_reported_not_installed(tmp_path):
     statuses = peers.ensure_python_peers(tmp_path / "no-venv", install=False)
     assert set(statuses) == {"sglang-router", "vllm-router"}
