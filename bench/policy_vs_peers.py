@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import os
 import re
 import sys
 import time
@@ -264,6 +265,11 @@ class RunResult:
     instances: list[str] = field(default_factory=list)
     repeat: int = 0
     repeats: int = 1
+    #: CPU seconds the router processes (every replica, their threads and children) and
+    #: the engines used while the traffic ran: on a machine where both share the cores,
+    #: a router's CPU is taken from the engines' and shows in TTFT.
+    router_cpu_s: float = float("nan")
+    engine_cpu_s: float = float("nan")
 
     @property
     def busiest_share(self) -> float:
@@ -275,7 +281,7 @@ class RunResult:
         d = asdict(self.summary)
         d.update(workload=self.workload, label=self.label, busiest_share=self.busiest_share,
                  instances=self.instances, membership_events=self.events, repeat=self.repeat,
-                 repeats=self.repeats)
+                 repeats=self.repeats, router_cpu_s=self.router_cpu_s, engine_cpu_s=self.engine_cpu_s)
         return d
 
     @classmethod
@@ -287,7 +293,45 @@ class RunResult:
         summary = RunSummary(**{k: v for k, v in d.items() if k in names})
         return cls(d["workload"], d["label"], summary, events=list(d.get("membership_events", [])),
                    instances=list(d.get("instances", [])), repeat=int(d.get("repeat", 0)),
-                   repeats=int(d.get("repeats", 1)))
+                   repeats=int(d.get("repeats", 1)), router_cpu_s=_num(d.get("router_cpu_s")),
+                   engine_cpu_s=_num(d.get("engine_cpu_s")))
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def tree_cpu_s(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) used so far by the processes ``pids`` and every
+    descendant still running (Linux ``/proc``; ``nan`` elsewhere)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return float("nan")
+    children: dict[int, list[int]] = {}
+    ticks: dict[int, int] = {}
+    for d in proc.iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
+        pid = int(d.name)
+        children.setdefault(int(fields[1]), []).append(pid)
+        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
+    total, todo, seen = 0, list(pids), set()
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        total += ticks.get(pid, 0)
+        todo += children.get(pid, [])
+    return total / _CLK_TCK
 
 
 def resume_runs(path: Path, s: BenchSettings) -> list[RunResult]:
@@ -325,7 +369,9 @@ def median_run(runs: Sequence[RunResult]) -> RunResult:
         sm[0], cache_hit_rate=med(x.cache_hit_rate for x in sm), p50_ttft_s=med(x.p50_ttft_s for x in sm),
         p90_ttft_s=med(x.p90_ttft_s for x in sm), p50_latency_s=med(x.p50_latency_s for x in sm),
         throughput_rps=med(x.throughput_rps for x in sm), errors=sum(x.errors for x in sm))
-    return dataclasses.replace(runs[0], summary=summary, repeat=-1, repeats=len(runs), results=[])
+    return dataclasses.replace(runs[0], summary=summary, repeat=-1, repeats=len(runs), results=[],
+                               router_cpu_s=med(r.router_cpu_s for r in runs),
+                               engine_cpu_s=med(r.engine_cpu_s for r in runs))
 
 
 _ENGINE_READY = re.compile(r"prefixroute-emulate listening on (http://\S+)")
@@ -529,8 +575,12 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
                       (m.remove_at * s.duration_s, on_all("remove_backend", removed))]
         wl = workload.make(s.seed)
         users = None if workload.users is None else max(1, round(workload.users * s.users_scale))
+        router_pids = [r.process.proc.pid for r in routers]
+        engine_pids = [p.proc.pid for p in tracker.processes if p.name.startswith("engine-")]
+        cpu0 = tree_cpu_s(router_pids), tree_cpu_s(engine_pids)
         results, wall, log = asyncio.run(drive([r.url for r in routers], iter(wl.sessions()), workload.session_key,
                                                users, s.duration_s, s.time_scale, events))
+        cpu = tree_cpu_s(router_pids) - cpu0[0], tree_cpu_s(engine_pids) - cpu0[1]
         counters = asyncio.run(scrape_counters(urls, [HIT, QUERIES]))
         # Results name instances by id (X-Emulated-Instance); prefixroute's header is the URL.
         by_url = dict(zip(urls, ids))
@@ -538,7 +588,8 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
             r.instance = by_url.get(r.instance.rstrip("/"), r.instance)
         summary = summarize(spec.strategy, results, wall, s.time_scale, ids, counters[HIT], counters[QUERIES],
                             router=spec.router, replicas=replicas)
-        return RunResult(workload.name, spec.label, summary, results, log, ids)
+        return RunResult(workload.name, spec.label, summary, results, log, ids, router_cpu_s=cpu[0],
+                         engine_cpu_s=cpu[1])
 
 
 # -- verdicts ---------------------------------------------------------------------------------
@@ -606,14 +657,15 @@ def render_workload_table(workload: WorkloadSpec, runs: Sequence[RunResult], des
     table = Table(title=f"{workload.name}: {workload.title}\n{description}" + (f"\n{fleet_mode}" if fleet_mode else ""),
                   title_justify="left")
     for col in ("router", "replicas", "cache hit", "P50 TTFT", "P90 TTFT", "throughput", "busiest", "errors",
-                "requests"):
+                "requests", "router CPU"):
         table.add_column(col, justify="left" if col == "router" else "right", no_wrap=True)
     for r in sorted(runs, key=lambda r: r.summary.replicas):
         s = r.summary
         style = "bold" if s.strategy == SUBJECT else None
         table.add_row(r.label, str(s.replicas), f"{s.cache_hit_rate * 100:.1f} %", f"{s.p50_ttft_s * 1000:.0f} ms",
                       f"{s.p90_ttft_s * 1000:.0f} ms", f"{s.throughput_rps:.1f} rps", f"{r.busiest_share * 100:.1f} %",
-                      str(s.errors), str(s.requests), style=style)
+                      str(s.errors), str(s.requests),
+                      f"{r.router_cpu_s:.1f} s" if r.router_cpu_s == r.router_cpu_s else "", style=style)
     return table
 
 
@@ -895,7 +947,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             console.print(
                 f"[{n}/{total}] {wl.name:<19} {spec.label:<34} x{reps}: hit {sm.cache_hit_rate * 100:5.1f} %  "
                 f"P50 {sm.p50_ttft_s * 1000:6.0f} ms  P90 {sm.p90_ttft_s * 1000:6.0f} ms  "
-                f"{sm.requests} req  {sm.errors} err  ({time.monotonic() - t0:.0f} s)"
+                f"{sm.requests} req  {sm.errors} err  router CPU {rr.router_cpu_s:.1f} s  "
+                f"({time.monotonic() - t0:.0f} s)"
                 + (f"  [red]membership:[/red] {escape(str(bad))}" if bad else ""))
             if sm.strategy == SUBJECT and sm.decisions and set(sm.decisions) <= {"fallback"}:
                 console.print("[yellow]  CACHE_AWARE made only 'fallback' decisions: the router computed no "
