@@ -63,6 +63,10 @@ class RequestKeyer:
         self.cache_pieces = cache_pieces
         self._cache: OrderedDict[tuple, tuple[list[int], int, tuple[int, ...], int]] = OrderedDict()
         self._ids: dict[str, int] = {}
+        # a piece's token ids wherever it occurs (its chain keys depend on what precedes it;
+        # its ids do not): the template's short pieces after a new question are not
+        # tokenized again
+        self._piece_ids: OrderedDict[tuple[int, int], list[int]] = OrderedDict()
         self._split: re.Pattern[str] | None = None
         self._prefix: list[int] = []  # what the post-processor puts before a completions prompt
         self.hits = 0
@@ -140,10 +144,12 @@ class RequestKeyer:
             keys = block_keys(list(carry[: full * bs]), bs, parent)
             parent, carry = keys[-1], carry[full * bs:]
         digest = xxhash.xxh3_64_intdigest
+        piece_ids = self._piece_ids
         for piece in self._split.split(text):  # type: ignore[union-attr]
             if not piece:
                 continue
-            ck = (parent, carry, digest(piece.encode("utf-8", "surrogatepass")), len(piece))
+            pk = (digest(piece.encode("utf-8", "surrogatepass")), len(piece))
+            ck = (parent, carry, *pk)
             hit = cache.get(ck)
             if hit is not None:
                 cache.move_to_end(ck)
@@ -152,7 +158,18 @@ class RequestKeyer:
             else:
                 self.misses += 1
                 sid = self._ids.get(piece)
-                ids = [sid] if sid is not None else self.tokenizer.encode(piece, add_special_tokens=False)
+                if sid is not None:
+                    ids = [sid]
+                else:
+                    cached = piece_ids.get(pk)
+                    if cached is None:
+                        ids = self.tokenizer.encode(piece, add_special_tokens=False)
+                        piece_ids[pk] = ids
+                        if len(piece_ids) > self.cache_pieces:
+                            piece_ids.popitem(last=False)
+                    else:
+                        piece_ids.move_to_end(pk)
+                        ids = cached
                 n = len(ids)
                 run = list(carry) + ids
                 full = len(run) // bs

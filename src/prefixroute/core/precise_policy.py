@@ -384,7 +384,8 @@ class Speculative:
     Once the events have shown a prefix of it, they are the truth for that prefix: if
     they later show less of it (evicted), the entry is dropped. Entries also go when the
     instance has nothing in flight (every prefill is done) and beyond
-    :data:`SPECULATIVE_PER_INSTANCE` per instance, the oldest first.
+    :data:`SPECULATIVE_PER_INSTANCE` per instance (:data:`SPECULATIVE_PER_ANCHOR` per
+    anchor), the oldest first.
     """
 
     __slots__ = ("entries", "_order")
@@ -404,7 +405,10 @@ class Speculative:
             return
         entry = [keys, 0]
         anchor = self._anchor(keys)
-        self.entries.setdefault(instance_id, {}).setdefault(anchor, []).append(entry)
+        group = self.entries.setdefault(instance_id, {}).setdefault(anchor, [])
+        group.append(entry)
+        if len(group) > SPECULATIVE_PER_ANCHOR:  # the oldest: its prefill is the likeliest in the events by now
+            del group[0]
         order = self._order.setdefault(instance_id, deque())
         order.append((anchor, entry))
         if len(order) > SPECULATIVE_PER_INSTANCE:
@@ -464,4 +468,7 @@ class Speculative:
 SPECULATIVE_MIN_BLOCKS = 16
 #: Speculative entries kept per instance (at most about its requests in flight).
 SPECULATIVE_PER_INSTANCE = 64
+#: Of them, entries kept per anchor (requests sharing their first 17 blocks: one system
+#: prompt or document); a request is matched against each, so this bounds the work.
+SPECULATIVE_PER_ANCHOR = 8
 
