@@ -73,18 +73,23 @@ class Sizes:
     lora_s: float  # real seconds of traffic per LoRA run
     users: int  # closed-loop users
     groups: int  # documents per model
-    prefix_tokens: int
+    prefix_tokens: int  # of each matrix document
     question_tokens: int
     output_tokens: int
     kv_tokens: int  # KV capacity of each engine
     lora_users: int
     lora_groups: int  # documents per adapter
+    lora_prefix_tokens: int  # of each LoRA document
 
 
-FULL = Sizes(run_s=20.0, lora_s=45.0, users=16, groups=48, prefix_tokens=3000, question_tokens=64, output_tokens=16,
-             kv_tokens=45_000, lora_users=20, lora_groups=6)
-QUICK = Sizes(run_s=4.0, lora_s=8.0, users=12, groups=24, prefix_tokens=3000, question_tokens=64, output_tokens=8,
-              kv_tokens=22_500, lora_users=12, lora_groups=3)
+# The matrix's documents: 96 of 1,500 tokens per model (144,000 tokens, 80 % of 4 engines'
+# KV). PREFIX_AWARE spreads them by rendezvous over the instances' URLs (fresh ports each
+# run): with 96 keys an instance's share varies by about 18 % by luck alone, with 48 by 25 %,
+# enough to queue the busiest past ConcurrencyThreshold in some runs.
+FULL = Sizes(run_s=20.0, lora_s=45.0, users=16, groups=96, prefix_tokens=1500, question_tokens=64, output_tokens=16,
+             kv_tokens=45_000, lora_users=20, lora_groups=6, lora_prefix_tokens=3000)
+QUICK = Sizes(run_s=4.0, lora_s=8.0, users=12, groups=48, prefix_tokens=1500, question_tokens=64, output_tokens=8,
+              kv_tokens=22_500, lora_users=12, lora_groups=3, lora_prefix_tokens=3000)
 
 
 # -- engine metrics ------------------------------------------------------------------------
@@ -419,7 +424,7 @@ async def lora_run(procs: ProcessGroup, http: aiohttp.ClientSession, args: argpa
                                 ["--metrics-scrape-interval", "1", "--health-check-interval", "1"])
     weights = [1 / (k + 1) ** args.zipf for k in range(len(ADAPTERS))]
     rng = random.Random(args.seed)
-    workloads = {a: SharedPrefixWorkload(groups=sizes.lora_groups, prefix_tokens=sizes.prefix_tokens,
+    workloads = {a: SharedPrefixWorkload(groups=sizes.lora_groups, prefix_tokens=sizes.lora_prefix_tokens,
                                          question_tokens=sizes.question_tokens, output_tokens=sizes.output_tokens,
                                          model=a, seed=args.seed + k).requests(10**9)
                  for k, a in enumerate(ADAPTERS)}
@@ -612,7 +617,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="the engines' speed: wall seconds per modelled second (default: 1.0)")
     p.add_argument("--prefix-length", type=int, default=4096,
-                   help="PrefixLength of PREFIX_AWARE, characters (default: 4096; the documents are 12,000)")
+                   help="PrefixLength of PREFIX_AWARE, characters (default: 4096; the documents are 6,000)")
     p.add_argument("--concurrency-threshold", type=int, default=8,
                    help="ConcurrencyThreshold of PREFIX_AWARE in the matrix (default: 8)")
     p.add_argument("--lora-threshold", type=int, default=3,
@@ -649,7 +654,8 @@ async def _main(args: argparse.Namespace) -> int:
     sizes = QUICK if args.quick else FULL
     workload = (f"shared-prefix chat: {sizes.groups} documents per model of {sizes.prefix_tokens} tokens, "
                 f"{sizes.question_tokens}-token questions, {sizes.output_tokens} output tokens, {sizes.users} users, "
-                f"{sizes.run_s:g} s per matrix run; LoRA: 8 adapters x {sizes.lora_groups} documents, zipf "
+                f"{sizes.run_s:g} s per matrix run; LoRA: 8 adapters x {sizes.lora_groups} documents of "
+                f"{sizes.lora_prefix_tokens} tokens, zipf "
                 f"s={args.zipf}, {sizes.lora_users} users, {sizes.lora_s:g} s per run, load {args.lora_load_s:g} s; "
                 f"KV {sizes.kv_tokens} tokens per engine, time scale {args.time_scale:g}, seed {args.seed}")
     console.print(f"[bold]multi-model benchmark[/bold]: {workload}")
