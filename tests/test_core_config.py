@@ -199,3 +199,18 @@ def test_yaml_errors_name_the_file_and_line():
     line = bad.splitlines().index(next(x for x in bad.splitlines() if "PrefixLength: 100" in x)) + 1
     assert str(err.value).startswith(f"fleet.yaml line {line}: Endpoints.0.ProductionVariants.0.RoutingConfig."
                                      "PrefixAwareRoutingConfig.PrefixLength: 100 is out of range")
+
+
+def test_the_applied_configuration_line_names_component_changes():
+    from prefixroute.server.state import describe_changes
+
+    doc = ("Endpoints:\n  - EndpointName: llm\n    ProductionVariants:\n      - VariantName: v\n"
+           "        Instances: [\"http://127.0.0.1:9000\", \"http://127.0.0.1:9001\"]\n"
+           "    InferenceComponents:\n      - InferenceComponentName: qwen\n        ModelName: q\n"
+           "        Instances: DISCOVER\n{routing}")
+    old = FleetConfig.from_yaml(doc.format(routing=""))
+    new = FleetConfig.from_yaml(doc.format(routing="        RoutingConfig: {RoutingStrategy: LEAST_OUTSTANDING_REQUESTS}\n"))
+    assert describe_changes(old, new) == "llm/component qwen routing its variant's -> LEAST_OUTSTANDING_REQUESTS"
+    gone = FleetConfig.from_yaml(doc.split("    InferenceComponents")[0])
+    assert describe_changes(old, gone) == "llm/component qwen removed"
+    assert describe_changes(gone, old) == "llm/component qwen added"

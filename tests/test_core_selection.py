@@ -103,6 +103,16 @@ def test_parse_vllm_model_list():
         parse_model_list({"models": []})
 
 
+def test_a_model_list_that_differs_only_in_its_timestamps_is_no_change():
+    cat = ModelCatalog()
+    first = {"object": "list", "data": [{"id": "llama", "object": "model", "created": 1, "root": "llama"}]}
+    assert cat.set(A, parse_model_list(first)) is True
+    again = {"object": "list", "data": [{"id": "llama", "object": "model", "created": 2, "root": "llama"}]}
+    assert cat.set(A, parse_model_list(again)) is False  # (vLLM stamps each answer: no log line per round)
+    other = {"object": "list", "data": [{"id": "llama", "object": "model", "created": 3, "root": "/llama-v2"}]}
+    assert cat.set(A, parse_model_list(other)) is True and cat.adapter_root("llama") is None
+
+
 def test_catalog_index_generation_and_lora_info():
     cat = ModelCatalog()
     cat.set(A, parse_model_list(vllm_models("llama", "sql")))

@@ -107,3 +107,16 @@ def test_multi_model_demo_needs_emulated_engines_and_two_instances():
         proc = subprocess.run([sys.executable, "-m", "prefixroute", "demo", "--multi-model", *flags],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+
+
+def test_precise_demo_runs_cache_aware_even_when_the_strategies_leave_it_out():
+    from prefixroute.cli import build_parser
+    from prefixroute.core.config import RoutingStrategy
+    from prefixroute.demo.cli import _arms, _check
+
+    args = build_parser().parse_args(["demo", "--precise", "--strategies", "random,prefix-aware"])
+    strategies = _check(args)
+    assert strategies == [RoutingStrategy.RANDOM, RoutingStrategy.PREFIX_AWARE, RoutingStrategy.CACHE_AWARE]
+    assert (RoutingStrategy.CACHE_AWARE, True) in _arms(args, strategies)
+    plain = build_parser().parse_args(["demo", "--strategies", "random"])
+    assert _check(plain) == [RoutingStrategy.RANDOM]

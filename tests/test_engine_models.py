@@ -194,3 +194,5 @@ def test_emulate_flags():
     with pytest.raises(ValueError, match="need --enable-lora"):
         lora_from_args(p.parse_args(["--lora-modules", "x=/x"]))
     assert config_from_args(p.parse_args(["--enable-lora"])).max_loras == 1
+    with pytest.raises(ValueError, match="--max-loras must be at least 1"):  # (was a traceback)
+        lora_from_args(p.parse_args(["--enable-lora", "--max-loras", "0", "--lora-modules", "a=/x"]))

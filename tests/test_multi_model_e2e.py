@@ -161,6 +161,10 @@ async def test_bad_input_gets_its_status_and_reaches_no_engine(fleet):
         with pytest.raises(rt.exceptions.ValidationError) as e:
             rt.invoke_endpoint(EndpointName="default", Body=body)  # an endpoint with components: name one
         errors["no component"] = e.value.response
+        with pytest.raises(rt.exceptions.ValidationError) as e:  # a variant that is not there, beside a component
+            rt.invoke_endpoint(EndpointName="default", InferenceComponentName="qwen-ic", TargetVariant="Nope",
+                               Body=body)
+        errors["variant"] = e.value.response
         with pytest.raises(openai.NotFoundError) as e:
             client.chat.completions.create(model="gpt-4o", messages=_messages("x"), max_tokens=2)
         errors["model"] = e.value
@@ -173,6 +177,7 @@ async def test_bad_input_gets_its_status_and_reaches_no_engine(fleet):
     assert "'nope' is not valid" in errors["component"]["Error"]["Message"]
     assert errors["component"]["ResponseMetadata"]["HTTPStatusCode"] == 400
     assert "InferenceComponentName" in errors["no component"]["Error"]["Message"]
+    assert "Nope" in errors["variant"]["Error"]["Message"]
     assert errors["model"].status_code == 404 and errors["model"].code == "model_not_found"
     assert errors["adapter"].code == "model_not_found"
     assert sum(sum(e.requests_by_model.values()) for e in fleet.engines) == 0

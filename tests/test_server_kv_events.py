@@ -538,3 +538,24 @@ async def test_the_routers_block_chain_is_the_one_rebuilt_from_the_engines_event
     finally:
         await router.close()
         await engine.stop()
+
+
+async def test_an_engine_seen_restarting_by_its_metrics_loses_its_events_state_at_once() -> None:
+    # The scrape sees the counters go back before the new engine publishes anything: what
+    # the old engine's events said must not keep routing requests there in the meantime.
+    engine = await Engine().start()
+    router = await cache_aware_router([engine.url])
+    try:
+        await connected(router, engine.url)
+        body = {"model": DEFAULT_MODEL, "max_tokens": 2,
+                "messages": [{"role": "user", "content": "restart me " + "a document line " * 80}]}
+        await send(engine.url, body)
+        await eventually(lambda: held(router, engine.url, body) == full_blocks(body), what="the blocks")
+        stream = router.state.kv_view.stream(engine.url)  # type: ignore[union-attr]
+        resets = stream.counts.resets
+        router.state.engine_restarted(engine.url)
+        assert held(router, engine.url, body) == 0 and stream.counts.resets == resets + 1
+        assert "engine restarted" in stream.reason
+    finally:
+        await router.close()
+        await engine.stop()

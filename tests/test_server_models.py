@@ -285,8 +285,10 @@ async def test_route_inputs_are_validated(fakes, data_plane, http):
                              headers={"Content-Type": "multipart/form-data; boundary=x"}) as r:
             assert r.status == 200  # not JSON: relayed by the pool alone
         assert total(fakes) == 1
-        async with http.get(router.url + "/v1/models/m") as r:  # other methods: relayed to one instance
+        async with http.get(router.url + "/v1/files") as r:  # other methods: relayed to one instance
             assert r.status == 405 and "X-Prefixroute-Instance" in r.headers  # the instance's own answer
+        async with http.get(router.url + "/v1/models/m") as r:  # one model's card: from the instances' lists
+            assert r.status == 200 and (await r.json())["id"] == "m" and "X-Prefixroute-Instance" not in r.headers
     finally:
         await router.close()
 
@@ -371,3 +373,35 @@ def test_autoload_is_refused_with_several_workers():
                            "--lora-autoload", "--workers", "2", "--port", "0"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Autoload (--lora-autoload) runs in one router process" in proc.stderr
+
+
+async def test_a_method_a_route_does_not_take_is_the_routers_405_and_reaches_no_engine(fakes, data_plane, http):
+    router = await start(fakes, data_plane)
+    try:
+        for method, path, allowed in (("GET", "/v1/chat/completions", "POST"), ("PUT", "/v1/completions", "POST"),
+                                      ("DELETE", "/endpoints/e/openai/v1/embeddings", "POST"),
+                                      ("POST", "/v1/models", "GET"), ("PUT", "/v1/models", "GET")):
+            async with http.request(method, router.url + path, json={"model": "m"}) as r:
+                err = (await r.json())["error"]
+                assert (r.status, r.headers["Allow"], err["code"]) == (405, allowed, "method_not_allowed"), path
+                assert method in err["message"]
+        assert sum(len(f.received) for f in fakes) == 0
+    finally:
+        await router.close()
+
+
+async def test_one_models_card_comes_from_the_lists_and_an_unknown_one_is_model_not_found(fakes, data_plane, http):
+    a, b, c, d = fakes
+    a.models = b.models = ["llama", {"id": "sql-lora", "object": "model", "parent": "llama"}]
+    c.models = d.models = ["qwen"]
+    router = await start(fakes, data_plane)
+    try:
+        async with http.get(router.url + "/v1/models/sql-lora") as r:
+            assert r.status == 200 and (await r.json())["parent"] == "llama"
+        async with http.get(router.url + "/endpoints/e/openai/v1/models/qwen") as r:
+            assert r.status == 200 and (await r.json())["id"] == "qwen"
+        async with http.get(router.url + "/v1/models/nope") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        assert sum(len(f.received) for f in fakes) == 0
+    finally:
+        await router.close()

@@ -30,6 +30,14 @@ __all__ = ["ServedModels", "parse_model_list", "ModelCatalog"]
 MAX_CARDS = 4_096
 
 
+def _same(a: "ServedModels", b: "ServedModels") -> bool:
+    """Equal but for the cards' ``created`` (vLLM stamps every answer with the time)."""
+    if (a.base, dict(a.adapters), dict(a.roots), a.max_lora) != (b.base, dict(b.adapters), dict(b.roots), b.max_lora):
+        return False
+    return [{k: v for k, v in c.items() if k != "created"} for c in a.cards] == \
+        [{k: v for k, v in c.items() if k != "created"} for c in b.cards]
+
+
 @dataclass(frozen=True, slots=True)
 class ServedModels:
     """One instance's models.
@@ -144,7 +152,7 @@ class ModelCatalog:
         else:
             if old is not None and served.max_lora is None and old.max_lora is not None:
                 served = ServedModels(served.base, served.adapters, served.roots, served.cards, old.max_lora)
-            if old == served:
+            if old is not None and _same(old, served):
                 return False
             self._served[instance_id] = served
         self._changed()

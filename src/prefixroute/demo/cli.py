@@ -66,8 +66,8 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--precise", nargs="?", const="on", choices=("off", "on", "both"), default="off",
                    help="precise mode: the engines tokenize with the bundled tiny tokenizer and publish their KV "
                         "events, and CACHE_AWARE routes on them (serve --tokenizer tiny --kv-events-from-info); "
-                        "both: CACHE_AWARE once on its learned view and once precise (emulated engines only; "
-                        "default: off)")
+                        "both: CACHE_AWARE once on its learned view and once precise; CACHE_AWARE is added to "
+                        "--strategies when missing (emulated engines only; --precise alone means on; default: off)")
     g.add_argument("--tiers", choices=("none", "cpu", "shared", "cpu+shared"), default="none",
                    help="KV tiers in every emulated engine: a CPU tier of 4x its KV capacity, a tier shared by the "
                         "fleet of 4x the fleet's (a file in /dev/shm); CACHE_AWARE is told of them (--cpu-tier-tokens, "
@@ -295,6 +295,9 @@ def _check(args: argparse.Namespace) -> list[RoutingStrategy]:
     strategies = _strategies(args.strategies)
     if not strategies:
         raise ConfigError("--strategies: name at least one strategy")
+    if args.precise != "off" and RoutingStrategy.CACHE_AWARE not in strategies:
+        # precise mode is CACHE_AWARE's: without it in the list, nothing would run precise
+        strategies.append(RoutingStrategy.CACHE_AWARE)
     if RoutingStrategy.PREFIX_AWARE in strategies:
         RoutingConfig.build("prefix-aware", args.prefix_length, args.concurrency_threshold)
     for name in ("instances", "users", "groups", "prefix_tokens", "question_tokens", "output_tokens"):

@@ -197,7 +197,8 @@ def lora_from_args(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
     variable ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``).
 
     Raises:
-        ValueError: a malformed ``NAME=PATH``, or adapters without ``--enable-lora``.
+        ValueError: a malformed ``NAME=PATH``, adapters without ``--enable-lora``, or
+            ``--max-loras`` below 1 with it.
     """
     modules: dict[str, str] = {}
     for item in getattr(args, "lora_modules", []) or []:
@@ -209,6 +210,9 @@ def lora_from_args(args: argparse.Namespace) -> tuple[dict[str, str], bool]:
         os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
     if (modules or getattr(args, "allow_runtime_lora_updating", False)) and not getattr(args, "enable_lora", False):
         raise ValueError("--lora-modules and --allow-runtime-lora-updating need --enable-lora")
+    max_loras = getattr(args, "max_loras", None)
+    if getattr(args, "enable_lora", False) and max_loras is not None and max_loras < 1:
+        raise ValueError(f"--max-loras must be at least 1 with --enable-lora, got {max_loras}")
     return modules, runtime and getattr(args, "enable_lora", False)
 
 

@@ -34,6 +34,7 @@ import asyncio
 import contextlib
 import logging
 import time
+import urllib.parse
 import zlib
 from random import getrandbits
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -462,13 +463,17 @@ def prepare_inference(state: RouterState, match: RouteMatch, headers: Mapping[st
         variant or inference component (SageMaker ``ValidationError`` on the native
         API), a native request to an endpoint with components that names none, an
         invalid request or a body its Content-Encoding does not decode, 408 a body that
-        stopped arriving, 413 body too large, 415 a Content-Encoding not decoded here
+        stopped arriving, 405 ``POST /v1/models``, 413 body too large, 415 a Content-Encoding not decoded here
         (checked before the body is read; :data:`DECODED_CODINGS`), 501 a
         Transfer-Encoding other than ``chunked``.
     """
     api = match.api
     openai = api is Api.OPENAI
     hdrs = {H.REQUEST_ID: rid}
+    if openai and match.tail == "/v1/models":  # (every other POST under /v1 is routed)
+        resp = openai_error(405, "method POST is not allowed on this path (allowed: GET)", code="method_not_allowed",
+                            headers={**hdrs, "Allow": "GET"})
+        return count_answer(state, "unknown", "", resp, t0)
     clients = state.clients
     who: Identity | None = None
     if clients is not None:  # the key first: no other answer tells a caller without one anything
@@ -485,6 +490,8 @@ def prepare_inference(state: RouterState, match: RouteMatch, headers: Mapping[st
             raise UnknownComponent(f"the path names inference component {match.component!r} and "
                                    f"{H.INFERENCE_COMPONENT} names {header_component!r}")
         pool = endpoint.component(component) if component else endpoint.variant(target)
+        if component and target:  # checked as without a component (the component says where it goes)
+            endpoint.variant(target)
     except UnknownEndpoint as exc:
         resp = openai_error(404, str(exc), code="endpoint_not_found", headers=hdrs) if openai else \
             sagemaker_error("ValidationError", str(exc), status=404, headers=hdrs)
@@ -721,10 +728,17 @@ async def models(request: web.Request) -> web.Response:
 async def relay_other(request: web.Request) -> web.StreamResponse:
     """Any other method on a path under ``/v1`` (``GET /v1/models/{id}``...): relayed as
     it is to one healthy instance of the endpoint (no model to route by, no in-flight
-    slot claimed), its answer returned whole."""
+    slot claimed), its answer returned whole. A method a route of its own does not take
+    (``GET /v1/chat/completions``, ``PUT /v1/models``) is the router's 405 in OpenAI's
+    shape, with ``Allow`` (``POST /v1/models``: :func:`prepare_inference`)."""
     state = request.app[STATE]
     rid = request_id(request.headers)
     match = _route_of(request)
+    allowed = "POST" if match.route not in (None, OpenAIRoute.OTHER) else "GET" if match.tail == "/v1/models" else None
+    if allowed is not None:
+        resp = openai_error(405, f"method {request.method} is not allowed on this path (allowed: {allowed})",
+                            code="method_not_allowed", headers={H.REQUEST_ID: rid, "Allow": allowed})
+        return count_answer(state, "unknown", "", resp, time.perf_counter())
     drop = None
     if state.clients is not None:
         found = state.clients.identify(request.headers)
@@ -739,6 +753,17 @@ async def relay_other(request: web.Request) -> web.StreamResponse:
         return openai_error(404, str(exc), code="endpoint_not_found", headers={H.REQUEST_ID: rid})
     except (UnknownVariant, UnknownComponent) as exc:
         return openai_error(400, str(exc), code="not_found", headers={H.REQUEST_ID: rid})
+    if request.method == "GET" and match.tail.startswith("/v1/models/"):  # one model's card, as listed
+        mid = urllib.parse.unquote(match.tail[len("/v1/models/"):])
+        pools = [pool] if match.component else endpoint.all_pools()
+        ids = list(dict.fromkeys(i.instance_id for p in pools for i in p.instances if i.healthy))
+        cards = state.catalog.cards(ids)
+        card = next((c for c in cards if c.get("id") == mid), None)
+        if card is not None:
+            return json_response(200, dict(card), {H.REQUEST_ID: rid, H.INVOKED_VARIANT: pool.name})
+        if cards:  # the lists are known and none has it
+            return openai_error(404, f"The model `{mid[:200]}` does not exist.", code="model_not_found",
+                                headers={H.REQUEST_ID: rid})
     body = await read_body(request, state.settings.max_body_bytes, state.settings.client_keepalive_timeout_s)
     if not isinstance(body, bytes):
         return error_for_path(request.path, 413 if isinstance(body, BodyTooLarge) else 400, str(body), "bad_body")

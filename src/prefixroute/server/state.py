@@ -421,8 +421,12 @@ class RouterState:
     def engine_restarted(self, instance_id: str) -> None:
         """The instance's engine restarted (its scraped counters went back): every
         variant that has it forgets what its strategy learned about its prefix cache
-        (:meth:`VariantPool.forget_cache`)."""
+        (:meth:`VariantPool.forget_cache`), and precise mode what its events said."""
         told = [pool.forget_cache(instance_id) for _, pool in self.fleet.all_pools()]
+        stream = self.kv_view.stream(instance_id) if self.kv_view is not None else None
+        if stream is not None:  # its events' state too: a new engine holds nothing until it says so
+            stream.reset("the engine restarted (its scraped counters went back)")
+            told.append(True)
         if any(told):
             log.warning("instance %s restarted (its prefix-cache counters went back): the router's view of its "
                         "cache is cleared", instance_id)
@@ -512,7 +516,9 @@ def _urls(urls: "Iterable[str]", limit: int = 5) -> str:
 def describe_changes(old: FleetConfig, new: FleetConfig) -> str:
     """What changed from ``old`` to ``new``, in one line for the log: endpoints and
     production variants added or removed; per variant kept, routing (before -> after),
-    weight, and instances added or removed. ``no change`` when there is none."""
+    weight, and instances added or removed; inference components added, removed or
+    changed (routing before -> after), LoRA adapter settings. ``no change`` when there is
+    none."""
     changes: list[str] = []
     before = {e.name: e for e in old.endpoints}
     after = {e.name: e for e in new.endpoints}
@@ -541,6 +547,22 @@ def describe_changes(old: FleetConfig, new: FleetConfig) -> str:
                 changes.append(f"{name}/{v} instances added: {_urls(added)}")
             if removed:
                 changes.append(f"{name}/{v} instances removed: {_urls(removed)}")
+        cb = {c.name: c for c in before[name].components}
+        ca = {c.name: c for c in after[name].components}
+        for c in ca.keys() - cb.keys():
+            changes.append(f"{name}/component {c} added")
+        for c in cb.keys() - ca.keys():
+            changes.append(f"{name}/component {c} removed")
+        for c in [x.name for x in after[name].components if x.name in cb]:
+            o, n = cb[c], ca[c]
+            if o.routing != n.routing:
+                was = routing_text(o.routing) if o.routing is not None else "its variant's"
+                now = routing_text(n.routing) if n.routing is not None else "its variant's"
+                changes.append(f"{name}/component {c} routing {was} -> {now}")
+            if o != n and o.routing == n.routing:
+                changes.append(f"{name}/component {c} changed (model, variant or copies)")
+        if before[name].lora != after[name].lora:
+            changes.append(f"{name} LoraAdapters changed")
     if new.endpoints[0].name != old.endpoints[0].name:
         changes.append(f"default endpoint {old.endpoints[0].name} -> {new.endpoints[0].name}")
     if not changes:
