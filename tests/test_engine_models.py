@@ -179,6 +179,13 @@ async def test_embeddings(engine):
         assert r.status == 400
     async with http.post(url + "/v1/embeddings", json={"model": "nope", "input": "x"}) as r:
         assert r.status == 404
+    async with http.post(url + "/v1/embeddings", json={**body, "encoding_format": "base64"}) as r:
+        packed = (await r.json())["data"][0]["embedding"]
+    import base64
+    import struct
+
+    floats = struct.unpack("<16f", base64.b64decode(packed))  # what the openai client decodes
+    assert [round(v, 5) for v in floats] == [round(v, 5) for v in first["data"][0]["embedding"]]
 
 
 def test_emulate_flags():

@@ -363,6 +363,9 @@ def test_flags_declare_components_and_adapters():
         build_config(p.parse_args(["--backend", "http://a:1", "--inference-component", "ic"]))
     with pytest.raises(ConfigError, match="not an instance of production variant"):
         build_config(p.parse_args(["--backend", "http://a:1", "--inference-component", "ic=http://z:1"]))
+    for flag, value in (("--inference-component", "foo:=discover"), ("--lora-adapter", "a=/x@")):  # empty parts
+        with pytest.raises(ConfigError, match="expected NAME"):
+            build_config(p.parse_args(["--backend", "http://a:1", flag, value]))
 
 
 def test_autoload_is_refused_with_several_workers():

@@ -721,8 +721,10 @@ class EngineServer:
             return _error_response(exc.status, str(exc), exc.type)
         except ValueError as exc:
             return _error_response(400, str(exc))
-        data = [{"object": "embedding", "index": i, "embedding": _vector(p.payload, self.embedding_dim)}
-                for i, p in enumerate(prompts)]
+        b64 = payload.get("encoding_format") == "base64"  # (as vLLM: float32 little-endian, base64)
+        data = [{"object": "embedding", "index": i,
+                 "embedding": _base64(_vector(p.payload, self.embedding_dim)) if b64 else
+                 _vector(p.payload, self.embedding_dim)} for i, p in enumerate(prompts)]
         tokens = sum(o.prompt_tokens for o in outs)
         body = {"id": "embd-" + uuid.uuid4().hex, "object": "list", "created": int(time.time()), "model": model,
                 "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
@@ -781,6 +783,14 @@ def _vector(payload: bytes, dim: int) -> list[float]:
     values = [((xxhash.xxh3_64_intdigest(payload, i) >> 11) / float(1 << 53)) * 2.0 - 1.0 for i in range(dim)]
     norm = math.sqrt(sum(v * v for v in values)) or 1.0
     return [round(v / norm, 6) for v in values]
+
+
+def _base64(vector: list[float]) -> str:
+    """``vector`` as the OpenAI API's ``encoding_format: base64``: float32, little-endian."""
+    import base64
+    import struct
+
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode("ascii")
 
 
 #: Key of the :class:`EngineServer` in its ``web.Application`` (``runner.app[ENGINE_KEY]``).

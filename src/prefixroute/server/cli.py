@@ -383,12 +383,12 @@ def parse_component_flag(text: str) -> dict[str, Any]:
     item (validated with the rest of the configuration).
 
     Raises:
-        ConfigError: no ``=``, or nothing after it.
+        ConfigError: no ``=``, nothing after it, or an empty name or ``:MODEL``.
     """
     head, sep, tail = text.partition("=")
-    if not sep or not head or not tail.strip():
+    name, colon, model = head.partition(":")
+    if not sep or not name or not tail.strip() or (colon and not model):
         raise ConfigError(f"--inference-component {text!r}: expected NAME[:MODEL]=URL,URL or NAME[:MODEL]=discover")
-    name, _, model = head.partition(":")
     item: dict[str, Any] = {"InferenceComponentName": name}
     if model:
         item["ModelName"] = model
@@ -401,11 +401,11 @@ def parse_adapter_flag(text: str) -> dict[str, Any]:
     """``NAME=PATH[@BASE_MODEL]`` as a ``LoraAdapters.Adapters`` item.
 
     Raises:
-        ConfigError: no ``=`` or an empty name or path.
+        ConfigError: no ``=``, an empty name or path, or an empty ``@BASE_MODEL``.
     """
     name, sep, rest = text.partition("=")
     path, at, base = rest.rpartition("@") if "@" in rest else (rest, "", "")
-    if not sep or not name or not path:
+    if not sep or not name or not path or (at and not base):
         raise ConfigError(f"--lora-adapter {text!r}: expected NAME=PATH or NAME=PATH@BASE_MODEL")
     item: dict[str, Any] = {"LoraName": name, "LoraPath": path}
     if at and base:
