@@ -279,7 +279,10 @@ async def test_picker_killed_and_restarted_under_load_fail_closed_and_fail_open(
                 # (Envoy's gRPC health check of the picker runs every second: after it noticed)
                 down_closed = [r for r in closed_load.results if t_kill + 1.5 < r[0] < t_restart]
                 down_open = [r for r in open_load.results if t_kill + 1.5 < r[0] < t_restart]
-                assert down_closed and all(s == 500 for _, s, _, _ in down_closed), down_closed[:5]
+                # fail closed: Envoy's own error (500 from ext_proc, or 503 while its health
+                # check has the picker's cluster down), never a request that went on
+                served = [(round(t - t_kill, 3), s, via) for t, s, via, _ in down_closed if s not in (500, 503)]
+                assert down_closed and not served, (served[:5], len(down_closed))
                 assert down_open and all(s == 200 and not via for _, s, via, _ in down_open), down_open[:5]
                 # nothing hung: every request got an answer well within the client's timeout
                 assert max(d for *_, d in closed_load.results + open_load.results) < 10
