@@ -126,3 +126,16 @@ def test_published_table_lists_every_figure() -> None:
     text = console.export_text()
     for needle in ("-77 … -71 %", "-73 %", "~25 % → ~82 %", "25.0 % → 80.0 %", "+14.3 %", "45.0 … 55.0 %"):
         assert needle in text
+
+
+def test_a_benchmark_workload_takes_the_overhead_too(tmp_path) -> None:
+    p50 = {}
+    for ms in (0, 10):
+        out = tmp_path / f"sim{ms}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefixroute", "simulate", "--bench-workload", "images", "--strategies", "random",
+             "--overhead-ms", str(ms), "--no-progress", "--no-plots", "--json", str(out)],
+            capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        p50[ms] = json.loads(out.read_text())["runs"][0]["p50_latency_s"]
+    assert p50[10] - p50[0] >= 0.009  # (it was ignored with --bench-workload)

@@ -376,7 +376,8 @@ def run(args: argparse.Namespace) -> int:
             routings = [bench_routing(s) for s in strategies]
             common.update(engine_load_interval_s=1.0, replica_per="session")
             configs = [(label, SimConfig(ids[:BENCH_INSTANCES], r, engine=engine, duration_s=duration,
-                                         users=bw.users, changes=changes, precise=precise, **common))
+                                         users=bw.users, overhead_s=args.overhead_ms / 1000, changes=changes,
+                                         precise=precise, **common))
                        for label, r, precise in arms(strategies, routings, args, tiers, args.cpu_tier_tokens)]
         else:
             configs = [(label, SimConfig(instance_ids(args.instances), r, engine=engine, duration_s=args.duration,
