@@ -43,7 +43,8 @@ import orjson
 from aiohttp import HttpVersion11, web
 
 from prefixroute.core.config import RoutingConfig
-from prefixroute.core.endpoint import UnknownComponent, UnknownEndpoint, UnknownVariant
+from prefixroute.core.endpoint import Endpoint, UnknownComponent, UnknownEndpoint, UnknownVariant
+from prefixroute.core.pool import VariantPool
 from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, native_route, openai_route,
                                    openai_tenant, validate_tenant_id)
 from prefixroute.core.openai_routes import OpenAIRoute, keyed_view, scoped_model
@@ -716,13 +717,18 @@ async def models(request: web.Request) -> web.Response:
         return openai_error(400, str(exc), code="variant_not_found", headers=hdrs)
     except UnknownComponent as exc:
         return openai_error(400, str(exc), code="inference_component_not_found", headers=hdrs)
-    pools = [pool] if component else endpoint.all_pools()
-    ids = list(dict.fromkeys(i.instance_id for p in pools for i in p.instances if i.healthy))
-    cards = state.catalog.cards(ids)
+    cards = _listed_cards(state, endpoint, pool if component else None)
     if not cards:
         return await forward_get(state, request, pool, "/v1/models", rid, drop)
     hdrs[H.INVOKED_VARIANT] = pool.name
     return json_response(200, {"object": "list", "data": cards}, hdrs)
+
+
+def _listed_cards(state: RouterState, endpoint: Endpoint, component: VariantPool | None) -> list[Mapping[str, Any]]:
+    """The model cards the healthy instances of ``endpoint`` (of ``component``'s copies
+    only, when given) list, as the catalog has them; ``[]`` when none is known."""
+    pools = [component] if component is not None else endpoint.all_pools()
+    return state.catalog.cards(dict.fromkeys(i.instance_id for p in pools for i in p.instances if i.healthy))
 
 
 async def relay_other(request: web.Request) -> web.StreamResponse:
@@ -755,9 +761,7 @@ async def relay_other(request: web.Request) -> web.StreamResponse:
         return openai_error(400, str(exc), code="not_found", headers={H.REQUEST_ID: rid})
     if request.method == "GET" and match.tail.startswith("/v1/models/"):  # one model's card, as listed
         mid = urllib.parse.unquote(match.tail[len("/v1/models/"):])
-        pools = [pool] if match.component else endpoint.all_pools()
-        ids = list(dict.fromkeys(i.instance_id for p in pools for i in p.instances if i.healthy))
-        cards = state.catalog.cards(ids)
+        cards = _listed_cards(state, endpoint, pool if match.component else None)
         card = next((c for c in cards if c.get("id") == mid), None)
         if card is not None:
             return json_response(200, dict(card), {H.REQUEST_ID: rid, H.INVOKED_VARIANT: pool.name})
