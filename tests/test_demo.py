@@ -19,7 +19,7 @@ def test_small_demo_writes_spec_json_and_prefix_aware_wins(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "prefixroute", "demo", "--instances", "3", "--groups", "12",
          "--prefix-tokens", "1024", "--kv-capacity-tokens", "8192", "--users", "6", "--duration", "4",
-         "--time-scale", "0.5", "--concurrency-threshold", "4", "--prefix-length", "1024",
+         "--time-scale", "0.5", "--concurrency-threshold", "6", "--prefix-length", "1024",
          "--json", str(out), "--out-dir", str(tmp_path / "plots")],
         capture_output=True, text=True, timeout=180,
     )
@@ -35,7 +35,10 @@ def test_small_demo_writes_spec_json_and_prefix_aware_wins(tmp_path):
         assert len(r["instance_share"]) == 3
         assert sum(r["instance_share"]) == pytest.approx(1.0)
         assert 0 < r["p50_ttft_s"] <= r["p90_ttft_s"]
-    # 12 groups of 1,024 tokens do not fit one 8,192-token cache but fit three.
+    # 12 groups of 1,024 tokens do not fit one 8,192-token cache but fit three. The threshold
+    # equals the users, so PREFIX_AWARE never overflows and its hit rate depends on the groups'
+    # rendezvous homes alone (they follow the engines' fresh ports): 0.87-0.90 in 8 runs, even
+    # with 64 % of the requests on one instance; with threshold 4 an unlucky draw gave 0.68.
     assert runs["PREFIX_AWARE"]["cache_hit_rate"] > runs["RANDOM"]["cache_hit_rate"] + 0.15
     assert (tmp_path / "plots" / "ttft_cdf.png").stat().st_size > 1000
     assert (tmp_path / "plots" / "instance_share.png").stat().st_size > 1000
@@ -78,7 +81,7 @@ def test_multi_model_demo_reports_each_component(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "prefixroute", "demo", "--multi-model", "--instances", "4", "--groups", "12",
          "--prefix-tokens", "1024", "--kv-capacity-tokens", "6144", "--users", "6", "--duration", "4",
-         "--time-scale", "0.5", "--concurrency-threshold", "4", "--prefix-length", "1024",
+         "--time-scale", "0.5", "--concurrency-threshold", "6", "--prefix-length", "1024",
          "--strategies", "random,prefix-aware", "--json", str(out), "--no-plots"],
         capture_output=True, text=True, timeout=180,
     )
