@@ -1482,3 +1482,62 @@ async def test_with_several_workers_metrics_of_whole_answers_are_recorded_at_onc
                 assert handle._front._unaccounted == [] and handle._front._accounting is None
     finally:
         await handle.close()
+
+
+@pytest.mark.parametrize("field", ["Host", "Content-Type", "host"])
+async def test_a_repeated_singleton_field_is_a_400_on_both_planes_and_the_refusal_is_logged(backend, data_plane,
+                                                                                           caplog, field):
+    """Two ``Host`` lines (or any RFC 9110 singleton twice, in any spelling): 400 naming
+    the field, nothing forwarded, and an INFO line says the router refused it (never the
+    request's text)."""
+    caplog.set_level(logging.INFO)
+    handle = await _plane_router(backend, data_plane)
+    try:
+        reader, writer = await _connect(handle)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                     b"%s: again\r\nContent-Length: %d\r\n\r\n" % (field.encode(), len(CHAT)) + CHAT)
+        status, _, body = await asyncio.wait_for(_read_response(reader), 5)
+        writer.close()
+        named = "Content-Type" if field == "Content-Type" else "Host"
+        assert status == 400 and f"Duplicate '{named}' header found." in body.decode()
+        assert backend.received == []
+        lines = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.INFO and "refused" in
+                 rec.getMessage()]
+        assert any(f"Duplicate '{named}' header found." in m or "400 BadHttpMessage" in m for m in lines), lines
+        assert not any(CHAT.decode() in m for m in lines)
+    finally:
+        await handle.close()
+
+
+async def test_every_refusal_of_the_router_is_logged_at_info_within_a_budget(backend, data_plane, caplog,
+                                                                             monkeypatch):
+    """413, 404 and a bad body are logged as they are answered, one INFO line each; past
+    REFUSALS_LOGGED_PER_S in one second the rest are counted into the next line."""
+    from prefixroute.server import observe
+
+    caplog.set_level(logging.INFO, logger="prefixroute.server")
+    handle = await _plane_router(backend, data_plane, max_body_bytes=1000)
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(handle.url + "/v1/chat/completions", data=b"x" * 2000) as r:
+                assert r.status == 413
+            async with http.post(handle.url + "/endpoints/nope/invocations", data=b"{}") as r:
+                assert r.status == 404
+            async with http.post(handle.url + "/v1/chat/completions", data=b'{"messages": 3}') as r:
+                assert r.status == 400
+        lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("refused")]
+        assert [m.split(": ", 1)[1][:3] for m in lines] == ["413", "404", "400"], lines
+        assert "endpoint 'nope' not found" in lines[1] and "variant AllTraffic" in lines[0]
+        caplog.clear()
+        obs = handle.state.observers
+        now = [1000.5]
+        monkeypatch.setattr(observe, "_clock", lambda: now[0])
+        for _ in range(observe.REFUSALS_LOGGED_PER_S + 5):
+            obs.refused("default", "AllTraffic", 429, "limit", "r", 0.0, 0.0)
+        now[0] += 1  # the next second
+        obs.refused("default", "AllTraffic", 429, "limit", "r", 0.0, 0.0)
+        lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("refused")]
+        assert len(lines) == observe.REFUSALS_LOGGED_PER_S + 1
+        assert lines[-1].endswith("; 5 more refusals not logged before it")
+    finally:
+        await handle.close()

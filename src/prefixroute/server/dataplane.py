@@ -128,6 +128,13 @@ MAX_FIELD_BYTES = 8190
 #: whole. HAProxy's default (101 with the request line); below aiohttp's 128, with room
 #: for the fields the router adds to what it passes on (to the aiohttp app, to an engine).
 MAX_HEADERS = 100
+#: Fields a request may carry once (RFC 9110's singletons, as aiohttp's parser checks
+#: them, so both data planes answer a repeated one alike: 400 "Duplicate 'Host' header
+#: found."); lower-case name -> the name the answer gives.
+SINGLETON_FIELDS = {n.lower().encode(): n for n in (
+    "Content-Length", "Content-Location", "Content-Range", "Content-Type", "ETag", "Host", "Max-Forwards",
+    "Server", "Transfer-Encoding", "User-Agent")}
+
 #: Seconds of silence after which a connection refused mid-request (413, 431, 400), or
 #: closed at shutdown with pipelined input unread, closes; until then it reads and drops
 #: what the client still sends: closing with unread bytes would reset the connection,
@@ -852,6 +859,9 @@ class _Client(asyncio.Protocol):
             low = k.lower()
             if low not in index:
                 index[low] = v
+            elif low in SINGLETON_FIELDS:
+                self._refuse(400, b"Bad Request", f"bad request: Duplicate '{SINGLETON_FIELDS[low]}' header found.")
+                return
             if low == b"content-length":
                 try:
                     declared = int(v)
@@ -1085,6 +1095,9 @@ class _Client(asyncio.Protocol):
         if self.discard:
             return
         body = orjson.dumps({"message": message})
+        t0 = self.cur.t0 if self.cur is not None else time.perf_counter()
+        self.front.state.observers.refused("unknown", "", status, message, None, t0, time.perf_counter(),
+                                           len(body))
         inc = _Incoming()
         inc.keep_alive = False
         inc.refusal = _head(status, reason, [(b"Content-Type", b"application/json")],

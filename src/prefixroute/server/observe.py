@@ -30,9 +30,16 @@ if TYPE_CHECKING:
     from prefixroute.server.proxy import RoutedRequest
     from prefixroute.server.trace import TraceRecorder
 
-__all__ = ["Observers", "key_digest"]
+__all__ = ["Observers", "key_digest", "REFUSALS_LOGGED_PER_S"]
 
 log = logging.getLogger("prefixroute.server")
+
+#: Refusals logged per second at most (INFO, one line each); the others in that second
+#: are counted and named by the next line logged, so a client looping on a 4xx, or a
+#: rate limit answering thousands of 429s, cannot flood the log.
+REFUSALS_LOGGED_PER_S = 10
+
+_clock = time.monotonic  # (what the budget's seconds are read from)
 
 
 def key_digest(rr: "RoutedRequest") -> str | None:
@@ -63,6 +70,9 @@ class Observers:
         self.access_log: "AccessLog | None" = None
         self.recorder: "TraceRecorder | None" = None
         self.otel: "OtelTracing | None" = None
+        self._log_second = 0
+        self._logged_this_second = 0
+        self._not_logged = 0
 
     def open(self, access_log: str | None = None, record_trace: str | None = None, otel: bool = False) -> None:
         """Open what the settings ask for.
@@ -134,8 +144,11 @@ class Observers:
                 t0: float, t_end: float, bytes_out: int = 0, extra: dict[str, Any] | None = None) -> None:
         """The router answered ``status`` itself, before routing (``variant`` ``""`` when
         none was chosen; ``message`` is the router's own text; ``extra``: access log
-        fields known, such as ``client``)."""
+        fields known, such as ``client``). Logged at INFO (at most
+        :data:`REFUSALS_LOGGED_PER_S` lines a second) with the message, never the request's
+        text."""
         try:
+            self._log_refusal(endpoint, variant, status, message, request_id)
             self.stats.refused(endpoint, variant, status, message, request_id)
             if self.access_log is not None:
                 from prefixroute.server.accesslog import access_entry
@@ -150,3 +163,16 @@ class Observers:
                 self.access_log.write(entry)
         except Exception:
             log.exception("recording a refused request failed")
+
+    def _log_refusal(self, endpoint: str, variant: str, status: int, message: str, request_id: str | None) -> None:
+        second = int(_clock())
+        if second != self._log_second:
+            self._log_second, self._logged_this_second = second, 0
+        if self._logged_this_second >= REFUSALS_LOGGED_PER_S:
+            self._not_logged += 1
+            return
+        self._logged_this_second += 1
+        more, self._not_logged = self._not_logged, 0
+        log.info("refused%s: %d %s (endpoint %s%s)%s", f" request {request_id}" if request_id else "", status,
+                 message or "(no message)", endpoint, f", variant {variant}" if variant else "",
+                 f"; {more} more refusal{'s' if more != 1 else ''} not logged before it" if more else "")
