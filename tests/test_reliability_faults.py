@@ -9,6 +9,7 @@ or a cleanly ended stream, and no request reached two instances.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -131,6 +132,78 @@ async def test_error_status_passed_on_and_instance_stays(router, backends, http,
     for b in backends:  # 4xx, 429 and 503 are answers, not a dead instance (unhealthy_threshold=1)
         assert router.fleet.endpoint().variant().get(b.url).healthy
     await assert_invariants(router, backends, floor)
+
+
+@pytest.mark.parametrize("route", ("chat", "chat_stream", "native", "response_stream"))
+@pytest.mark.parametrize("status", (429, 503))
+async def test_retry_status_sends_a_429_or_503_elsewhere_and_holds_the_instance_back(backends, http, floor,
+                                                                                      data_plane, route, status):
+    """--retry-status: the refusing instance's answer never reaches the client (a 200
+    from the other does), and the instance gets no new request during its Retry-After."""
+    handle = await _router([b.url for b in backends], data_plane=data_plane, retry_statuses=frozenset({status}))
+    try:
+        backends[0].default = Fault("status", status=status, headers={"Retry-After": "30"})
+        for _ in range(8):  # RANDOM sends one of them to the refusing instance (seeded)
+            out = await call(http, handle, route)
+            assert out.status == 200 and out.error is None
+        assert len(backends[0].received) == 1  # then held back: not asked again within its Retry-After
+        assert len(backends[1].received) == 8
+        assert backends[0].received[0].body in [r.body for r in backends[1].received]  # the same request, again
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_retries_total", endpoint="default", variant="AllTraffic",
+                            reason=f"http_{status}") == 1
+        assert metric_value(text, "prefixroute_upstream_errors_total", instance=backends[0].url,
+                            kind=f"http_{status}") == 1
+        assert handle.fleet.endpoint().variant().get(backends[0].url).healthy  # held back, not unhealthy
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor, frozenset(backends[0].ids()))
+
+
+@pytest.mark.parametrize("route", ("chat", "native"))
+async def test_retry_status_relays_the_last_answer_when_every_instance_refuses(backends, http, floor, data_plane,
+                                                                              route):
+    handle = await _router([b.url for b in backends], data_plane=data_plane, retry_statuses=frozenset({429, 503}))
+    try:
+        backends[0].default = Fault("status", status=503, headers={"Retry-After": "7"})
+        backends[1].default = Fault("status", status=429, headers={"Retry-After": "9"})
+        out = await call(http, handle, route)
+        assert len(backends[0].received) == 1 and len(backends[1].received) == 1  # each asked once
+        last = 429 if backends[1].received[0].t_received > backends[0].received[0].t_received else 503
+        if route == "chat":
+            assert (out.status, out.headers["Retry-After"]) == (last, "9" if last == 429 else "7")
+            assert out.body == Fault().body
+        else:
+            assert out.status == 424 and out.json["OriginalStatusCode"] == last
+        assert handle.state.retry_status.held() == {b.url for b in backends}
+        # both held back: a request still goes where it would have gone, then to the other
+        out = await call(http, handle, route)
+        assert out.status in (429, 503, 424)
+        assert len(backends[0].received) == len(backends[1].received) == 2
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor, frozenset(backends[0].ids()) | frozenset(backends[1].ids()))
+
+
+def test_retry_after_is_read_as_seconds_or_a_date_and_holds_are_bounded():
+    from prefixroute.core.retry_status import MAX_HOLD_S, RetryStatus, parse_retry_after, parse_statuses
+
+    assert parse_retry_after("5") == 5.0 and parse_retry_after(b" 0 ") == 0.0
+    assert parse_retry_after("Fri, 04 Dec 2026 20:00:10 GMT", now_wall=1796414400.0) == 10.0
+    assert parse_retry_after("Fri, 04 Dec 2026 19:00:00 GMT", now_wall=1796414400.0) == 0.0  # past: now
+    assert parse_retry_after("soon") is None and parse_retry_after("-3") is None and parse_retry_after(None) is None
+    assert parse_statuses("429, 503") == {429, 503} and parse_statuses("none") == frozenset()
+    with pytest.raises(ValueError, match="500"):
+        parse_statuses("500")
+    now = [100.0]
+    rs = RetryStatus({503}, clock=lambda: now[0])
+    assert not rs.retries(429, 2) and not rs.retries(503, 0) and rs.retries(503, 1)
+    assert rs.hold("a", "3600") == MAX_HOLD_S and rs.hold("b", None) == 1.0 and rs.hold("c", "0") == 0.0
+    assert rs.held() == {"a", "b"}
+    now[0] += 1.0
+    assert rs.held() == {"a"}
+    now[0] += MAX_HOLD_S
+    assert rs.held() == frozenset() and rs.holds == {}
 
 
 # -- the instance cannot be reached: retried elsewhere ------------------------------------
@@ -349,6 +422,98 @@ async def test_client_abort_closes_upstream_within_1s(backends, http, floor, rou
                             code="499") == 1
     finally:
         await handle.close()
+    await assert_invariants(handle, backends, floor)
+
+
+@pytest.mark.parametrize("route", STREAMING)
+async def test_a_client_that_stops_reading_is_cut_after_the_send_timeout(backends, http, floor, data_plane, route,
+                                                                        caplog):
+    """A client that asks for a long stream and reads none of it: after
+    --client-send-timeout its connection is closed, the engine's request aborted and
+    the slot freed (the stream-idle timeout is far off: this is the send timeout)."""
+    import logging
+    import socket
+
+    from reliability_helpers import request_for
+
+    caplog.set_level(logging.INFO)
+    handle = await _router([b.url for b in backends], data_plane=data_plane, client_send_timeout_s=0.5,
+                           stream_idle_timeout_s=60, response_headers_timeout_s=60)
+    try:
+        _all(backends, Fault("ok", events=400_000))
+        path, body = request_for(route)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # a small window, never read
+        sock.setblocking(False)
+        host, port = handle.url.removeprefix("http://").split(":")
+        await asyncio.get_running_loop().sock_connect(sock, (host, int(port)))
+        head = (f"POST {path} HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode()
+        await asyncio.get_running_loop().sock_sendall(sock, head + body)
+        assert await eventually(lambda: len(_served(backends)) == 1, 3)
+        [rec] = _served(backends)
+        t0 = time.monotonic()
+        assert await eventually(lambda: rec.t_closed is not None, 10), "the engine's request was never aborted"
+        assert await eventually(lambda: in_flight(handle) == 0, 2)
+        assert rec.t_closed - t0 < 8
+        assert any("left an answer unread for 0.5 s" in r.getMessage() for r in caplog.records)
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                            code="499") == 1
+        sock.close()
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor)
+
+
+@pytest.mark.parametrize("route", ("chat", "chat_stream", "native"))
+async def test_a_client_gone_while_the_router_connects_frees_its_slot_and_is_not_retried(backends, http, floor,
+                                                                                        data_plane, route):
+    """The instance's listen queue is full (its connect hangs): a client that gives up
+    meanwhile gets its slot freed at once, and when the connect times out no retry is
+    sent to another instance on behalf of a client that has gone."""
+    import socket
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = []
+    for _ in range(3):  # fill the accept queue: the kernel then drops the router's SYNs
+        f = socket.socket()
+        f.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            f.connect(("127.0.0.1", port))
+        fillers.append(f)
+    hung = f"http://127.0.0.1:{port}"
+    handle = await _router([hung, backends[0].url], data_plane=data_plane, health_check_interval_s=0,
+                           connect_timeout_s=1.0, max_retries=2)
+    try:
+        pool = handle.fleet.endpoint().variant()
+        for _ in range(20):  # RANDOM (seeded) sends one to the hung instance
+            served = len(backends[0].received)
+            try:
+                await call(http, handle, route, timeout=0.3)
+            except (asyncio.TimeoutError, aiohttp.ServerTimeoutError):
+                break
+            assert len(backends[0].received) == served + 1
+        else:
+            pytest.fail("no request went to the hung instance")
+        served = len(backends[0].received)
+        assert await eventually(lambda: in_flight(handle) == 0, 0.5), "the slot was kept while connecting"
+        assert pool.get(hung).in_flight == 0
+        await asyncio.sleep(1.5)  # the connect timeout passes
+        assert len(backends[0].received) == served  # no retry for a client that has gone
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_responses_total", endpoint="default", variant="AllTraffic",
+                            code="499") == 1
+        assert not metric_value(text, "prefixroute_retries_total", endpoint="default", variant="AllTraffic",
+                                reason="connect")
+    finally:
+        await handle.close()
+        for f in fillers:
+            f.close()
+        listener.close()
     await assert_invariants(handle, backends, floor)
 
 

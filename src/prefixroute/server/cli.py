@@ -59,6 +59,16 @@ def parse_size(text: str) -> int:
     return int(value * _SIZE_UNITS[unit])
 
 
+def _retry_statuses(text: str) -> frozenset[int]:
+    """``--retry-status``: ``429``, ``503``, ``429,503`` or ``none`` (argparse type)."""
+    from prefixroute.core.retry_status import parse_statuses
+
+    try:
+        return parse_statuses(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def parse_workers(text: str) -> int:
     """``--workers``: an integer from 1 to 64 (argparse type)."""
     try:
@@ -255,6 +265,20 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
     o.add_argument("--max-retries", type=int, default=2, metavar="N",
                    help="most retries on other instances, only when the failed one cannot have started the "
                         "request (connection refused, request not sent in full) (default: 2)")
+    o.add_argument("--retry-status", type=_retry_statuses, default=frozenset(), metavar="CODES",
+                   help="retry an instance's 429 and/or 503 answer (e.g. 429,503) on an instance not tried yet, "
+                        "while nothing of it has reached the client and --max-retries allows; the instance is "
+                        "held back from new requests for its Retry-After (at most 30 s, 1 s without one); with "
+                        "no other instance left the answer is relayed (default: none, every answer is relayed, "
+                        "as SageMaker does)")
+    o.add_argument("--upstream-keepalive-timeout", type=float, default=4.0, metavar="SECONDS",
+                   help="seconds an idle pooled connection to an instance is kept for reuse; keep it below the "
+                        "engine's own idle timeout (uvicorn, in front of vLLM and SGLang: 5 s), or a request may "
+                        "meet a connection the engine is closing (the router then retries it once on a new "
+                        "connection) (default: 4)")
+    o.add_argument("--client-send-timeout", type=float, default=60.0, metavar="SECONDS",
+                   help="longest a client may leave an answer unread (a stream it stopped reading): then its "
+                        "connection is closed, the instance's request aborted and the slot freed (default: 60)")
     o.add_argument("--max-body-size", type=parse_size, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
                    help="largest request body; larger ones get 413 and are not sent upstream, e.g. 128MiB "
                         "(default: 64MiB, room for long contexts and inline images)")
@@ -558,6 +582,9 @@ def build_settings(args: argparse.Namespace) -> ServerSettings:
         unhealthy_threshold=args.unhealthy_threshold, healthy_threshold=args.healthy_threshold,
         connect_timeout_s=args.connect_timeout, response_headers_timeout_s=args.response_headers_timeout,
         stream_idle_timeout_s=args.stream_idle_timeout, max_retries=args.max_retries,
+        retry_statuses=getattr(args, "retry_status", frozenset()),
+        keepalive_timeout_s=getattr(args, "upstream_keepalive_timeout", 4.0),
+        client_send_timeout_s=getattr(args, "client_send_timeout", 60.0),
         max_body_bytes=args.max_body_size, metrics_scrape_interval_s=args.metrics_scrape_interval,
         metrics_scrape_timeout_s=getattr(args, "metrics_scrape_timeout", 2.0),
         client_keepalive_timeout_s=getattr(args, "client_keepalive_timeout", DEFAULT_CLIENT_KEEPALIVE_S),

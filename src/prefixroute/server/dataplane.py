@@ -61,7 +61,7 @@ import httptools
 import orjson
 from aiohttp import web
 
-from prefixroute.core.pool import NoHealthyInstance, SetSaturated
+from prefixroute.core.pool import Lease, NoHealthyInstance, SetSaturated
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.app import (
@@ -78,7 +78,7 @@ from prefixroute.server.app import (
 )
 from prefixroute.server.proxy import STREAM_ABORTED, Api, RoutedRequest, acquire, acquire_or_grow, at_event_boundary, \
     broken_message, connect_failed, count_routed, ends_with_done, model_error, no_instance_error, our_headers, \
-    peer_closed, saturated_error, sse_error_event, upstream_error, upstream_headers
+    peer_closed, retry_elsewhere, saturated_error, sse_error_event, upstream_error, upstream_headers
 from prefixroute.server.record import RequestRecord
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.state import RouterState
@@ -172,6 +172,14 @@ def _head(status: int, reason: bytes, headers: H.RawHeaders, framing: bytes, kee
         parts.append(b"Connection: close\r\n")
     parts.append(b"\r\n")
     return b"".join(parts)
+
+
+def _field(headers: H.RawHeaders, name: bytes) -> bytes | None:
+    """The first value of field ``name`` (lower-case) in raw header pairs, or ``None``."""
+    for k, v in headers:
+        if k.lower() == name:
+            return v
+    return None
 
 
 def _serialize(resp: web.Response, keep_alive: bool) -> bytes:
@@ -719,6 +727,7 @@ class _Client(asyncio.Protocol):
         # The response-headers timeout of the request answered by callbacks (detached):
         # one timer per connection, re-armed only when it fires.
         self._headers_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None  # --client-send-timeout, while writes are paused
 
     # -- asyncio.Protocol ---------------------------------------------------------
 
@@ -789,6 +798,9 @@ class _Client(asyncio.Protocol):
         if self._headers_timer is not None:
             self._headers_timer.cancel()
             self._headers_timer = None
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self.waiting is not None and not self.waiting.done():
             self.waiting.set_exception(_ClientGone())
         if self.wake is not None and not self.wake.done():
@@ -804,9 +816,25 @@ class _Client(asyncio.Protocol):
         self.write_paused = True
         if self.upstream is not None:
             self.upstream.pause()
+        if self._send_timer is None:
+            self._send_timer = self.front.loop.call_later(self.front.state.settings.client_send_timeout_s,
+                                                          self._send_timed_out)
+
+    def _send_timed_out(self) -> None:
+        """The client left what was written to it unread for ``--client-send-timeout``:
+        disconnected (:meth:`connection_lost` then aborts the instance's request and
+        frees its slot, as for a client that left)."""
+        self._send_timer = None
+        if self.write_paused and not self.closed:
+            log.info("a client left an answer unread for %g s (--client-send-timeout): disconnected",
+                     self.front.state.settings.client_send_timeout_s)
+            self.abort()
 
     def resume_writing(self) -> None:
         self.write_paused = False
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
         if self.drained is not None and not self.drained.done():
             self.drained.set_result(None)
         if self.upstream is not None:
@@ -1518,6 +1546,34 @@ class FrontServer:
         inc.keep_alive = keep
         client.write(_serialize(resp, keep))
 
+    async def _connect(self, client: _Client, target: tuple[Any, ...]) -> _Upstream:
+        """A new connection to ``target`` for ``client``'s request, given up when the
+        client leaves first (:class:`_ClientGone`: its slot is freed at once and nothing
+        is retried for it; a connection that opens after that goes to the pool).
+
+        Raises:
+            OSError, TimeoutError: as :meth:`_UpstreamPool.connect`.
+        """
+        task = self.loop.create_task(self.upstreams.connect(target, self.state.settings.connect_timeout_s))
+        done: asyncio.Future[None] = self.loop.create_future()
+        task.add_done_callback(lambda _t: done.done() or done.set_result(None))
+        try:
+            await self._await(client, done, None)
+        except BaseException:  # the client gone (or this task cancelled)
+            if task.done():
+                self._pool_opened(task)
+            else:
+                task.cancel()
+                task.add_done_callback(self._pool_opened)
+            raise
+        return task.result()
+
+    def _pool_opened(self, task: asyncio.Task[_Upstream]) -> None:
+        """A connection opened for a client that left: kept for the next request."""
+        if task.cancelled() or task.exception() is not None:
+            return
+        self.upstreams.put(task.result())
+
     async def _await(self, client: _Client, fut: asyncio.Future[None], timeout_s: float | None) -> None:
         """Wait for ``fut``; raises what it holds, :class:`_ClientGone` if the client
         leaves first, ``TimeoutError`` after ``timeout_s`` (``None``: no limit). One
@@ -1578,11 +1634,16 @@ class FrontServer:
         if up is not None:
             router_s = started.router_s  # type: ignore[union-attr]
         record = rr.record
+        pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
         try:
             for _attempt in range(1 + settings.max_retries):
                 if lease is None:
                     try:
-                        lease = rr.lease = await acquire_or_grow(state, rr, exclude)
+                        if pending is not None:
+                            lease, pending = pending, None
+                            rr.lease = lease
+                        else:
+                            lease = rr.lease = await acquire_or_grow(state, rr, exclude)
                     except NoHealthyInstance as exc:
                         code = 503
                         record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
@@ -1607,8 +1668,7 @@ class FrontServer:
                         t_send = record.t_sent = time.perf_counter()
                         router_s += t_send - mark
                         try:
-                            up = self.upstreams.take(target[:3]) or \
-                                await self.upstreams.connect(target[:3], settings.connect_timeout_s)
+                            up = self.upstreams.take(target[:3]) or await self._connect(client, target[:3])
                         except (OSError, TimeoutError) as exc:
                             mark = time.perf_counter()
                             retry = record.error = "connect"
@@ -1646,6 +1706,13 @@ class FrontServer:
                         self._error(client, rr, 502, f"instance {instance} failed before responding ({kind})",
                                     "upstream_error", {**base_headers, H.INSTANCE: instance}, keep_alive)
                         return
+                    if state.retry_status.retries(up.status, settings.max_retries - _attempt):
+                        pending = await retry_elsewhere(state, rr, instance, up.status,
+                                                        _field(up.resp_headers, b"retry-after"), exclude)
+                        if pending is not None:
+                            mark = time.perf_counter()
+                            retry = record.error = f"http_{up.status}"
+                            continue  # (finish() below closes the connection if the answer is not all in)
                     self._answered(rr, up, decision)
                     code = await self._relay(client, rr, up, decision, router_s, keep_alive)
                     return
@@ -1665,6 +1732,8 @@ class FrontServer:
             code = rr.completed_status or 499
             raise
         finally:
+            if pending is not None:  # (never left over but by a bug: its slot is not kept)
+                pending.release()
             self._count(rr, code or 500)
 
     # -- the bookkeeping of an answer, for _forward/_relay and _settle --------------
@@ -1850,8 +1919,9 @@ class FrontServer:
         the bookkeeping (metrics, the lease, the pooled connection: :meth:`_relay` and
         :meth:`_forward`, when the request's task resumes) comes after the client has
         it. Left to the task: a SageMaker ModelError answer, a client gone."""
-        if client.closed or (rr.api is not Api.OPENAI and not 200 <= up.status < 300):
-            return
+        if client.closed or (rr.api is not Api.OPENAI and not 200 <= up.status < 300) or \
+                self.state.retry_status.retries(up.status, self.state.settings.max_retries):
+            return  # (a 429/503 that --retry-status may send elsewhere: the task decides)
         reply = self._reply(rr, up, ours, router_s, time.perf_counter(), keep_alive)
         if reply.sse or reply.chunked or reply.bodyless or reply.framed:
             parts = [reply.head]

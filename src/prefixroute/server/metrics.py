@@ -483,12 +483,13 @@ class RouterMetrics:
         self.upstream_errors = _Labelled(Counter(
             "prefixroute_upstream_errors",
             "Failures talking to an instance: connect, send, reset, disconnect, headers_timeout, idle_timeout, "
-            "http_5xx, no_done (an SSE stream ended without data: [DONE]).",
+            "http_5xx, no_done (an SSE stream ended without data: [DONE]), http_429 and http_503 (answers "
+            "--retry-status retried elsewhere or held the instance back for).",
             ("instance", "kind"), registry=r))
         self.retries = _Labelled(Counter(
             "prefixroute_retries",
-            "Requests retried on another instance because the first could not have started them "
-            "(reason: connect, send).",
+            "Requests retried on another instance: the first could not have started them (reason: connect, "
+            "send) or answered 429/503 with --retry-status (reason: http_429, http_503).",
             ("endpoint", "variant", "reason"), registry=r))
         self.decision_seconds = _Labelled(Histogram(
             "prefixroute_routing_decision_seconds", "Time of one routing decision, seconds.",

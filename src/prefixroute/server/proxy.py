@@ -62,7 +62,7 @@ __all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forw
            "our_headers", "count_routed",
            "acquire_or_grow", "saturated_error", "no_instance_error",
            "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "peer_closed",
-           "model_error", "broken_message", "upstream_error"]
+           "model_error", "broken_message", "upstream_error", "retry_elsewhere"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -265,11 +265,26 @@ def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset
     saturated set takes the request anyway (its least outstanding instance: after a
     load the request has waited for, it is not refused).
 
+    An instance held back after a retried 429/503 (:mod:`prefixroute.core.retry_status`)
+    is skipped while another candidate is left.
+
     Raises:
         NoHealthyInstance: no healthy, non-excluded candidate.
         SetSaturated: an adapter's sticky set is empty, or every instance of it is at
             ``ConcurrencyThreshold`` (never overflowed to an instance without it).
     """
+    if state.retry_status.holds:  # (--retry-status) instances that answered 429/503 lately, while others remain
+        held = state.retry_status.held()
+        if held and not held <= exclude:
+            try:
+                return _acquire(state, rr, exclude | held, refuse_all_busy)
+            except NoHealthyInstance:
+                pass
+    return _acquire(state, rr, exclude, refuse_all_busy)
+
+
+def _acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str],
+             refuse_all_busy: bool) -> Lease:
     sel = rr.selection
     if sel is None:
         return rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session)
@@ -387,6 +402,29 @@ def _error_kind(exc: BaseException) -> str:
     return "other"
 
 
+async def retry_elsewhere(state: RouterState, rr: RoutedRequest, instance: str, status: int,
+                          retry_after: str | bytes | None, exclude: set[str]) -> Lease | None:
+    """``instance`` answered ``status`` (429 or 503, ``--retry-status``) with nothing of it
+    sent to the client yet: the lease of an instance not tried yet, or ``None`` when none
+    is left (the answer is then relayed). Either way the instance is held back from new
+    requests for its ``Retry-After``, counted
+    (``upstream_errors_total{kind="http_429"|"http_503"}``) and logged; with a lease it
+    is excluded from this request's next attempts."""
+    held_s = state.retry_status.hold(instance, retry_after)
+    state.metrics.upstream_errors.labels(instance, f"http_{status}").inc()
+    exclude.add(instance)
+    try:
+        lease = await acquire_or_grow(state, rr, exclude)
+    except (NoHealthyInstance, SetSaturated):
+        exclude.discard(instance)
+        log.info("instance %s answered %d, relayed (no other instance left); held back from new requests for %g s",
+                 instance, status, held_s)
+        return None
+    log.info("instance %s answered %d: retried on %s; held back from new requests for %g s", instance, status,
+             lease.decision.instance.instance_id, held_s)
+    return lease
+
+
 def connect_failed(state: RouterState, instance: str, exc: BaseException, exclude: set[str]) -> None:
     """No connection to ``instance`` could be opened for a request: counted
     (``upstream_errors_total{kind="connect"}``), the instance marked down at once (a
@@ -433,10 +471,15 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     code: int | str = 0
     retry: str | None = None  # why the previous attempt is being retried
     record = rr.record
+    pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
-                lease = rr.lease = await acquire_or_grow(state, rr, exclude)
+                if pending is not None:
+                    lease, pending = pending, None
+                    rr.lease = lease
+                else:
+                    lease = rr.lease = await acquire_or_grow(state, rr, exclude)
             except NoHealthyInstance as exc:
                 code = 503
                 record.error = "upstream_unavailable" if exclude else "no_healthy_instance"
@@ -496,6 +539,14 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                     code = 502 if rr.api is Api.OPENAI else 424
                     return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
                                   "upstream_error", {**base_headers, H.INSTANCE: instance})
+                if state.retry_status.retries(upstream.status, settings.max_retries - _attempt):
+                    pending = await retry_elsewhere(state, rr, instance, upstream.status,
+                                                    upstream.headers.get("Retry-After"), exclude)
+                    if pending is not None:
+                        upstream.close()
+                        mark = time.perf_counter()
+                        retry = record.error = f"http_{upstream.status}"
+                        continue
                 count_routed(state, rr, decision)
                 state.health.passive_success(instance)
                 try:
@@ -512,6 +563,8 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
         code = rr.completed_status or 499  # the client went away (handler cancelled)
         raise
     finally:
+        if pending is not None:  # (never left over but by a bug: its slot is not kept)
+            pending.release()
         t_end = time.perf_counter()
         m.responses.labels(rr.endpoint, variant, str(code or 500)).inc()
         m.duration_seconds.labels(rr.endpoint, variant).observe(t_end - rr.t0)
@@ -586,6 +639,7 @@ async def _relay(
     ttft = m.ttft_seconds.labels(rr.endpoint, variant)
     record = rr.record
     idle_s = state.settings.stream_idle_timeout_s
+    send_s = state.settings.client_send_timeout_s
     first = True
     tail = b""
     content = upstream.content
@@ -614,8 +668,14 @@ async def _relay(
         if sse:
             tail = (tail + chunk)[-_TAIL:]
         try:
-            await resp.write(eventstream.payload_part(chunk) if framed else chunk)
+            async with asyncio.timeout_at(loop.time() + send_s):  # a client that stops reading: --client-send-timeout
+                await resp.write(eventstream.payload_part(chunk) if framed else chunk)
         except ConnectionError:
+            return resp, rr.completed_status or 499
+        except TimeoutError:
+            log.info("a client left an answer unread for %g s (--client-send-timeout): disconnected", send_s)
+            if request.transport is not None:
+                request.transport.abort()
             return resp, rr.completed_status or 499
         if sse and rr.done_marked and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status

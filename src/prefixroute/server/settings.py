@@ -90,6 +90,14 @@ class ServerSettings:
         max_retries: most retries on another instance, only when the failed instance
             cannot have started the request (connection refused or never opened, or the
             request body could not be sent in full).
+        retry_statuses: answers retried on an instance not tried yet, before any byte of
+            them reaches the client and within ``max_retries`` (429 and/or 503; empty,
+            the default: relayed as SageMaker does); the instance that gave one is held
+            back from new requests for its ``Retry-After``
+            (:mod:`prefixroute.core.retry_status`).
+        client_send_timeout_s: longest a client may leave an answer unread (the router's
+            writes to it blocked by flow control), seconds: then its connection is closed,
+            the instance's request aborted and the slot freed.
         max_body_bytes: largest request body accepted, bytes; larger ones get 413.
         max_connections: most upstream connections open at once (all instances).
         keepalive_timeout_s: how long an idle upstream connection is kept for reuse,
@@ -166,6 +174,8 @@ class ServerSettings:
     response_headers_timeout_s: float = 600.0
     stream_idle_timeout_s: float = 300.0
     max_retries: int = 2
+    retry_statuses: frozenset[int] = frozenset()
+    client_send_timeout_s: float = 60.0
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_connections: int = 4096
     keepalive_timeout_s: float = 4.0
@@ -204,6 +214,9 @@ class ServerSettings:
         _duration("response headers timeout", self.response_headers_timeout_s, positive=True)
         _duration("stream idle timeout", self.stream_idle_timeout_s, positive=True)
         _count("max retries", self.max_retries, 0, 16)
+        if not self.retry_statuses <= {429, 503}:
+            raise ConfigError(f"retry status: {sorted(self.retry_statuses)} (allowed: 429, 503)")
+        _duration("client send timeout", self.client_send_timeout_s, positive=True)
         _count("max body size", self.max_body_bytes, 1)
         _count("max connections", self.max_connections, 1)
         _duration("keep-alive timeout", self.keepalive_timeout_s, positive=True)

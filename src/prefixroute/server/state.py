@@ -20,6 +20,7 @@ import aiohttp
 from prefixroute.core.adapters import AdapterTracker
 from prefixroute.core.approx_cache import ViewBudget
 from prefixroute.core.catalog import ModelCatalog
+from prefixroute.core.retry_status import RetryStatus
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable, InFlightTableLocked, config_slot_keys, slot_key
 from prefixroute.core.endpoint import Fleet, UnknownComponent, UnknownEndpoint, UnknownVariant
@@ -100,6 +101,8 @@ class RouterState:
         self.metrics = RouterMetrics(lambda: self.fleet, lambda: self.backend_stats, multiprocess_dir=metrics_dir,
                                      kv_view=lambda: getattr(self, "kv_view", None),
                                      catalog=lambda: getattr(self, "catalog", None))
+        #: --retry-status: which answers are retried, and the instances held back after one.
+        self.retry_status = RetryStatus(settings.retry_statuses)
         self.health = HealthTracker(self.set_healthy, self.is_healthy, settings.unhealthy_threshold,
                                     settings.healthy_threshold, active_checks=settings.health_check_interval_s > 0)
         self.session: aiohttp.ClientSession | None = None
