@@ -517,6 +517,33 @@ async def test_a_client_gone_while_the_router_connects_frees_its_slot_and_is_not
     await assert_invariants(handle, backends, floor)
 
 
+@pytest.mark.parametrize("route", ("chat", "chat_stream", "native"))
+async def test_a_kept_alive_connection_failing_before_an_answer_is_retried_once_on_a_new_one(backends, http, floor,
+                                                                                           data_plane, route):
+    """The instance closes a kept-alive connection as the next request goes out on it
+    (its idle timeout): sent again once, on a new connection, and answered; the
+    instance stays healthy. A second failure is not sent a third time."""
+    handle = await _router([backends[0].url], data_plane=data_plane, max_retries=2)
+    try:
+        assert (await call(http, handle, route)).status == 200  # the connection is now kept alive
+        backends[0].script = [Fault("close_before_headers")]
+        out = await call(http, handle, route)
+        assert out.status == 200 and out.error is None
+        ids = backends[0].ids()
+        assert len(ids) == 3 and ids[1] == ids[2]  # the same request, again
+        text = await metrics_text(http, handle)
+        assert metric_value(text, "prefixroute_retries_total", endpoint="default", variant="AllTraffic",
+                            reason="stale_connection") == 1
+        assert handle.fleet.endpoint().variant().get(backends[0].url).healthy
+        backends[0].script = [Fault("close_before_headers"), Fault("close_before_headers")]
+        out = await call(http, handle, route)
+        assert out.status == (502 if route.startswith("chat") else 424)
+        assert len(backends[0].ids()) == 5  # once on the kept-alive connection, once on a new one
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor, frozenset(i for i in backends[0].ids() if i is not None))
+
+
 # -- health: out of rotation and back, assignments of the others stay --------------------
 
 

@@ -258,6 +258,7 @@ class _Upstream(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.lost = False
         self.idle = False  # in the pool, between two exchanges
+        self.reused = False  # taken from the pool: it carried an exchange before this one
         self.idle_since = 0.0
         self.poller: select.poll | None = None  # this socket registered, for peer_gone()
         self.read_paused = False  # reading paused while a slow client catches up
@@ -551,6 +552,7 @@ class _UpstreamPool:
             if not idle:
                 del self.idle[target]  # no empty list kept per instance ever used
             if now - conn.idle_since < self.keepalive_s and not conn.peer_gone():
+                conn.reused = True
                 return conn
             conn.abort()
         return None
@@ -1635,6 +1637,7 @@ class FrontServer:
             router_s = started.router_s  # type: ignore[union-attr]
         record = rr.record
         pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
+        fresh = False  # the next attempt opens a new connection (a kept-alive one failed)
         try:
             for _attempt in range(1 + settings.max_retries):
                 if lease is None:
@@ -1668,7 +1671,8 @@ class FrontServer:
                         t_send = record.t_sent = time.perf_counter()
                         router_s += t_send - mark
                         try:
-                            up = self.upstreams.take(target[:3]) or await self._connect(client, target[:3])
+                            up = (None if fresh else self.upstreams.take(target[:3])) or \
+                                await self._connect(client, target[:3])
                         except (OSError, TimeoutError) as exc:
                             mark = time.perf_counter()
                             retry = record.error = "connect"
@@ -1690,6 +1694,17 @@ class FrontServer:
                         return
                     except _UpstreamLost as lost:
                         kind = record.error = _error_kind(lost.exc)
+                        if up.reused and not fresh and _attempt < settings.max_retries:
+                            # A kept-alive connection failed before any byte of an answer: the
+                            # instance most likely closed it idle as the request went out.
+                            # Once, on a new connection (not a health failure).
+                            fresh = True
+                            mark = time.perf_counter()
+                            m.upstream_errors.labels(instance, "stale_connection").inc()
+                            retry = record.error = "stale_connection"
+                            log.info("instance %s: a kept-alive connection failed before any answer (%s): the "
+                                     "request is sent again on a new connection", instance, kind)
+                            continue
                         state.health.passive_failure(instance)
                         if not lost.sent:
                             mark = time.perf_counter()

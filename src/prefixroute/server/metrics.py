@@ -489,7 +489,8 @@ class RouterMetrics:
         self.retries = _Labelled(Counter(
             "prefixroute_retries",
             "Requests retried on another instance: the first could not have started them (reason: connect, "
-            "send) or answered 429/503 with --retry-status (reason: http_429, http_503).",
+            "send), a kept-alive connection failed before any answer (reason: stale_connection), or it "
+            "answered 429/503 with --retry-status (reason: http_429, http_503).",
             ("endpoint", "variant", "reason"), registry=r))
         self.decision_seconds = _Labelled(Histogram(
             "prefixroute_routing_decision_seconds", "Time of one routing decision, seconds.",

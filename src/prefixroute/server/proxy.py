@@ -34,6 +34,7 @@ chunks. There is no total timeout, so a long stream lasts as long as tokens flow
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import io
 import logging
@@ -195,6 +196,11 @@ def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
         _POLLER.unregister(fd)
 
 
+#: Whether the connection the current task's last upstream request went out on was a
+#: kept-alive one (set by :class:`PoolConnector`, read by :func:`forward`).
+REUSED_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar("REUSED_CONNECTION", default=False)
+
+
 class PoolConnector(aiohttp.TCPConnector):
     """A ``TCPConnector`` that checks a pooled keep-alive connection before reusing it.
 
@@ -214,6 +220,7 @@ class PoolConnector(aiohttp.TCPConnector):
             conn = await super().connect(*args, **kwargs)
             proto = conn.protocol
             reused = proto in self._handed_out
+            REUSED_CONNECTION.set(reused)  # (the request's task: forward() reads it after a failure)
             self._handed_out.add(proto)
             transport = conn.transport
             # Only idle pooled plain-TCP connections are checked: a fresh one is alive by
@@ -472,6 +479,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     retry: str | None = None  # why the previous attempt is being retried
     record = rr.record
     pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
+    stale_retried = False  # a kept-alive connection failed and the request went again (once)
     try:
         for _attempt in range(1 + settings.max_retries):
             try:
@@ -504,6 +512,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 router_s += t_send - mark
                 tracker = _UploadTracker() if _UploadTracker is not None else None
                 kwargs: dict[str, Any] = {"upload_tracker": tracker} if tracker is not None else {}
+                REUSED_CONNECTION.set(False)
                 try:
                     async with asyncio.timeout(settings.response_headers_timeout_s):
                         upstream = await session.request(
@@ -525,6 +534,17 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                                   {**base_headers, H.INSTANCE: instance})
                 except _UPSTREAM_ERRORS as exc:
                     kind = record.error = _error_kind(exc)
+                    if REUSED_CONNECTION.get() and not stale_retried and _attempt < settings.max_retries:
+                        # A kept-alive connection failed before any byte of an answer: the
+                        # instance most likely closed it idle as the request went out. Once,
+                        # on a new connection (not a health failure).
+                        stale_retried = True
+                        mark = time.perf_counter()
+                        m.upstream_errors.labels(instance, "stale_connection").inc()
+                        retry = record.error = "stale_connection"
+                        log.info("instance %s: a kept-alive connection failed before any answer (%s): the request "
+                                 "is sent again on a new connection", instance, kind)
+                        continue
                     state.health.passive_failure(instance)
                     if _not_sent(tracker):
                         mark = time.perf_counter()
