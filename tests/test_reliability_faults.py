@@ -544,6 +544,48 @@ async def test_a_kept_alive_connection_failing_before_an_answer_is_retried_once_
     await assert_invariants(handle, backends, floor, frozenset(i for i in backends[0].ids() if i is not None))
 
 
+@pytest.mark.parametrize("route", ("chat_stream", "chat"))
+@pytest.mark.parametrize("garbage", [b"zz\r\nnot a chunk", b"5\r\ntoolongforfive\r\n", b"\r\n\r\n\r\n"])
+async def test_malformed_chunked_framing_after_a_good_head_ends_the_answer_within_a_second(http, floor, data_plane,
+                                                                                          route, garbage):
+    """The instance sends a good head and a first chunk, then bytes that are not chunked
+    framing, and keeps the connection open: the client gets an error or an aborted
+    stream at once, not after the stream-idle timeout (30 s here); the slot is freed."""
+    closed = asyncio.Event()
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
+            b"content-length")][0])
+        await reader.readexactly(length)
+        sse = b"text/event-stream" if route == "chat_stream" else b"application/json"
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + sse + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"e\r\ndata: {\"a\":1}\n\n\r\n" + garbage)
+        await writer.drain()
+        await reader.read()  # keep it open until the router closes it
+        closed.set()
+        writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    handle = await _router([f"http://127.0.0.1:{port}"], data_plane=data_plane, health_check_interval_s=0,
+                           stream_idle_timeout_s=30)
+    try:
+        t0 = time.monotonic()
+        out = await call(http, handle, route, timeout=5)
+        took = time.monotonic() - t0
+        assert took < 1.0, took
+        if out.status == 200:
+            assert out.error is not None or b"error" in out.body  # a cut body, or an SSE error event
+        else:
+            assert out.status == 502
+        assert await eventually(closed.is_set, 1.0)  # the router closed the instance's connection
+        assert await eventually(lambda: in_flight(handle) == 0, 1.0)
+    finally:
+        await handle.close()
+        server.close()
+
+
 # -- health: out of rotation and back, assignments of the others stay --------------------
 
 

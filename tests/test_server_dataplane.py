@@ -722,7 +722,7 @@ class _ScriptedEngine:
 
 
 @contextlib.asynccontextmanager
-async def _scripted_router(answers: list[bytes]):
+async def _scripted_router(answers: list[bytes], data_plane: str = "fast"):
     """A router (no retries) in front of a :class:`_ScriptedEngine` with ``answers``;
     yields ``(engine, router)`` and stops both."""
     engine = _ScriptedEngine(answers)
@@ -730,7 +730,7 @@ async def _scripted_router(answers: list[bytes]):
     handle = await start_router(
         FleetConfig.single([url], RoutingConfig()),
         ServerSettings(port=0, admin_port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
-                       shutdown_timeout_s=1.0, seed=1, max_retries=0))
+                       shutdown_timeout_s=1.0, seed=1, max_retries=0, data_plane=data_plane))
     try:
         yield engine, handle
     finally:
@@ -1308,9 +1308,22 @@ async def test_trailer_fields_of_a_chunked_request_are_neither_used_nor_relayed(
             assert b"content-length: %d\r\n" % len(CHAT) in low
 
 
-async def test_an_engine_answering_101_gets_a_502_and_no_traceback(caplog):
-    upgrade = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n"
-    async with _scripted_router([upgrade + _ScriptedEngine.OK]) as (engine, router):
+@pytest.mark.parametrize("interim", [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+                                     b"HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n"])
+async def test_an_engine_answering_101_gets_a_502_and_no_traceback(caplog, data_plane, interim):
+    """An unsolicited 101 is never relayed: the client gets a 502 and the next request
+    a new connection. An interim 103 (Early Hints) is skipped and the final answer
+    relayed. Both data planes."""
+    upgrade = interim
+    if interim.startswith(b"HTTP/1.1 103"):
+        async with _scripted_router([upgrade + _ScriptedEngine.OK], data_plane) as (engine, router):
+            reader, writer = await _connect(router)
+            writer.write(_post("/v1/chat/completions", CHAT))
+            status, headers, body = await _read_response(reader)
+            assert (status, body) == (200, b"{}") and "link" not in headers
+            writer.close()
+        return
+    async with _scripted_router([upgrade + _ScriptedEngine.OK], data_plane) as (engine, router):
         reader, writer = await _connect(router)
         writer.write(_post("/v1/chat/completions", CHAT))
         status, _, body = await _read_response(reader)

@@ -559,6 +559,17 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                     code = 502 if rr.api is Api.OPENAI else 424
                     return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
                                   "upstream_error", {**base_headers, H.INSTANCE: instance})
+                if upstream.status < 200:  # an unsolicited 101 (aiohttp skips the other 1xx): never relayed
+                    upstream.close()
+                    kind = record.error = "invalid_response"
+                    m.upstream_errors.labels(instance, kind).inc()
+                    count_routed(state, rr, decision)
+                    state.health.passive_failure(instance)
+                    log.warning("instance %s: invalid HTTP response (an unsolicited %d to a request that asked for "
+                                "no protocol change)", instance, upstream.status)
+                    code = 502 if rr.api is Api.OPENAI else 424
+                    return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
+                                          "upstream_error", {**base_headers, H.INSTANCE: instance})
                 if state.retry_status.retries(upstream.status, settings.max_retries - _attempt):
                     pending = await retry_elsewhere(state, rr, instance, upstream.status,
                                                     upstream.headers.get("Retry-After"), exclude)
