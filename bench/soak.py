@@ -8,7 +8,9 @@ It starts ``--instances`` emulated vLLM engines (``prefixroute emulate``) and th
 (``prefixroute serve``, PREFIX_AWARE, active health checks) as child processes, then
 ``--concurrency`` clients send a mix of OpenAI chat/completions (streaming and not),
 SageMaker ``/invocations`` (raw and streamed) and ``invocations-response-stream``
-requests; some clients abort mid-stream on purpose. Meanwhile an engine is killed every
+requests; some clients leave on purpose at random points (before the answer, in the
+middle of their own request body, mid-stream, after leaving a stream unread for a
+while) and some read slowly. Meanwhile an engine is killed every
 few seconds and restarted on its port after a short outage (at least one stays up).
 
 Every request ends in exactly one class:
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -52,8 +55,15 @@ __all__ = ["main", "run_soak", "SoakResult"]
 MODEL = "meta-llama/Llama-3.1-70B-Instruct"
 DOCS = 24
 DOC_CHARS = 2400
-_KINDS = (("chat_stream", 35), ("chat", 12), ("completions_stream", 10), ("native", 10), ("native_stream", 10),
-          ("response_stream", 15), ("abort_mid_stream", 8))
+_KINDS = (("chat_stream", 30), ("chat", 12), ("completions_stream", 10), ("native", 10), ("native_stream", 10),
+          ("response_stream", 12), ("abort_mid_stream", 6), ("abort_before_headers", 4), ("abort_mid_body", 3),
+          ("slow_reader", 4), ("stalled_reader", 3))
+#: What the clients that misbehave on purpose do:
+#: abort_before_headers: send a streamed chat request, leave 0-40 ms later (while it is
+#: routed, connecting or waiting for the engine); abort_mid_body: send the head and half of
+#: the body, then leave; slow_reader: read a stream 64 bytes at a time, 5 ms apart (it
+#: succeeds); stalled_reader: read the head, stop reading for 0.2-3 s, then leave.
+_ABORTING = ("abort_mid_stream", "abort_before_headers", "abort_mid_body", "stalled_reader")
 
 
 @dataclass
@@ -133,9 +143,9 @@ class _Client:
         max_tokens = self.rng.randrange(4, 48)
         stream = kind.endswith("stream")
         messages = [{"role": "system", "content": doc}, {"role": "user", "content": question}]
-        if kind in ("chat", "chat_stream", "abort_mid_stream"):
+        if kind in ("chat", "chat_stream", *_ABORTING, "slow_reader"):
             return "/v1/chat/completions", {"model": MODEL, "messages": messages, "max_tokens": max_tokens,
-                                            "stream": stream or kind == "abort_mid_stream"}
+                                            "stream": stream or kind != "chat"}
         if kind == "completions_stream":
             return "/v1/completions", {"model": MODEL, "prompt": doc + question, "max_tokens": max_tokens,
                                        "stream": True}
@@ -164,9 +174,34 @@ class _Client:
         if len(self.r.unclear_examples) < 10:
             self.r.unclear_examples.append(why)
 
+    async def _abort_mid_body(self, path: str, payload: Any) -> None:
+        """The head and half of the body, then the connection closed."""
+        body = json.dumps(payload).encode()
+        host, port = self.url.removeprefix("http://").rsplit(":", 1)
+        _, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:len(body) // 2])
+        await writer.drain()
+        await asyncio.sleep(self.rng.random() * 0.05)
+        writer.close()
+        self.r.aborted_by_client += 1
+
     async def _send(self, http: aiohttp.ClientSession, kind: str, path: str, payload: Any, t0: float) -> None:
         kw: dict[str, Any] = {"json": payload} if isinstance(payload, dict) else {
             "data": payload, "headers": {"Content-Type": "application/json"}}
+        if kind == "abort_mid_body":
+            await self._abort_mid_body(path, payload)
+            return
+        if kind == "abort_before_headers":
+            task = asyncio.ensure_future(http.post(self.url + path, **kw))
+            await asyncio.sleep(self.rng.random() * 0.04)
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().close()  # it answered first: leave mid-answer instead
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            self.r.aborted_by_client += 1
+            return
         try:
             async with http.post(self.url + path, **kw) as resp:
                 if resp.status != 200:
@@ -179,6 +214,24 @@ class _Client:
                     await asyncio.sleep(self.rng.random() * 0.05)
                     resp.close()
                     self.r.aborted_by_client += 1
+                    return
+                if kind == "stalled_reader":
+                    await asyncio.sleep(0.2 + self.rng.random() * 2.8)
+                    resp.close()
+                    self.r.aborted_by_client += 1
+                    return
+                if kind == "slow_reader":
+                    parts = []
+                    while True:
+                        part = await resp.content.read(64)
+                        if not part:
+                            break
+                        if not parts:
+                            self.r.ttft_s.append(time.monotonic() - t0)
+                        parts.append(part)
+                        await asyncio.sleep(0.005)
+                    self.r.latency_s.append(time.monotonic() - t0)
+                    self._classify_ok("chat_stream", b"".join(parts))
                     return
                 first = await resp.content.read(1)
                 self.r.ttft_s.append(time.monotonic() - t0)
@@ -262,7 +315,8 @@ class _Fleet:
             "--prefix-length", "2048", "--concurrency-threshold", "8", "--health-check-interval", "0.5",
             "--health-check-timeout", "0.5", "--unhealthy-threshold", "1", "--healthy-threshold", "1",
             "--connect-timeout", "1", "--response-headers-timeout", "30", "--stream-idle-timeout", "10",
-            "--metrics-scrape-interval", "2", "--shutdown-timeout", "10", "--seed", str(self.seed),
+            "--metrics-scrape-interval", "2", "--shutdown-timeout", "10", "--client-send-timeout", "2",
+            "--seed", str(self.seed),
             "--log-level", "error"])
 
     def kill(self, i: int) -> None:

@@ -237,7 +237,7 @@ async def test_all_refusing_is_503(router, backends, http, floor, route):
     await assert_invariants(router, backends, floor)
 
 
-async def test_reset_while_sending_body_is_retried(backends, http, floor):
+async def test_reset_while_sending_body_is_retried(backends, http, floor, data_plane):
     """The instance resets the connection before it has read the request: it cannot have
     started it, so the router sends it to the other instance."""
     first = []
@@ -251,7 +251,7 @@ async def test_reset_while_sending_body_is_retried(backends, http, floor):
     for b in backends:
         b.choose = choose
     handle = await _router([b.url for b in backends], RoutingConfig.build("prefix-aware", 1024, 8),
-                           response_headers_timeout_s=30)
+                           response_headers_timeout_s=30, data_plane=data_plane)
     try:
         body = b'{"inputs": "' + b"x" * (24 << 20) + b'"}'  # far more than the socket buffers hold
         async with http.post(handle.url + "/invocations", data=body, headers={"X-Request-Id": "big"}) as r:
