@@ -38,11 +38,10 @@ from typing import Any, Mapping, Sequence
 
 from prefixroute.core.chat_template import compile_chat_template, render_chat_prompt
 from prefixroute.core.keys import InvalidRequest, completion_prompt
+from prefixroute.core.kvevents.config import BUNDLED_TOKENIZERS
 
 __all__ = ["BUNDLED_TOKENIZERS", "OUTPUT_VOCABULARY_SIZE", "ModelTokenizer", "load_tokenizer"]
 
-#: Names :meth:`ModelTokenizer.load` accepts besides paths.
-BUNDLED_TOKENIZERS = ("tiny",)
 #: Distinct tokens the emulated model draws its output from (:attr:`ModelTokenizer.output_token_ids`).
 OUTPUT_VOCABULARY_SIZE = 32
 _EXTRA_HINT = "install the precise extra: pip install 'prefixroute[precise]'"

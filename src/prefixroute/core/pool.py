@@ -24,6 +24,10 @@ from prefixroute.core.hashing import rendezvous_order
 from prefixroute.core.sessions import SessionPin, instance_tag
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, make_strategy
 
+# The strategies in their own modules register themselves (strategies.register) on import.
+import prefixroute.core.cache_aware  # noqa: E402,F401,I001
+import prefixroute.core.llmd_reference  # noqa: E402,F401,I001
+
 __all__ = ["NoHealthyInstance", "SetSaturated", "Decision", "Lease", "VariantPool"]
 
 

@@ -53,6 +53,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from prefixroute.core.hashing import rendezvous_best
 from prefixroute.core.keys import BlockChain
 from prefixroute.core.kvevents.stream import Mode
+from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, STICK_FRACTION
 from prefixroute.core.strategies import DecisionKind, InstanceState
 from prefixroute.core.tiers import TierCosts
 
@@ -105,8 +106,6 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
            precise: PreciseRequest | None, force: bool = False) -> tuple[InstanceState, DecisionKind] | None:
     """:func:`choose_precise`; ``force`` decides even with nothing to add (then exactly as
     the learned rule does: tested equal in tests/test_core_precise_policy.py)."""
-    from prefixroute.core import cache_aware as C
-
     ca = strategy.config.cache_aware
     tiers = ca.kv_tiers if ca is not None else None
     modelled_shared = tiers is not None and tiers.shared_tier
@@ -151,7 +150,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
 
     size = float(size_chain)
     units = ends if chain and not shift else [e >> shift for e in ends] if chain else [unit(d) for d in range(1, n + 1)]
-    amin = min(C.ANCHOR_MIN_BLOCKS, n - 1)
+    amin = min(ANCHOR_MIN_BLOCKS, n - 1)
 
     def anchor(u: float) -> int:
         """The hash of the routing block past ``u`` units (never before block ANCHOR_MIN_BLOCKS)."""
@@ -218,13 +217,13 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                 saved[i] += max(0.0, (top - raw[i]) * ws - lat)
     # With a shared tier a copy elsewhere costs a load, not a prefill: homes keep their
     # requests by a smaller margin.
-    replicate = C.REPLICATE_FRACTION * (costs.shared_weight if modelled_shared or shared_seen else 1.0)
+    replicate = REPLICATE_FRACTION * (costs.shared_weight if modelled_shared or shared_seen else 1.0)
 
     tokens = strategy.tokens(candidates)
     bits = strategy._bits_of(candidates)[0]
     queue = strategy._queue
     bs = strategy.block_size
-    stick = max(strategy.stick_units, C.STICK_FRACTION * size)
+    stick = max(strategy.stick_units, STICK_FRACTION * size)
     tie = strategy.tie_units
 
     def continuing(i: int) -> float | None:

@@ -313,7 +313,3 @@ class PrefixAwareStrategy(Strategy):
                 return candidates[i], DecisionKind.OVERFLOW
         return least_outstanding(candidates, self.rng), DecisionKind.ALL_BUSY
 
-
-# Strategies in their own modules register themselves on import.
-from prefixroute.core import cache_aware as _cache_aware  # noqa: E402,F401
-from prefixroute.core import llmd_reference as _llmd_reference  # noqa: E402,F401

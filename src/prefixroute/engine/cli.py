@@ -19,8 +19,8 @@ import math
 import os
 import signal
 import sys
-from collections.abc import Callable
 
+from prefixroute.eventloop import loop_factory
 from prefixroute.core.kvevents.codec import ENCODINGS
 from prefixroute.core.model_tokenizer import ModelTokenizer, load_tokenizer
 from prefixroute.engine.kv_publisher import KvEventsSettings
@@ -261,14 +261,6 @@ def kv_events_from_args(args: argparse.Namespace) -> KvEventsSettings | None:
     return settings
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the emulated engine until SIGTERM/SIGINT. Returns the process exit code:
     0 after a clean stop, 2 for an invalid configuration, 1 if the port or a KV-event endpoint cannot be bound."""
@@ -297,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"prefixroute emulate: {exc}", file=sys.stderr)
         return 2
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(_serve(args, config, tokenizer, kv_events, shared_tier))
     except OSError as exc:
         print(f"prefixroute emulate: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)

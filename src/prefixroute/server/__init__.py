@@ -9,7 +9,25 @@ reconfiguration), :mod:`.settings`, :mod:`.runner` (:func:`start_router`), :mod:
 processes).
 """
 
-from prefixroute.server.runner import RouterHandle, reload_logged, start_router
-from prefixroute.server.settings import ServerSettings
+from typing import TYPE_CHECKING, Any
 
 __all__ = ["RouterHandle", "ServerSettings", "reload_logged", "start_router"]
+
+if TYPE_CHECKING:
+    from prefixroute.server.runner import RouterHandle, reload_logged, start_router
+    from prefixroute.server.settings import ServerSettings
+
+
+def __getattr__(name: str) -> Any:
+    """The package's exports, imported when first asked for (PEP 562): importing one
+    module of the package (``prefixroute.server.headers``) does not import them all, and
+    no module of the package depends on the package through this file."""
+    if name == "ServerSettings":
+        from prefixroute.server.settings import ServerSettings
+
+        return ServerSettings
+    if name in ("RouterHandle", "reload_logged", "start_router"):
+        from prefixroute.server import runner
+
+        return getattr(runner, name)
+    raise AttributeError(f"module 'prefixroute.server' has no attribute {name!r}")

@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from prefixroute.eventloop import loop_factory
 from prefixroute import signals
 from prefixroute.core.config import ConfigError, EndpointConfig, FleetConfig, RoutingConfig, RoutingStrategy, parse_model
 from prefixroute.core.kvevents.config import KvEventsConfig
@@ -689,14 +690,6 @@ def _hurry(loop: asyncio.AbstractEventLoop, handle: RouterHandle, signum: int) -
     handle.hurry()
 
 
-def _loop_factory() -> Any:
-    try:
-        import uvloop
-    except ImportError:
-        return None
-    return uvloop.new_event_loop
-
-
 def check_outputs(settings: ServerSettings) -> None:
     """Fail early, with a message naming the flag, when a file the router will write
     cannot be opened, the API keys are invalid or ``--otel-traces`` lacks its extra.
@@ -754,7 +747,7 @@ def run(args: argparse.Namespace) -> int:
         from prefixroute.server.workers import serve_workers
 
         return serve_workers(config, settings, args.log_level)
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(_serve(config, settings))
 
 

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from prefixroute.server.worker_sockets import worker_socket_fallback_prefix, worker_socket_prefix
 from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
@@ -319,7 +320,6 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         if worker is None:
             socket_path = internal_socket_path()
         else:
-            from prefixroute.server.workers import worker_socket_fallback_prefix, worker_socket_prefix
             socket_path = internal_socket_path(worker.metrics_dir, worker_socket_prefix(worker.index),
                                                worker_socket_fallback_prefix(os.getppid(), worker.index))
         runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path,

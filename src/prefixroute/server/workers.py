@@ -60,6 +60,8 @@ import aiohttp
 import orjson
 from aiohttp import web
 
+from prefixroute.eventloop import loop_factory
+from prefixroute.server.worker_sockets import worker_socket_fallback_prefix, worker_socket_prefix
 from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig
 from prefixroute.core.counters import DEFAULT_CAPACITY, LOCK_TIMEOUT_S, MAX_WORKERS, InFlightTable
@@ -88,19 +90,6 @@ _EXIT_GRACE_S = 10.0
 #: Timeout of one supervisor -> worker admin call, seconds.
 _ADMIN_CALL_TIMEOUT_S = 15.0
 _SHM_PREFIX = "prefixroute-"
-
-
-def worker_socket_prefix(index: int) -> str:
-    """Name prefix of the directory of worker ``index``'s internal Unix socket (the
-    aiohttp app behind its fast data plane), made in the supervisor's private metrics
-    directory: removed with it, and by the supervisor when that worker exits."""
-    return f"socket-{index}-"
-
-
-def worker_socket_fallback_prefix(supervisor_pid: int, index: int) -> str:
-    """The same, in ``$TMPDIR`` itself, when the metrics directory's path is too long for
-    a Unix socket (short, to leave room for a long ``$TMPDIR``)."""
-    return f"pr-{supervisor_pid}-{index}-"
 
 
 class FileLock:
@@ -237,11 +226,10 @@ def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
     signals.unblock(_CHILD_BLOCKED)
     logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s [worker {spec.index}]: %(message)s")
-    from prefixroute.server.cli import _loop_factory
     from prefixroute.server.metrics import use_multiprocess_values
 
     use_multiprocess_values(spec.metrics_dir)  # before any metric exists in this process
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         code = runner.run(_worker_serve(spec, conn))
     sys.exit(code)
 
@@ -965,7 +953,5 @@ def _instance_states(doc: dict[str, Any]) -> list[tuple[tuple[str, str, str], di
 
 def serve_workers(config: FleetConfig, settings: ServerSettings, log_level: str = "warning") -> int:
     """Run ``settings.workers`` router processes until SIGTERM/SIGINT; the exit status."""
-    from prefixroute.server.cli import _loop_factory
-
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         return runner.run(Supervisor(config, settings, log_level).run())

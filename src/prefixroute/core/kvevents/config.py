@@ -27,7 +27,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from prefixroute.core.kvevents.stream import StreamSettings
 
-__all__ = ["KvEventsEndpoint", "KvEventsDiscovery", "KvEventsConfig", "check_zmq_endpoint"]
+#: Tokenizers shipped with prefixroute, named instead of a path (``--tokenizer tiny``):
+#: :mod:`prefixroute.core.model_tokenizer` loads them.
+BUNDLED_TOKENIZERS = ("tiny",)
+
+__all__ = ["BUNDLED_TOKENIZERS", "KvEventsEndpoint", "KvEventsDiscovery", "KvEventsConfig", "check_zmq_endpoint"]
 
 _SCHEMES = ("tcp://", "ipc://", "inproc://")
 
@@ -159,8 +163,6 @@ class KvEventsConfig(BaseModel):
     @classmethod
     def _v_tokenizer(cls, v: str | None) -> str | None:
         from pathlib import Path
-
-        from prefixroute.core.model_tokenizer import BUNDLED_TOKENIZERS
 
         if v is None or v in BUNDLED_TOKENIZERS:
             return v
