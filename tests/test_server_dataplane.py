@@ -21,7 +21,8 @@ from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.server import ServerSettings, start_router
 from prefixroute.server.app import DECODED_CODINGS
 from prefixroute.core.openai_routes import OpenAIRoute
-from prefixroute.server.dataplane import MAX_HEAD_BYTES, MAX_HEADERS, FrontServer, match_route
+from prefixroute.server.client import MAX_HEAD_BYTES, MAX_HEADERS
+from prefixroute.server.dataplane import FrontServer, match_route
 from prefixroute.server.proxy import Api
 
 from fault_backend import FaultBackend
@@ -545,7 +546,7 @@ async def test_a_lingering_connection_drains_while_the_client_sends_then_closes(
     # After a 413 the connection reads and drops what the client still sends, and closes
     # once it has been silent for LINGER_S (at most LINGER_MAX_S), not on a fixed clock,
     # nor on the keep-alive timer (1 s here): closing on unread input would reset it.
-    from prefixroute.server.dataplane import LINGER_S
+    from prefixroute.server.client import LINGER_S
 
     handle = await start_router(
         FleetConfig.single([backend.url], RoutingConfig.build("random")),
@@ -975,13 +976,13 @@ async def test_a_request_read_before_the_last_answer_is_settled_is_still_sent_by
     request B is read, from A's client or another one. B still starts in the parser's
     callback, over A's connection (the only one), once A is settled: no task, no new
     connection to the instance."""
-    from prefixroute.server import dataplane
+    from prefixroute.server import upstream
 
     conns = await _pooled_then_clients(router, 1 if same_client else 2)
     front = router._front
     first, second = conns[0][0], conns[-1][0]
     seen: dict[str, object] = {}
-    received = dataplane._Upstream.data_received
+    received = upstream._Upstream.data_received
 
     def then_b_is_read(self, data):  # the instance's answer to A is read, then B's bytes in the same turn
         received(self, data)
@@ -993,7 +994,7 @@ async def test_a_request_read_before_the_last_answer_is_settled_is_still_sent_by
             seen["open"] = front.upstreams.open
             seen["in_flight"] = _in_flight(router)
 
-    monkeypatch.setattr(dataplane._Upstream, "data_received", then_b_is_read)
+    monkeypatch.setattr(upstream._Upstream, "data_received", then_b_is_read)
     first.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: a\r\n"))
     assert first.detached is not None and first.task is None  # A: sent by callbacks
     answers = [await _read_response(reader) for _, reader, _ in conns for _ in range(2 if same_client else 1)]
@@ -1011,7 +1012,7 @@ async def test_a_request_read_as_the_last_answer_before_shutdown_is_settled_is_n
     the same loop turn, the client's next request B is read. Settling A closes the
     connection (the router is closing), so B is not sent to the engine: the client gets
     A's answer only, and nothing is left in flight or open."""
-    from prefixroute.server import dataplane
+    from prefixroute.server import upstream
 
     handle = await start_router(
         FleetConfig.single([backend.url], RoutingConfig.build("prefix-aware", 1024, 64)),
@@ -1020,7 +1021,7 @@ async def test_a_request_read_as_the_last_answer_before_shutdown_is_settled_is_n
     ((client, reader, writer),) = await _pooled_then_clients(handle)
     front = handle._front
     seen: dict[str, object] = {}
-    received = dataplane._Upstream.data_received
+    received = upstream._Upstream.data_received
 
     def then_b_is_read(self, data):
         received(self, data)
@@ -1028,7 +1029,7 @@ async def test_a_request_read_as_the_last_answer_before_shutdown_is_settled_is_n
             seen["b"] = client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: b\r\n"))
             seen["b_started"] = client.detached is not None or bool(client.queue)
 
-    monkeypatch.setattr(dataplane._Upstream, "data_received", then_b_is_read)
+    monkeypatch.setattr(upstream._Upstream, "data_received", then_b_is_read)
     client.data_received(_post("/v1/chat/completions", CHAT, "X-Request-Id: a\r\n"))
     assert client.detached is not None  # A: sent by callbacks
     closing = asyncio.create_task(handle.close())
@@ -1047,7 +1048,7 @@ def test_the_events_of_exchanges_run_in_order_once_and_one_failing_spares_the_ot
     """_UpstreamPool.notify queues an exchange's watcher; run_due runs what is queued, in
     order, each once (the loop's own callback then finds nothing left), and one that
     raises is logged without keeping the others from running."""
-    from prefixroute.server.dataplane import _UpstreamPool
+    from prefixroute.server.upstream import _UpstreamPool
 
     loop = asyncio.new_event_loop()
     try:

@@ -25,7 +25,8 @@ from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.admin import build_admin_app
 from prefixroute.server.app import build_app, close_receiving
-from prefixroute.server.dataplane import LINGER_S, FrontServer, internal_socket_path
+from prefixroute.server.client import LINGER_S
+from prefixroute.server.dataplane import FrontServer, internal_socket_path
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
