@@ -1070,6 +1070,7 @@ class _IdleWatch:
             self.handle = None
 
 
+#: Longest path a Unix socket may have (``sun_path`` is 108 bytes on Linux, with its NUL).
 _UNIX_PATH_MAX = 107
 
 

@@ -480,6 +480,3 @@ def _error_kind(exc: BaseException | None) -> str:
     if isinstance(exc, (ConnectionError, httptools.HttpParserError)) or exc is None:
         return "disconnect"
     return "other"
-
-
-#: Longest path a Unix socket may have (``sun_path`` is 108 bytes on Linux, with its NUL).
