@@ -55,6 +55,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
+from prefixroute.core.attempts import Attempts, Next
 from prefixroute.core.pool import Lease, NoHealthyInstance, SetSaturated
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
@@ -78,7 +79,7 @@ from prefixroute.server.proxy import (
     acquire_or_grow,
     at_event_boundary,
     broken_message,
-    connect_failed,
+    apply_step,
     count_routed,
     ends_with_done,
     model_error,
@@ -551,7 +552,8 @@ class FrontServer:
         variant = pool.name
         base_headers = our_headers(rr)
         head_tail = b""
-        exclude: set[str] = set()
+        attempts = Attempts(settings.max_retries, state.retry_status)  # what each outcome means
+        exclude = attempts.exclude
         router_s = 0.0
         mark = rr.t0
         code: int | str = 0
@@ -564,7 +566,7 @@ class FrontServer:
         pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
         fresh = False  # the next attempt opens a new connection (a kept-alive one failed)
         try:
-            for _attempt in range(1 + settings.max_retries):
+            for attempts.index in range(1 + settings.max_retries):
                 if lease is None:
                     try:
                         if pending is not None:
@@ -599,61 +601,40 @@ class FrontServer:
                             up = (None if fresh else self.upstreams.take(target[:3])) or \
                                 await self._connect(client, target[:3])
                         except (OSError, TimeoutError) as exc:
+                            step = attempts.connect_failed(instance, type(exc).__name__)
+                            apply_step(state, rr, instance, decision, step)
                             mark = time.perf_counter()
-                            retry = record.error = "connect"
-                            connect_failed(state, instance, exc, exclude)
+                            retry = step.reason
                             continue
                         head_tail = head_tail or self._head_tail(rr)
                         self._send(client, up, rr, target, head_tail, decision, router_s, keep_alive)
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
-                        record.error = "headers_timeout"
-                        m.upstream_errors.labels(instance, "headers_timeout").inc()
-                        count_routed(state, rr, decision)
-                        state.health.passive_failure(instance)
-                        code = 504 if rr.api is Api.OPENAI else 424
-                        self._error(client, rr, 504, f"instance {instance} timed out: no response headers within "
-                                    f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
+                        step = attempts.headers_timeout(instance, settings.response_headers_timeout_s)
+                    except _UpstreamLost as lost:
+                        step = attempts.lost(instance, _error_kind(lost.exc), lost.sent, up.reused)
+                    else:
+                        step = attempts.answered(instance, up.status)
+                        if step.next is Next.TRY_ELSEWHERE:
+                            pending = await retry_elsewhere(state, rr, instance, up.status,
+                                                            _field(up.resp_headers, b"retry-after"), exclude)
+                            if pending is None:
+                                step = attempts.relay()
+                    apply_step(state, rr, instance, decision, step)
+                    if step.next is Next.RETRY or step.next is Next.TRY_ELSEWHERE:
+                        mark = time.perf_counter()
+                        retry = step.reason
+                        fresh = fresh or step.fresh_connection
+                        continue  # (finish() below closes the connection if the answer is not all in)
+                    if step.next is Next.ERROR:
+                        code = step.client_status(rr.api is Api.OPENAI)
+                        self._error(client, rr, step.status, step.message, step.code,
                                     {**base_headers, H.INSTANCE: instance}, keep_alive)
                         return
-                    except _UpstreamLost as lost:
-                        kind = record.error = _error_kind(lost.exc)
-                        if up.reused and not fresh and _attempt < settings.max_retries:
-                            # A kept-alive connection failed before any byte of an answer: the
-                            # instance most likely closed it idle as the request went out.
-                            # Once, on a new connection (not a health failure).
-                            fresh = True
-                            mark = time.perf_counter()
-                            m.upstream_errors.labels(instance, "stale_connection").inc()
-                            retry = record.error = "stale_connection"
-                            log.info("instance %s: a kept-alive connection failed before any answer (%s): the "
-                                     "request is sent again on a new connection", instance, kind)
-                            continue
-                        state.health.passive_failure(instance)
-                        if not lost.sent:
-                            mark = time.perf_counter()
-                            m.upstream_errors.labels(instance, "send").inc()
-                            retry = record.error = "send"
-                            log.warning("instance %s: connection lost while sending the request (%s)", instance,
-                                        kind)
-                            exclude.add(instance)
-                            continue
-                        m.upstream_errors.labels(instance, kind).inc()
-                        count_routed(state, rr, decision)
-                        log.warning("instance %s: failed before responding (%s)", instance, kind)
-                        code = 502 if rr.api is Api.OPENAI else 424
-                        self._error(client, rr, 502, f"instance {instance} failed before responding ({kind})",
-                                    "upstream_error", {**base_headers, H.INSTANCE: instance}, keep_alive)
-                        return
-                    if state.retry_status.retries(up.status, settings.max_retries - _attempt):
-                        pending = await retry_elsewhere(state, rr, instance, up.status,
-                                                        _field(up.resp_headers, b"retry-after"), exclude)
-                        if pending is not None:
-                            mark = time.perf_counter()
-                            retry = record.error = f"http_{up.status}"
-                            continue  # (finish() below closes the connection if the answer is not all in)
-                    self._answered(rr, up, decision)
+                    if up.status >= 500:
+                        m.upstream_errors.labels(instance, "http_5xx").inc()
+                        record.error = "http_5xx"
                     code = await self._relay(client, rr, up, decision, router_s, keep_alive)
                     return
                 finally:
@@ -677,11 +658,6 @@ class FrontServer:
             self._count(rr, code or 500)
 
     # -- the bookkeeping of an answer, for _forward/_relay and _settle --------------
-
-    def _answered(self, rr: RoutedRequest, up: _Upstream, decision: Any) -> None:
-        """The instance answered (its head came): counted, and a passive health success."""
-        self.state.health.passive_success(decision.instance.instance_id)
-        self._answered_metrics(rr, up.status, decision)
 
     def _answered_metrics(self, rr: RoutedRequest, status: int, decision: Any) -> None:
         instance = decision.instance.instance_id

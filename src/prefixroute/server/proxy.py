@@ -10,8 +10,10 @@ cancellation of the handler, as the runner uses ``handler_cancellation=True``) a
 shutdown. Closing the upstream response closes its connection, so the engine sees the
 abort at once and stops generating.
 
-Retries (at most ``max_retries``, each on an instance not tried yet) happen only when
-the failed instance cannot have started the request:
+What each outcome of an attempt means is decided by :class:`prefixroute.core.attempts.Attempts`
+(shared with the fast data plane) and applied by :func:`apply_step`. Retries (at most
+``max_retries``, each on an instance not tried yet) happen only when the failed instance
+cannot have started the request:
 
 * the connection could not be opened (refused, unreachable, connect timeout);
 * the request could not be sent in full (the connection was reset or closed while the
@@ -49,6 +51,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
+from prefixroute.core.attempts import Attempts, Next, Step
 from prefixroute.core.openai_routes import OpenAIRoute
 from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated, VariantPool
 from prefixroute.server import eventstream
@@ -63,7 +66,7 @@ __all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forw
            "our_headers", "count_routed",
            "acquire_or_grow", "saturated_error", "no_instance_error",
            "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "peer_closed",
-           "model_error", "broken_message", "upstream_error", "retry_elsewhere"]
+           "model_error", "broken_message", "upstream_error", "retry_elsewhere", "apply_step"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -432,14 +435,26 @@ async def retry_elsewhere(state: RouterState, rr: RoutedRequest, instance: str, 
     return lease
 
 
-def connect_failed(state: RouterState, instance: str, exc: BaseException, exclude: set[str]) -> None:
-    """No connection to ``instance`` could be opened for a request: counted
-    (``upstream_errors_total{kind="connect"}``), the instance marked down at once (a
-    definitive passive failure: nothing was sent) and excluded from the request's retries."""
-    state.metrics.upstream_errors.labels(instance, "connect").inc()
-    state.health.passive_failure(instance, definitive=True)
-    log.warning("instance %s: connect failed (%s)", instance, type(exc).__name__)
-    exclude.add(instance)
+def apply_step(state: RouterState, rr: RoutedRequest, instance: str, decision: Decision, step: Step) -> None:
+    """What an attempt's :class:`~prefixroute.core.attempts.Step` says beyond the answer,
+    for both data planes: the request's recorded error, ``upstream_errors_total``,
+    ``requests_total``, the instance's passive health, the log line."""
+    record = rr.record
+    if step.reason is not None:
+        record.error = step.reason
+    elif step.error_kind is not None:
+        record.error = step.error_kind
+    if step.error_kind is not None and step.next is not Next.TRY_ELSEWHERE:  # (retry_elsewhere counts those)
+        state.metrics.upstream_errors.labels(instance, step.error_kind).inc()
+    if step.count_routed:
+        count_routed(state, rr, decision)
+    health = step.health
+    if health == "success":
+        state.health.passive_success(instance)
+    elif health is not None:
+        state.health.passive_failure(instance, definitive=health == "definitive")
+    if step.log:
+        (log.warning if step.log_warning else log.info)("%s", step.log)
 
 
 def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes, bytes]]:
@@ -472,16 +487,16 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     variant = rr.pool.name
     base_headers = our_headers(rr)
     up_headers = H.to_multidict(upstream_headers(state, rr))
-    exclude: set[str] = set()
+    attempts = Attempts(settings.max_retries, state.retry_status)
+    exclude = attempts.exclude
     router_s = 0.0  # router time before the upstream send, summed over attempts
     mark = rr.t0
     code: int | str = 0
     retry: str | None = None  # why the previous attempt is being retried
     record = rr.record
     pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
-    stale_retried = False  # a kept-alive connection failed and the request went again (once)
     try:
-        for _attempt in range(1 + settings.max_retries):
+        for attempts.index in range(1 + settings.max_retries):
             try:
                 if pending is not None:
                     lease, pending = pending, None
@@ -519,67 +534,29 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                             "POST", instance + rr.upstream_path, data=_payload(rr.body), headers=up_headers,
                             **kwargs)
                 except CONNECT_ERRORS as exc:
-                    mark = time.perf_counter()
-                    retry = record.error = "connect"
-                    connect_failed(state, instance, exc, exclude)
-                    continue  # the finally below releases this lease first
+                    step = attempts.connect_failed(instance, type(exc).__name__)
                 except TimeoutError:
-                    record.error = "headers_timeout"
-                    m.upstream_errors.labels(instance, "headers_timeout").inc()
-                    count_routed(state, rr, decision)
-                    state.health.passive_failure(instance)
-                    code = 504 if rr.api is Api.OPENAI else 424
-                    return upstream_error(rr.api, 504, f"instance {instance} timed out: no response headers within "
-                                  f"{settings.response_headers_timeout_s:g} s", "upstream_timeout",
-                                  {**base_headers, H.INSTANCE: instance})
+                    step = attempts.headers_timeout(instance, settings.response_headers_timeout_s)
                 except _UPSTREAM_ERRORS as exc:
-                    kind = record.error = _error_kind(exc)
-                    if REUSED_CONNECTION.get() and not stale_retried and _attempt < settings.max_retries:
-                        # A kept-alive connection failed before any byte of an answer: the
-                        # instance most likely closed it idle as the request went out. Once,
-                        # on a new connection (not a health failure).
-                        stale_retried = True
-                        mark = time.perf_counter()
-                        m.upstream_errors.labels(instance, "stale_connection").inc()
-                        retry = record.error = "stale_connection"
-                        log.info("instance %s: a kept-alive connection failed before any answer (%s): the request "
-                                 "is sent again on a new connection", instance, kind)
-                        continue
-                    state.health.passive_failure(instance)
-                    if _not_sent(tracker):
-                        mark = time.perf_counter()
-                        m.upstream_errors.labels(instance, "send").inc()
-                        retry = record.error = "send"
-                        log.warning("instance %s: connection lost while sending the request (%s)", instance, kind)
-                        exclude.add(instance)
-                        continue
-                    m.upstream_errors.labels(instance, kind).inc()
-                    count_routed(state, rr, decision)
-                    log.warning("instance %s: failed before responding (%s)", instance, kind)
-                    code = 502 if rr.api is Api.OPENAI else 424
-                    return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
-                                  "upstream_error", {**base_headers, H.INSTANCE: instance})
-                if upstream.status < 200:  # an unsolicited 101 (aiohttp skips the other 1xx): never relayed
-                    upstream.close()
-                    kind = record.error = "invalid_response"
-                    m.upstream_errors.labels(instance, kind).inc()
-                    count_routed(state, rr, decision)
-                    state.health.passive_failure(instance)
-                    log.warning("instance %s: invalid HTTP response (an unsolicited %d to a request that asked for "
-                                "no protocol change)", instance, upstream.status)
-                    code = 502 if rr.api is Api.OPENAI else 424
-                    return upstream_error(rr.api, 502, f"instance {instance} failed before responding ({kind})",
-                                          "upstream_error", {**base_headers, H.INSTANCE: instance})
-                if state.retry_status.retries(upstream.status, settings.max_retries - _attempt):
-                    pending = await retry_elsewhere(state, rr, instance, upstream.status,
-                                                    upstream.headers.get("Retry-After"), exclude)
-                    if pending is not None:
+                    step = attempts.lost(instance, _error_kind(exc), not _not_sent(tracker), REUSED_CONNECTION.get())
+                else:
+                    step = attempts.answered(instance, upstream.status)
+                    if step.next is Next.TRY_ELSEWHERE:
+                        pending = await retry_elsewhere(state, rr, instance, upstream.status,
+                                                        upstream.headers.get("Retry-After"), exclude)
+                        if pending is None:
+                            step = attempts.relay()
+                    if step.next is not Next.RELAY:
                         upstream.close()
-                        mark = time.perf_counter()
-                        retry = record.error = f"http_{upstream.status}"
-                        continue
-                count_routed(state, rr, decision)
-                state.health.passive_success(instance)
+                apply_step(state, rr, instance, decision, step)
+                if step.next is Next.RETRY or step.next is Next.TRY_ELSEWHERE:
+                    mark = time.perf_counter()
+                    retry = step.reason
+                    continue  # the finally below releases this lease first
+                if step.next is Next.ERROR:
+                    code = step.client_status(rr.api is Api.OPENAI)
+                    return upstream_error(rr.api, step.status, step.message, step.code,
+                                          {**base_headers, H.INSTANCE: instance})
                 try:
                     resp, code = await _relay(state, rr, upstream, decision, router_s)
                     return resp
