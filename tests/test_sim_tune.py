@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from prefixroute.sim import instance_ids
-from prefixroute.sim.tune import GridPoint, recommend, run_grid, tune_json, write_tune_plot
+from prefixroute.sim.tune import GridPoint, recommend, run_grid, tune_figure, tune_json, write_tune_plot
 from prefixroute.demo.report import RunSummary
 from prefixroute.workloads.shared_prefix import SharedPrefixWorkload
 from prefixroute.workloads.traces import load_trace
@@ -52,6 +52,15 @@ def test_grid_and_recommendation_on_a_small_trace(trace_path, tmp_path) -> None:
     assert len(doc["grid"]) == 6 and all(SPEC_FIELDS <= set(r) for r in doc["runs"])
     png = write_tune_plot(tmp_path / "tune.png", result)
     assert png.stat().st_size > 10_000
+    fig = tune_figure(result)
+    axes = fig.axes
+    assert axes[0].get_legend() is None and axes[-1].get_legend() is not None  # the legend covers no data
+    assert {t.get_text() for t in axes[-1].get_legend().get_texts()} == {"threshold 2", "threshold 16", "recommended"}
+    for ax in axes[:5]:  # every grid point inside its panel's y-range
+        lo, hi = ax.get_ylim()
+        ys = [y for line in ax.lines if line.get_marker() == "o" for y in line.get_ydata()]
+        assert ys and all(lo < y < hi for y in ys)
+        assert hi - lo <= max(1e-6, (max(ys) - min(ys)) * 1.31, abs(max(ys)) * 0.041)  # the grid's range, padded
 
 
 def _point(strategy, pl, ct, p90, hit, share=(0.5, 0.5), overflow=0.0):

@@ -220,7 +220,8 @@ def write_plots(out_dir: str | Path, runs: dict[str, Sequence[RequestResult]], s
     out.mkdir(parents=True, exist_ok=True)
     paths = []
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    # Legends sit right of the axes: they never cover a curve or a bar.
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     for s in summaries:
         xs = sorted(r.ttft_s / s.time_scale * 1000 for r in runs[s.strategy] if r.ttft_s is not None and not r.error)
         if xs:
@@ -231,14 +232,15 @@ def write_plots(out_dir: str | Path, runs: dict[str, Sequence[RequestResult]], s
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT distribution per routing strategy")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.set_ylim(0, 1.02)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
     fig.tight_layout()
     p = out / "ttft_cdf.png"
     fig.savefig(p, dpi=110)
     plt.close(fig)
     paths.append(p)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     n = max((len(s.instance_share) for s in summaries), default=0)
     width = 0.8 / max(1, len(summaries))
     for j, s in enumerate(summaries):
@@ -248,7 +250,7 @@ def write_plots(out_dir: str | Path, runs: dict[str, Sequence[RequestResult]], s
     ax.set_xticks([i + width * (len(summaries) - 1) / 2 for i in range(n)], [f"instance {i}" for i in range(n)])
     ax.set_ylabel("share of requests, %")
     ax.set_title("Requests per instance")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, fontsize=8)
     fig.tight_layout()
     p = out / "instance_share.png"
     fig.savefig(p, dpi=110)

@@ -300,7 +300,20 @@ def tune_json(result: TuneResult) -> dict[str, Any]:
 
 def write_tune_plot(path: str | Path, result: TuneResult) -> Path:
     """One PNG: cache-hit rate, P50 and P90 TTFT, overflow rate and busiest-instance share
-    against PrefixLength, one line per ConcurrencyThreshold, baselines dashed."""
+    against PrefixLength, one line per ConcurrencyThreshold, baselines dashed (or named
+    at the panel's edge when outside the grid's range); the legend in the sixth panel."""
+    import matplotlib.pyplot as plt
+
+    fig = tune_figure(result)
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def tune_figure(result: TuneResult) -> Any:
+    """The matplotlib figure :func:`write_tune_plot` saves (Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -316,32 +329,45 @@ def write_tune_plot(path: str | Path, result: TuneResult) -> Path:
     cts = sorted({p.concurrency_threshold for p in result.grid})
     rec = result.recommendation.point
     for ax, (title, f) in zip(flat, panels):
+        grid_values = []
         for ct in cts:
             pts = sorted((p for p in result.grid if p.concurrency_threshold == ct), key=lambda p: p.prefix_length)
-            ax.plot([p.prefix_length for p in pts], [f(p) for p in pts], marker="o", label=f"threshold {ct}")
-        for b in result.baselines:
-            v = f(b)
-            if not math.isnan(v):
-                ax.axhline(v, linestyle="--", linewidth=1, color="gray")
-                ax.annotate(b.strategy, (ax.get_xlim()[0] if ax.lines else 1024, v), fontsize=7, color="gray")
+            ys = [f(p) for p in pts]
+            grid_values += [y for y in ys if not math.isnan(y)]
+            ax.plot([p.prefix_length for p in pts], ys, marker="o", label=f"threshold {ct}")
         if rec.prefix_length is not None:
             ax.plot([rec.prefix_length], [f(rec)], marker="*", markersize=16, color="black", linestyle="none",
                     label="recommended")
         ax.set_xscale("log", base=2)
+        # The y-range is the grid's (differences between its points stay visible); a
+        # baseline outside it is named at the edge with its value, not drawn far away.
+        lo, hi = (min(grid_values), max(grid_values)) if grid_values else (0.0, 1.0)
+        pad = max((hi - lo) * 0.15, abs(hi) * 0.02, 1e-9)
+        ylo, yhi = lo - pad, hi + pad
+        for b in result.baselines:
+            v = f(b)
+            if math.isnan(v):
+                continue
+            if ylo <= v <= yhi:
+                ax.axhline(v, linestyle="--", linewidth=1, color="gray")
+                ax.annotate(f"{b.strategy} {v:.3g}", (0.01, v), xycoords=("axes fraction", "data"), fontsize=7,
+                            color="gray", va="bottom")
+            else:
+                ax.annotate(f"{b.strategy} {v:.3g} {'above' if v > yhi else 'below'}",
+                            (0.01, 0.97 if v > yhi else 0.03), xycoords="axes fraction", fontsize=7, color="gray",
+                            va="top" if v > yhi else "bottom")
+        ax.set_ylim(ylo, yhi)
         ax.set_xlabel("PrefixLength, characters")
         ax.set_title(title)
         ax.grid(True, alpha=0.3)
-    flat[0].legend(fontsize=8)
-    flat[-1].axis("off")
-    flat[-1].text(0.0, 1.0, "\n".join(_wrap(r, 60) for r in result.recommendation.reasons[:4]),
+    handles, labels = flat[0].get_legend_handles_labels()
+    flat[-1].axis("off")  # the sixth panel: the legend (covering no data) and the reasons
+    flat[-1].legend(handles, labels, loc="upper left", fontsize=8, frameon=False)
+    flat[-1].text(0.0, 0.55, "\n".join(_wrap(r, 60) for r in result.recommendation.reasons[:4]),
                   va="top", fontsize=8, family="monospace")
     fig.suptitle(f"prefixroute tune: {result.workload}", fontsize=10)
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return fig
 
 
 def _wrap(text: str, width: int) -> str:
