@@ -1,6 +1,7 @@
 """CACHE_AWARE: chained blocks, bounded LRU view, threshold rule, replica agreement."""
 
 import bisect
+import math
 import random
 
 import xxhash
@@ -279,6 +280,46 @@ def test_shared_system_prompt_does_not_pin_everything_to_one_instance():
     assert per == [8, 8, 8, 8]
 
 
+@pytest.mark.parametrize("user_chars", [1500, 40])  # a long first message, and one inside the prompt's last block
+def test_new_conversations_leave_a_busy_home_of_their_shared_system_prompt(user_chars):
+    """32 conversations behind one long system prompt: new ones join the instance that
+    holds it until it has more than SPREAD_FACTOR x the mean in flight (+ SPREAD_SLACK),
+    then go to their own rendezvous choice, which prefills the prompt once; a
+    conversation's next turn stays on its instance however busy (below the threshold).
+    Every decision equals the exhaustive rule's."""
+    from prefixroute.core import cache_aware as C
+
+    system = "You are the assistant of a large company; follow these rules. " * 400  # ~25,000 characters
+
+    def turn(i, t):
+        text = system
+        for k in range(t + 1):
+            text += f"<user {i} turn {k}> " + "w" * user_chars + ("<assistant> " + "a" * 300 if k < t else "")
+        return text_block_hashes(text, 64, 131072, "m")
+
+    pool = VariantPool("v", URLS, ca(threshold=100, load_weight=4))
+    leases, where = [], []
+    for i in range(32):  # none finishes
+        got = _decide_as_the_reference(pool, turn(i, 0), i)
+        lease = pool.acquire(None, blocks=turn(i, 0))
+        assert lease.instance is got[0]
+        lease.first_token()
+        leases.append(lease)
+        where.append((lease.instance, lease.decision.kind))
+    home = where[0][0]
+    first_moved = next(i for i, (inst, _) in enumerate(where) if inst is not home)
+    # it moves once the home has more than SPREAD_FACTOR x the mean (itself included) + SPREAD_SLACK
+    n = len(URLS)
+    assert first_moved == math.floor(C.SPREAD_SLACK / (1 - C.SPREAD_FACTOR / n)) + 1
+    assert all(inst is home for inst, _ in where[:first_moved]) and where[first_moved][1] is DecisionKind.OVERFLOW
+    second = where[first_moved][0]
+    assert second.instance_id in pool.strategy.caches and home.in_flight + second.in_flight == 32
+    assert 12 <= home.in_flight <= 20  # the two holders then share the new conversations by cost
+    # the next turn of conversation 0 stays on the busy home
+    got = _decide_as_the_reference(pool, turn(0, 1), 99)
+    assert got[0] is home and got[1] is DecisionKind.AFFINITY
+
+
 def test_never_over_threshold_while_another_is_below():
     pool = VariantPool("v", URLS, ca(threshold=3, load_weight=0))  # load ignored: cache only
     blocks = text_block_hashes("hot prefix " * 100, 64, 131072, "m")
@@ -540,6 +581,24 @@ def _reference_choose(strategy, candidates, blocks):
             spare = i if spare is None else spare
         return spare
 
+    def load(c):
+        return max(c.in_flight, c.engine_load)
+
+    def spread(home, homes, top_d, u_top, anchor, threshold):
+        """A new branch off a shared prefix whose home is markedly busier than the mean
+        goes to the branch's bounded-load rendezvous choice (not a continuation)."""
+        below = [load(c) for c in candidates if c.in_flight < threshold]
+        h = load(candidates[home])
+        if not below or h <= C.SPREAD_FACTOR * sum(below) / len(below) + C.SPREAD_SLACK:
+            return None
+        if depth[home] == top_d:
+            t = strategy.caches[candidates[home].instance_id].tail(blocks[top_d - 1])
+            if t is not None and (t[0] == 0 or (u_top + t[0] <= size
+                                                 and blocks.prefix_hash(u_top + t[0], top_d) == t[1])):
+                return None  # a continuation keeps its instance
+        i = walk(anchor, threshold, set(homes))
+        return i if i is not None and load(candidates[i]) < h else None
+
     def decide(threshold):
         top_d = max(depth)
         u_top = unit(top_d)
@@ -579,6 +638,9 @@ def _reference_choose(strategy, candidates, blocks):
             anchor = blocks[min(max(top_d, amin), n - 1)]
             c_home, home = band[rendezvous_best(anchor, [tokens[i] for _, i in band])]
             if c_home <= size - u_rest + limit:
+                alt = spread(home, homes, top_d, u_top, anchor, threshold)
+                if alt is not None:
+                    return alt, DecisionKind.OVERFLOW, size - unit(depth[alt])
                 return home, DecisionKind.AFFINITY, size - unit(depth[home]) - extra
         alt = walk(blocks[min(max(rest_d, amin), n - 1)], threshold, set(homes))
         if costs and (alt is None or c_home <= size - unit(depth[alt]) + queue(candidates[alt]) + limit):

@@ -5,7 +5,7 @@
 """
 
 __all__ = ["ANCHOR_MIN_BLOCKS", "STICK_MIN_BLOCKS", "STICK_FRACTION", "TIE_BLOCKS", "REPLICATE_FRACTION",
-           "BOUND_FACTOR", "BOUND_SLACK_REQUESTS", "BOUND_SLACK_BLOCKS"]
+           "BOUND_FACTOR", "BOUND_SLACK_REQUESTS", "BOUND_SLACK_BLOCKS", "SPREAD_FACTOR", "SPREAD_SLACK"]
 
 #: A prefix is placed by the rendezvous order of its block past the longest match, but
 #: never of a block before this one (1,024 characters with 64-character blocks): a
@@ -41,3 +41,11 @@ BOUND_FACTOR = 2.0
 BOUND_SLACK_REQUESTS = 4
 #: See :data:`BOUND_FACTOR`.
 BOUND_SLACK_BLOCKS = 256
+#: A new branch off a shared prefix (not a continuation) leaves its home for the
+#: branch's own rendezvous choice when the home has more than this factor times the
+#: mean requests in flight over the instances below the threshold, plus
+#: :data:`SPREAD_SLACK`: a long system prompt or a hot document is then replicated over
+#: the fleet instead of keeping every new conversation on one instance.
+SPREAD_FACTOR = 3.0
+#: See :data:`SPREAD_FACTOR`.
+SPREAD_SLACK = 2
