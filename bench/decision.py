@@ -1,7 +1,7 @@
 """The routing decision alone: key extraction + choice, per strategy, prefix size and fleet size.
 
 What one request costs the sans-I/O core, without any HTTP: for an OpenAI chat request
-whose system prompt is 1 KB or 64 KB and a variant of 8, 64 or 256 instances, it times
+whose system prompt is 4 KB or 64 KB and a variant of 8 or 64 instances, it times
 
 * ``parse``: :func:`prefixroute.core.keys.loads_body` of the request body (the HTTP
   driver does this once per request; shown apart because it is not routing work), and

@@ -1,7 +1,7 @@
 """The fast data plane: the router's public port on raw asyncio protocols.
 
 aiohttp's server and client cost about 0.4 ms of CPU per proxied request on the
-development machine (docs/PERFORMANCE.md, "Where the time goes"), several times the
+development machine (docs/PERFORMANCE_HISTORY.md, "Where the time goes"), several times the
 routing itself. The inference routes therefore run here, on ``asyncio.Protocol``
 objects with ``httptools`` (llhttp) parsing both sides, with no task, stream reader
 or response object per request (the usual request, sent over a pooled connection and
