@@ -116,7 +116,7 @@ class InFlightTable:
         lock: held while slots are claimed or let go, shared by every process using
             the table: an object with ``acquire(timeout=seconds) -> bool`` and
             ``release()``, best one that the kernel frees when its holder dies
-            (:class:`prefixroute.server.workers.FileLock`; a ``multiprocessing.Lock``
+            (:class:`prefixroute.server.shared_counters.FileLock`; a ``multiprocessing.Lock``
             stays taken then). ``None`` for a table used by one process only.
 
     Raises:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import fcntl
 import logging
 import multiprocessing
 import os
@@ -48,11 +47,10 @@ import socket
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from multiprocessing.shared_memory import SharedMemory
 from pathlib import Path
 from typing import Any
 
@@ -64,22 +62,23 @@ from prefixroute.eventloop import loop_factory
 from prefixroute.server.worker_sockets import worker_socket_fallback_prefix, worker_socket_prefix
 from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig
-from prefixroute.core.counters import DEFAULT_CAPACITY, LOCK_TIMEOUT_S, MAX_WORKERS, InFlightTable
+from prefixroute.core.counters import LOCK_TIMEOUT_S, MAX_WORKERS
 from prefixroute.server.settings import ServerSettings
+from prefixroute.server.shared_counters import FileLock, SharedCounters
+from prefixroute.server.worker_process import (
+    _CHILD_BLOCKED,
+    RELOAD_SIGNAL,
+    WorkerSpec,
+    _close_admin,
+    _worker_main,
+    worker_trace_path,
+)
 
 __all__ = ["FileLock", "SharedCounters", "WorkerSpec", "Supervisor", "serve_workers", "worker_trace_path",
            "worker_socket_prefix", "worker_socket_fallback_prefix", "MAX_WORKERS", "READY_TIMEOUT_S"]
 
 log = logging.getLogger("prefixroute.server")
 
-#: What the supervisor sends a worker to make it re-read ``--config`` (its SIGHUP). A
-#: worker ignores SIGHUP itself: one sent to the whole process group (a terminal's, a
-#: ``kill -HUP -PGID``) would otherwise make it reload twice, on its own and when told.
-RELOAD_SIGNAL = signal.SIGUSR1
-#: Blocked while the supervisor starts a child (a worker, the resource tracker): the
-#: signals a process group gets, and RELOAD_SIGNAL, whose default action would kill a
-#: child that does not handle it yet (a starting worker) or at all (the tracker).
-_CHILD_BLOCKED = (*signals.HELD, RELOAD_SIGNAL)
 
 #: Longest wait for a worker process to start listening, seconds.
 READY_TIMEOUT_S = 60.0
@@ -90,227 +89,6 @@ _EXIT_GRACE_S = 10.0
 #: Timeout of one supervisor -> worker admin call, seconds.
 _ADMIN_CALL_TIMEOUT_S = 15.0
 _SHM_PREFIX = "prefixroute-"
-
-
-class FileLock:
-    """An exclusive ``flock`` on ``path``: the shared in-flight table's lock. The kernel
-    releases it when its holder's process dies, even by SIGKILL (a ``multiprocessing``
-    lock would stay taken, and every later claim of a slot would wait for it). Each
-    process opens the file itself (only the path is pickled to a worker).
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._fd: int | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.path, self._fd = state["path"], None
-
-    def acquire(self, timeout: float = -1.0) -> bool:
-        """Take the lock; False if it is still taken after ``timeout`` seconds (< 0: wait)."""
-        if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if 0 <= timeout and time.monotonic() >= deadline:
-                    return False
-                time.sleep(0.0005)  # held for milliseconds at most, and only while slots are claimed
-
-    def release(self) -> None:
-        assert self._fd is not None
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
-
-
-class SharedCounters:
-    """A shared in-flight table in a ``multiprocessing.shared_memory`` block.
-
-    :meth:`create` makes it (the supervisor, which later :meth:`unlink` s it);
-    :meth:`attach` opens it by name from another process. ``table`` is this process's
-    :class:`InFlightTable` view (its column: ``worker``).
-    """
-
-    def __init__(self, shm: SharedMemory, worker: int, lock: Any, owner: bool) -> None:
-        self.shm = shm
-        self.table = InFlightTable(shm.buf, worker, lock)
-        self._owner = owner
-
-    @property
-    def name(self) -> str:
-        return self.shm.name
-
-    @classmethod
-    def create(cls, workers: int, lock: Any, capacity: int = DEFAULT_CAPACITY) -> "SharedCounters":
-        """A new zeroed table for ``workers`` processes, named ``prefixroute-<pid>-<random>``."""
-        name = f"{_SHM_PREFIX}{os.getpid()}-{secrets.token_hex(4)}"
-        shm = SharedMemory(name=name, create=True, size=InFlightTable.size(capacity, workers))
-        try:
-            InFlightTable.initialize(shm.buf, capacity, workers)
-            return cls(shm, 0, lock, owner=True)
-        except BaseException:
-            shm.close()
-            shm.unlink()
-            raise
-
-    @classmethod
-    def attach(cls, name: str, worker: int, lock: Any) -> "SharedCounters":
-        """Open the table ``name`` as worker ``worker``."""
-        shm = SharedMemory(name=name)
-        try:
-            return cls(shm, worker, lock, owner=False)
-        except BaseException:
-            shm.close()
-            raise
-
-    def close(self) -> None:
-        """Release this process's mapping (the states made from ``table`` die with it)."""
-        self.table.close()
-        with contextlib.suppress(BufferError):  # a view still alive: the mapping goes at exit
-            self.shm.close()
-
-    def unlink(self) -> None:
-        """Close, and remove the block from the system (the creator, once, at exit)."""
-        self.close()
-        if self._owner:
-            self._owner = False
-            with contextlib.suppress(FileNotFoundError):
-                self.shm.unlink()
-
-
-def worker_trace_path(path: str, index: int) -> str:
-    """``--record-trace`` file of worker ``index``: ``trace.jsonl`` -> ``trace.worker-1.jsonl``."""
-    p = Path(path)
-    return str(p.with_name(f"{p.stem}.worker-{index}{p.suffix}"))
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs (pickled to it by ``multiprocessing``)."""
-
-    index: int
-    config: FleetConfig
-    settings: ServerSettings
-    shm_name: str
-    lock: Any
-    admin_token: str = field(repr=False)
-    metrics_dir: str
-    log_level: str
-
-
-# -- the worker process -----------------------------------------------------------
-
-
-def _worker_main(spec: WorkerSpec, conn: Connection) -> None:
-    """Entry of a worker process (a fresh interpreter: ``spawn``), started with SIGTERM,
-    SIGINT, SIGHUP and :data:`RELOAD_SIGNAL` blocked (:func:`prefixroute.signals.blocked`,
-    in the supervisor)."""
-    # A worker ignores SIGHUP for good: one sent to the process group reaches the
-    # supervisor too, which tells each worker to reload (RELOAD_SIGNAL), once.
-    # Until the event loop handles them: RELOAD_SIGNAL must not kill a starting worker, nor a
-    # Ctrl-C (the supervisor gets it too, and stops the workers) interrupt its start-up
-    # with a traceback. A SIGTERM stops it (nothing is in flight yet).
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(RELOAD_SIGNAL, signal.SIG_IGN)
-    signals.unblock(_CHILD_BLOCKED)
-    logging.basicConfig(level=spec.log_level.upper(), stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s %(name)s [worker {spec.index}]: %(message)s")
-    from prefixroute.server.metrics import use_multiprocess_values
-
-    use_multiprocess_values(spec.metrics_dir)  # before any metric exists in this process
-    with asyncio.Runner(loop_factory=loop_factory()) as runner:
-        code = runner.run(_worker_serve(spec, conn))
-    sys.exit(code)
-
-
-def _draining() -> None:
-    """A worker's SIGTERM and SIGINT handler while it drains: nothing more to do."""
-
-
-async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
-    from prefixroute.server.runner import WorkerRuntime, reload_logged_waiting, start_router
-
-    loop = asyncio.get_running_loop()
-    counters = SharedCounters.attach(spec.shm_name, spec.index, spec.lock)
-    try:
-        try:
-            handle = await start_router(spec.config, spec.settings, worker=WorkerRuntime(
-                spec.index, counters.table, spec.admin_token, spec.metrics_dir))
-        except (OSError, ConfigError) as exc:
-            conn.send(("error", f"worker {spec.index}: cannot start: {exc}"))
-            conn.close()
-            return 1
-        stop = asyncio.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        # One reload at a time; signals that come meanwhile make one more after it.
-        reloading: asyncio.Task[bool] | None = None
-        again = False
-
-        def on_sighup() -> None:
-            nonlocal reloading, again
-            if reloading is not None:
-                again = True
-                return
-            reloading = loop.create_task(reload_logged_waiting(handle.state))
-            reloading.add_done_callback(reloaded)
-
-        def reloaded(_: asyncio.Task[bool]) -> None:
-            nonlocal reloading, again
-            reloading = None
-            if again:
-                again = False
-                on_sighup()
-
-        loop.add_signal_handler(RELOAD_SIGNAL, on_sighup)
-        parent = multiprocessing.parent_process()
-        if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
-            loop.add_reader(parent.sentinel, stop.set)
-        conn.send(("ready", os.getpid(), handle.admin_url))
-        conn.close()
-        try:
-            await stop.wait()
-            log.info("shutting down: waiting up to %.1f s for requests in flight", spec.settings.shutdown_timeout_s)
-        finally:
-            if parent is not None:
-                loop.remove_reader(parent.sentinel)
-            # Draining: a stop signal to the process group reached this worker as well as
-            # the supervisor, which sends its own SIGTERM a moment later, and kills the
-            # workers (SIGKILL) on a second signal or at the deadline. Neither the SIGTERM
-            # nor a second Ctrl-C may cut the requests in flight short here: their
-            # handlers become no-ops (replaced, never removed: no instant of the default
-            # action in between).
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                loop.add_signal_handler(sig, _draining)
-            await handle.close()  # RELOAD_SIGNAL still reloads (never kills) while requests drain
-            loop.remove_signal_handler(RELOAD_SIGNAL)
-            signal.signal(RELOAD_SIGNAL, signal.SIG_IGN)
-        return 0
-    finally:
-        counters.close()
-
-
-# -- the supervisor ---------------------------------------------------------------
-
-
-async def _close_admin(runner: web.AppRunner) -> None:
-    """Stop the supervisor's admin API: its port and idle connections at once (a body
-    still arriving is cut), the requests in it within ``ADMIN_SHUTDOWN_S``."""
-    from prefixroute.server.runner import ADMIN_SHUTDOWN_S, cleanup_within, stop_accepting
-
-    await stop_accepting(runner)
-    await cleanup_within(runner, ADMIN_SHUTDOWN_S)
 
 
 def _url(host: str, port: int) -> str:
