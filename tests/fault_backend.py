@@ -7,7 +7,8 @@ What it can do (:class:`Fault`, chosen per request):
   body) a chunked SSE stream of ``events`` events and ``data: [DONE]`` (the body ended
   ``end_delay`` seconds after it);
 * ``stall``: read the request, then send nothing until the client goes away;
-* ``reset_before_headers`` / ``close_before_headers``: read the request, then RST / FIN;
+* ``reset_before_headers`` / ``close_before_headers``: read the request, then RST / FIN
+  (after ``delay`` seconds);
 * ``reset_on_headers``: read the request head only, then RST (the body is never read);
 * ``reset_after``: stream ``after`` events, then RST;
 * ``stall_after``: stream ``after`` events, then go silent;
@@ -15,7 +16,8 @@ What it can do (:class:`Fault`, chosen per request):
   ``data: [DONE]``;
 * ``split``: the ``ok`` stream, but every ``chunk`` bytes is its own write (events and
   UTF-8 characters cut anywhere);
-* ``status``: answer ``status`` with ``body`` and ``headers`` (4xx, 5xx, 429...).
+* ``status``: answer ``status`` with ``body`` and ``headers`` (4xx, 5xx, 429...), after
+  ``delay`` seconds.
 
 :meth:`FaultBackend.refuse` stops listening (connections are refused),
 :meth:`FaultBackend.kill` also resets the open connections, and
@@ -371,12 +373,18 @@ class FaultBackend:
             await self._wait_closed(conn)
             return False
         if k in ("reset_before_headers", "reset_on_headers"):
+            if f.delay and k == "reset_before_headers":
+                await asyncio.sleep(f.delay)  # (the request read whole: an engine failing while it generates)
             conn.reset()
             return False
         if k == "close_before_headers":
+            if f.delay:
+                await asyncio.sleep(f.delay)
             conn.close()
             return False
         if k == "status":
+            if f.delay:
+                await asyncio.sleep(f.delay)
             conn.write(self._head(f.status, {"Content-Type": "application/json", "Content-Length": str(len(f.body)),
                                              **f.headers}) + f.body)
             await conn.drain()

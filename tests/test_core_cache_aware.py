@@ -591,10 +591,11 @@ def _reference_choose(strategy, candidates, blocks):
         h = load(candidates[home])
         if not below or h <= C.SPREAD_FACTOR * sum(below) / len(below) + C.SPREAD_SLACK:
             return None
-        if depth[home] == top_d:
-            t = strategy.caches[candidates[home].instance_id].tail(blocks[top_d - 1])
-            if t is not None and (t[0] == 0 or (u_top + t[0] <= size
-                                                 and blocks.prefix_hash(u_top + t[0], top_d) == t[1])):
+        d = depth[home]  # the home's own match
+        if d:
+            t = strategy.caches[candidates[home].instance_id].tail(blocks[d - 1])
+            if t is not None and (t[0] == 0 or (unit(d) + t[0] <= size
+                                                 and blocks.prefix_hash(unit(d) + t[0], d) == t[1])):
                 return None  # a continuation keeps its instance
         i = walk(anchor, threshold, set(homes))
         return i if i is not None and load(candidates[i]) < h else None

@@ -586,6 +586,98 @@ async def test_malformed_chunked_framing_after_a_good_head_ends_the_answer_withi
         server.close()
 
 
+@pytest.mark.parametrize("kind", ["reset_before_headers", "close_before_headers"])
+async def test_a_kept_alive_connection_failing_long_after_the_send_is_not_sent_again(backends, http, floor,
+                                                                                     data_plane, kind):
+    """The engine read the request on a kept-alive connection and failed half a second
+    later (while generating): not the keep-alive race, so never sent a second time."""
+    handle = await _router([backends[0].url], data_plane=data_plane, max_retries=2, health_check_interval_s=0)
+    try:
+        assert (await call(http, handle, "chat")).status == 200
+        backends[0].script = [Fault(kind, delay=0.5)]
+        out = await call(http, handle, "chat")
+        assert out.status == 502
+        assert len(backends[0].ids()) == 2  # once each
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor)
+
+
+@pytest.mark.parametrize("answer", [b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: h2c\r\nConnection: Upgrade\r\n\r\n",
+                                    b"HTTP/1.1 2x0 Garbage\r\n\r\n"])
+async def test_an_invalid_answer_on_a_kept_alive_connection_is_a_502_and_not_sent_again(http, floor, data_plane,
+                                                                                        answer):
+    """An unsolicited 101 or a malformed head on a reused connection is an invalid
+    answer, not the keep-alive race: a 502, the engine asked once."""
+    received = []
+
+    async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length")][0])
+                await reader.readexactly(length)
+                received.append(head)
+                if len(received) == 1:
+                    writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+                else:
+                    writer.write(answer)
+                    await writer.drain()
+                    await asyncio.sleep(0.2)
+                    break
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        writer.close()
+
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    handle = await _router([f"http://127.0.0.1:{port}"], data_plane=data_plane, health_check_interval_s=0,
+                           max_retries=2)
+    try:
+        assert (await call(http, handle, "chat")).status == 200
+        out = await call(http, handle, "chat")
+        assert out.status == 502 and len(received) == 2
+        assert await eventually(lambda: in_flight(handle) == 0, 1.0)
+    finally:
+        await handle.close()
+        server.close()
+
+
+async def test_nothing_is_sent_again_for_a_client_gone_before_a_429_arrives(backends, http, floor, data_plane):
+    """The client leaves while the first instance prepares its 429; with --retry-status
+    the request is not sent to the second instance on its behalf."""
+    handle = await _router([b.url for b in backends], data_plane=data_plane, retry_statuses=frozenset({429}),
+                           response_headers_timeout_s=10)
+    try:
+        for b in backends:
+            b.default = Fault("status", status=429, headers={"Retry-After": "1"}, delay=0.4)
+        task = asyncio.create_task(call(http, handle, "chat", timeout=5))
+        assert await eventually(lambda: len(_served(backends)) == 1, 2)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.6)  # the 429 has come and gone
+        assert len(_served(backends)) == 1  # the other instance never got it
+        assert await eventually(lambda: in_flight(handle) == 0, 1.0)
+    finally:
+        await handle.close()
+    await assert_invariants(handle, backends, floor)
+
+
+def test_odd_retry_after_values_never_raise():
+    from prefixroute.core.retry_status import MAX_HOLD_S, RetryStatus, parse_retry_after
+
+    for value in ("²", b"\xb2", "9" * 400, "9" * 5000, "Fri, 4 Dec 10000000000000000000 20:00:00 GMT", "", "  ",
+                  "1e9", "-1", "Fri, 04 Dec 2026", "0x10", "٣"):
+        got = parse_retry_after(value)
+        assert got is None or got >= 0, value
+    assert parse_retry_after("9" * 400) == 1e12
+    rs = RetryStatus({429})
+    assert rs.hold("a", "²") == 1.0 and rs.hold("b", "9" * 400) == MAX_HOLD_S
+
+
 # -- health: out of rotation and back, assignments of the others stay --------------------
 
 

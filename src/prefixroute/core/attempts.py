@@ -27,7 +27,12 @@ from dataclasses import dataclass
 
 from prefixroute.core.retry_status import RetryStatus
 
-__all__ = ["Attempts", "Next", "Step"]
+__all__ = ["Attempts", "Next", "Step", "STALE_WINDOW_S"]
+
+#: Longest time from sending a request on a kept-alive connection to that connection's
+#: failure that counts as the keep-alive race (the engine closed the connection idle as
+#: the request went out; its close arrives within a round trip), seconds.
+STALE_WINDOW_S = 0.05
 
 
 class Next(enum.Enum):
@@ -111,11 +116,15 @@ class Attempts:
         return Step(Next.RETRY, reason="connect", error_kind="connect", health="definitive",
                     log=f"instance {instance}: connect failed ({exc_name})")
 
-    def lost(self, instance: str, kind: str, sent: bool, reused: bool) -> Step:
+    def lost(self, instance: str, kind: str, sent: bool, reused: bool, after_s: float = 0.0) -> Step:
         """The connection failed before the answer's head (``kind``: ``reset``,
         ``disconnect``, ``timeout``, ``other``); ``sent``: the request was written in full;
-        ``reused``: the connection had carried an earlier exchange."""
-        if reused and not self._stale_retried and self.left > 0:
+        ``reused``: the connection had carried an earlier exchange; ``after_s``: seconds
+        from sending the request to the failure. Only a failure within
+        :data:`STALE_WINDOW_S` of sending on a reused connection is the keep-alive race
+        (the engine closed it idle as the request went out); a later one may be an engine
+        that failed while generating, and is not sent again."""
+        if reused and after_s <= STALE_WINDOW_S and not self._stale_retried and self.left > 0:
             self._stale_retried = True
             return Step(Next.RETRY, reason="stale_connection", error_kind="stale_connection", log_warning=False,
                         fresh_connection=True,
@@ -129,6 +138,14 @@ class Attempts:
                     code="upstream_error", message=f"instance {instance} failed before responding ({kind})",
                     log=f"instance {instance}: failed before responding ({kind})")
 
+    def invalid(self, instance: str, what: str) -> Step:
+        """The instance answered with something that is not an HTTP answer to this
+        request (an unsolicited ``101``, a malformed head): a 502, never sent again."""
+        return Step(Next.ERROR, error_kind="invalid_response", health="failure", count_routed=True, status=502,
+                    code="upstream_error", message=f"instance {instance} failed before responding "
+                                                   "(invalid_response)",
+                    log=f"instance {instance}: invalid HTTP response ({what})")
+
     def headers_timeout(self, instance: str, timeout_s: float) -> Step:
         """No answer head within ``timeout_s`` of sending."""
         return Step(Next.ERROR, error_kind="headers_timeout", health="failure", count_routed=True, status=504,
@@ -138,11 +155,7 @@ class Attempts:
     def answered(self, instance: str, status: int) -> Step:
         """The instance's answer head came, with ``status``."""
         if status < 200:  # an unsolicited 101 (the parsers skip the other 1xx)
-            return Step(Next.ERROR, error_kind="invalid_response", health="failure", count_routed=True, status=502,
-                        code="upstream_error", message=f"instance {instance} failed before responding "
-                                                       "(invalid_response)",
-                        log=f"instance {instance}: invalid HTTP response (an unsolicited {status} to a request "
-                            "that asked for no protocol change)")
+            return self.invalid(instance, f"an unsolicited {status} to a request that asked for no protocol change")
         if self.retry_status.retries(status, self.left):
             return Step(Next.TRY_ELSEWHERE, reason=f"http_{status}")
         return RELAY

@@ -458,7 +458,7 @@ class CacheAwareStrategy(Strategy):
             if most >= u_top or (most >= 0 and (alone or not levels.any_holds(_first_over(levels.bound, most,
                                                                                              upto)))):
                 spread = self._spread(blocks, home, home_mask, candidates, d_top, u_top, size, by_bit, threshold,
-                                      get(min(max(d_top, amin), n - 1))) if chain else None
+                                      get(min(max(d_top, amin), n - 1)), levels, unit) if chain else None
                 if spread is not None:
                     self.uncached_units = size - unit(levels.depth_of(bits[candidates.index(spread)]))
                     return spread, DecisionKind.OVERFLOW
@@ -482,7 +482,8 @@ class CacheAwareStrategy(Strategy):
 
     def _spread(self, blocks: BlockChain, home: InstanceState, home_mask: int, candidates: Sequence[InstanceState],
                 d_top: int, u_top: int, size: int, by_bit: dict[int, InstanceState], threshold: float,
-                anchor: int) -> InstanceState | None:
+                anchor: int, levels: "_Levels | None" = None,
+                unit: Callable[[int], int] | None = None) -> InstanceState | None:
         """A new branch off a shared prefix (a new conversation behind a long system
         prompt, a new question about a document) whose home has markedly more requests in
         flight than the fleet's mean (:data:`SPREAD_FACTOR`, :data:`SPREAD_SLACK`): the
@@ -500,7 +501,10 @@ class CacheAwareStrategy(Strategy):
         for b in _bits(home_mask):
             if by_bit[b] is home:
                 home_bit = b
-        if self._continuing(blocks, home_bit, d_top, u_top, size, by_bit):
+        if levels is not None and unit is not None:  # the home's own match (a home of the band may hold less)
+            d_top = levels.depth_of(home_bit)
+            u_top = unit(d_top)
+        if d_top and self._continuing(blocks, home_bit, d_top, u_top, size, by_bit):
             return None
         alt = self._walk(anchor, candidates, threshold, home_mask)
         if alt is None or max(alt.in_flight, alt.engine_load) >= home_load:

@@ -70,16 +70,20 @@ def parse_retry_after(value: str | bytes | None, now_wall: float | None = None) 
     if isinstance(value, bytes):
         value = value.decode("latin-1")
     value = value.strip()
+    if not value.isascii():  # ("²".isdigit() is true)
+        return None
     if value.isdigit():
-        return float(int(value))
+        return float(int(value)) if len(value) <= 12 else 1e12  # (a huge delay: then held the longest allowed)
+    if len(value) > 64:  # (an HTTP date is under 40 characters)
+        return None
     try:
         when = parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
+        if when is None or when.tzinfo is None:
+            return None
+        now = time.time() if now_wall is None else now_wall
+        return max(0.0, when.timestamp() - now)
+    except Exception:  # (the parser raises TypeError, ValueError, IndexError, OverflowError... on odd input)
         return None
-    if when is None or when.tzinfo is None:
-        return None
-    now = time.time() if now_wall is None else now_wall
-    return max(0.0, when.timestamp() - now)
 
 
 class RetryStatus:

@@ -264,8 +264,10 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
                    help="longest silence between two chunks of a response; there is no total timeout, a stream "
                         "lasts as long as tokens flow (default: 300)")
     o.add_argument("--max-retries", type=int, default=2, metavar="N",
-                   help="most retries on other instances, only when the failed one cannot have started the "
-                        "request (connection refused, request not sent in full) (default: 2)")
+                   help="most retries, only when the instance cannot have started the request (connection "
+                        "refused, request not sent in full: on another instance; a kept-alive connection the engine "
+                        "closed as the request went out: once on a new one) or, with --retry-status, answered "
+                        "429/503 (default: 2)")
     o.add_argument("--retry-status", type=_retry_statuses, default=frozenset(), metavar="CODES",
                    help="retry an instance's 429 and/or 503 answer (e.g. 429,503) on an instance not tried yet, "
                         "while nothing of it has reached the client and --max-retries allows; the instance is "

@@ -450,6 +450,10 @@ class _Client(asyncio.Protocol):
                         self.write(inc.refusal)
                     else:
                         await self.front.handle(self, inc)
+                except Exception:  # our bug: the connection is aborted (part of an answer may be out), nothing hangs
+                    log.exception("answering a request failed")
+                    self.abort()
+                    break
                 finally:
                     self.busy = False
                 if not self.answered(inc):

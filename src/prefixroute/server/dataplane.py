@@ -568,6 +568,8 @@ class FrontServer:
         fresh = False  # the next attempt opens a new connection (a kept-alive one failed)
         try:
             for attempts.index in range(1 + settings.max_retries):
+                if attempts.index and client.closed:
+                    raise _ClientGone()  # nothing is sent again for a client that has gone
                 if lease is None:
                     try:
                         if pending is not None:
@@ -614,7 +616,11 @@ class FrontServer:
                     except TimeoutError:
                         step = attempts.headers_timeout(instance, settings.response_headers_timeout_s)
                     except _UpstreamLost as lost:
-                        step = attempts.lost(instance, _error_kind(lost.exc), lost.sent, up.reused)
+                        if lost.invalid:
+                            step = attempts.invalid(instance, str(lost.exc)[:80])
+                        else:
+                            step = attempts.lost(instance, _error_kind(lost.exc), lost.sent, up.reused,
+                                                 time.perf_counter() - record.t_sent)
                     else:
                         step = attempts.answered(instance, up.status)
                         if step.next is Next.TRY_ELSEWHERE:

@@ -483,8 +483,9 @@ class RouterMetrics:
         self.upstream_errors = _Labelled(Counter(
             "prefixroute_upstream_errors",
             "Failures talking to an instance: connect, send, reset, disconnect, headers_timeout, idle_timeout, "
-            "http_5xx, no_done (an SSE stream ended without data: [DONE]), http_429 and http_503 (answers "
-            "--retry-status retried elsewhere or held the instance back for).",
+            "http_5xx, no_done (an SSE stream ended without data: [DONE]), stale_connection (a kept-alive "
+            "connection failed as the request went out; sent again), invalid_response (not HTTP for the request), "
+            "http_429 and http_503 (answers --retry-status retried elsewhere).",
             ("instance", "kind"), registry=r))
         self.retries = _Labelled(Counter(
             "prefixroute_retries",

@@ -202,6 +202,9 @@ def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
 #: Whether the connection the current task's last upstream request went out on was a
 #: kept-alive one (set by :class:`PoolConnector`, read by :func:`forward`).
 REUSED_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar("REUSED_CONNECTION", default=False)
+#: Set by :func:`forward` for an attempt that must go out on a new connection (a
+#: kept-alive one just failed): :class:`PoolConnector` then closes pooled ones it is given.
+FRESH_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar("FRESH_CONNECTION", default=False)
 
 
 class PoolConnector(aiohttp.TCPConnector):
@@ -223,6 +226,9 @@ class PoolConnector(aiohttp.TCPConnector):
             conn = await super().connect(*args, **kwargs)
             proto = conn.protocol
             reused = proto in self._handed_out
+            if reused and FRESH_CONNECTION.get():
+                conn.close()  # (not kept: the attempt wants a connection of its own)
+                continue
             REUSED_CONNECTION.set(reused)  # (the request's task: forward() reads it after a failure)
             self._handed_out.add(proto)
             transport = conn.transport
@@ -288,8 +294,8 @@ def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset
         if held and not held <= exclude:
             try:
                 return _acquire(state, rr, exclude | held, refuse_all_busy)
-            except NoHealthyInstance:
-                pass
+            except (NoHealthyInstance, SetSaturated):
+                pass  # (a held instance is still better than a refusal of the router's own)
     return _acquire(state, rr, exclude, refuse_all_busy)
 
 
@@ -412,16 +418,22 @@ def _error_kind(exc: BaseException) -> str:
     return "other"
 
 
+def _client_gone(rr: RoutedRequest) -> bool:
+    """Whether the aiohttp request's client connection is closed or closing."""
+    request = rr.request
+    transport = request.transport if request is not None else None
+    return request is not None and (transport is None or transport.is_closing())
+
+
 async def retry_elsewhere(state: RouterState, rr: RoutedRequest, instance: str, status: int,
                           retry_after: str | bytes | None, exclude: set[str]) -> Lease | None:
     """``instance`` answered ``status`` (429 or 503, ``--retry-status``) with nothing of it
     sent to the client yet: the lease of an instance not tried yet, or ``None`` when none
     is left (the answer is then relayed). Either way the instance is held back from new
-    requests for its ``Retry-After``, counted
-    (``upstream_errors_total{kind="http_429"|"http_503"}``) and logged; with a lease it
-    is excluded from this request's next attempts."""
+    requests for its ``Retry-After`` and logged; with a lease it is excluded from this
+    request's next attempts and counted (``upstream_errors_total{kind="http_429"|"http_503"}``;
+    a relayed 503 is counted as ``http_5xx`` by the relay, as any)."""
     held_s = state.retry_status.hold(instance, retry_after)
-    state.metrics.upstream_errors.labels(instance, f"http_{status}").inc()
     exclude.add(instance)
     try:
         lease = await acquire_or_grow(state, rr, exclude)
@@ -430,6 +442,7 @@ async def retry_elsewhere(state: RouterState, rr: RoutedRequest, instance: str, 
         log.info("instance %s answered %d, relayed (no other instance left); held back from new requests for %g s",
                  instance, status, held_s)
         return None
+    state.metrics.upstream_errors.labels(instance, f"http_{status}").inc()
     log.info("instance %s answered %d: retried on %s; held back from new requests for %g s", instance, status,
              lease.decision.instance.instance_id, held_s)
     return lease
@@ -495,8 +508,12 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     retry: str | None = None  # why the previous attempt is being retried
     record = rr.record
     pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
+    fresh = False  # the next attempt goes out on a new connection (a kept-alive one failed)
     try:
         for attempts.index in range(1 + settings.max_retries):
+            if attempts.index and _client_gone(rr):
+                code = 499  # nothing is sent again for a client that has gone
+                return web.Response(status=499)
             try:
                 if pending is not None:
                     lease, pending = pending, None
@@ -528,6 +545,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 tracker = _UploadTracker() if _UploadTracker is not None else None
                 kwargs: dict[str, Any] = {"upload_tracker": tracker} if tracker is not None else {}
                 REUSED_CONNECTION.set(False)
+                FRESH_CONNECTION.set(fresh)
                 try:
                     async with asyncio.timeout(settings.response_headers_timeout_s):
                         upstream = await session.request(
@@ -537,21 +555,31 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                     step = attempts.connect_failed(instance, type(exc).__name__)
                 except TimeoutError:
                     step = attempts.headers_timeout(instance, settings.response_headers_timeout_s)
+                except aiohttp.ClientResponseError as exc:  # the answer's head could not be parsed
+                    step = attempts.invalid(instance, str(exc.message)[:80])
                 except _UPSTREAM_ERRORS as exc:
-                    step = attempts.lost(instance, _error_kind(exc), not _not_sent(tracker), REUSED_CONNECTION.get())
+                    step = attempts.lost(instance, _error_kind(exc), not _not_sent(tracker), REUSED_CONNECTION.get(),
+                                         time.perf_counter() - t_send)
                 else:
                     step = attempts.answered(instance, upstream.status)
                     if step.next is Next.TRY_ELSEWHERE:
-                        pending = await retry_elsewhere(state, rr, instance, upstream.status,
-                                                        upstream.headers.get("Retry-After"), exclude)
+                        try:
+                            pending = await retry_elsewhere(state, rr, instance, upstream.status,
+                                                            upstream.headers.get("Retry-After"), exclude)
+                        except BaseException:
+                            upstream.close()
+                            raise
                         if pending is None:
                             step = attempts.relay()
                     if step.next is not Next.RELAY:
                         upstream.close()
+                finally:
+                    FRESH_CONNECTION.set(False)
                 apply_step(state, rr, instance, decision, step)
                 if step.next is Next.RETRY or step.next is Next.TRY_ELSEWHERE:
                     mark = time.perf_counter()
                     retry = step.reason
+                    fresh = fresh or step.fresh_connection
                     continue  # the finally below releases this lease first
                 if step.next is Next.ERROR:
                     code = step.client_status(rr.api is Api.OPENAI)
@@ -675,15 +703,7 @@ async def _relay(
         record.bytes_out += len(chunk)
         if sse:
             tail = (tail + chunk)[-_TAIL:]
-        try:
-            async with asyncio.timeout_at(loop.time() + send_s):  # a client that stops reading: --client-send-timeout
-                await resp.write(eventstream.payload_part(chunk) if framed else chunk)
-        except ConnectionError:
-            return resp, rr.completed_status or 499
-        except TimeoutError:
-            log.info("a client left an answer unread for %g s (--client-send-timeout): disconnected", send_s)
-            if request.transport is not None:
-                request.transport.abort()
+        if not await _send_within(resp.write(eventstream.payload_part(chunk) if framed else chunk), request, send_s):
             return resp, rr.completed_status or 499
         if sse and rr.done_marked and not rr.completed_status and ends_with_done(tail):
             rr.completed_status = status
@@ -694,11 +714,26 @@ async def _relay(
     if sse and rr.done_marked and not ends_with_done(tail):
         m.upstream_errors.labels(instance, "no_done").inc()
         record.error = "no_done"
-    try:
-        await resp.write_eof()
-    except ConnectionError:
+    if not await _send_within(resp.write_eof(), request, send_s):
         return resp, rr.completed_status or 499
     return resp, status
+
+
+async def _send_within(write: Any, request: web.Request, send_s: float) -> bool:
+    """Await ``write`` (a write to the client); False when the client is gone or left
+    it unread for ``send_s`` seconds (``--client-send-timeout``: then its connection is
+    aborted, so the handler ends and the instance's request with it)."""
+    try:
+        async with asyncio.timeout(send_s):
+            await write
+        return True
+    except ConnectionError:
+        return False
+    except TimeoutError:
+        log.info("a client left an answer unread for %g s (--client-send-timeout): disconnected", send_s)
+        if request.transport is not None:
+            request.transport.abort()
+        return False
 
 
 async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamResponse, instance: str,
@@ -719,17 +754,16 @@ async def _end_broken(state: RouterState, rr: RoutedRequest, resp: web.StreamRes
     state.health.passive_failure(instance)
     log.warning("instance %s: response broken mid-body (%s)", instance, kind)
     message = broken_message(instance, kind, idle_s)
-    try:
-        if rr.api is Api.NATIVE_STREAM:
-            await resp.write(eventstream.model_stream_error(
-                message, "ModelInvocationTimeExceeded" if timeout else "StreamBroken"))
-            await resp.write_eof()
-            return
-        if sse and at_event_boundary(tail):
-            await resp.write(sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected"))
-            await resp.write_eof()
-            return
-    except ConnectionError:
+    request = rr.request
+    send_s = state.settings.client_send_timeout_s
+    event = None
+    if rr.api is Api.NATIVE_STREAM:
+        event = eventstream.model_stream_error(message, "ModelInvocationTimeExceeded" if timeout else "StreamBroken")
+    elif sse and at_event_boundary(tail):
+        event = sse_error_event(message, "upstream_timeout" if timeout else "upstream_disconnected")
+    if event is not None and request is not None:
+        if await _send_within(resp.write(event), request, send_s):
+            await _send_within(resp.write_eof(), request, send_s)
         return
     if rr.request is not None and rr.request.transport is not None:
         rr.request.transport.abort()

@@ -35,6 +35,9 @@ class _UpstreamLost(Exception):
         super().__init__(str(exc) if exc else "connection closed")
         self.exc = exc
         self.sent = sent  # the request was written in full
+        # Not a lost connection but an answer that is not HTTP for this request (an
+        # unsolicited 101, a malformed head): never sent again.
+        self.invalid = isinstance(exc, (httptools.HttpParserError, httptools.HttpParserUpgrade))
 
 
 class _Reply:
@@ -165,7 +168,8 @@ class _Upstream(asyncio.Protocol):
         except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:  # (an engine's 101 is invalid here)
             if self.headers_due:  # a head parsed, then a broken body: as when it resolved at once
                 self._headers_now()
-            log.warning("instance %s: invalid HTTP response (%s)", self.target[0], exc)
+            if self.headers_fut.done():  # (before the head, the request's attempt logs it: core/attempts.py)
+                log.warning("instance %s: invalid HTTP response (%s)", self.target[0], exc)
             self._fail(exc)
             if self.transport is not None:
                 self.transport.abort()
