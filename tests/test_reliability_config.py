@@ -42,6 +42,8 @@ def _parse(*argv: str) -> argparse.Namespace:
     (["--max-retries", "-1"], "max retries: -1 is out of range"),
     (["--max-body-size", "0"], "max body size: 0 is out of range"),
     (["--client-keepalive-timeout", "0"], "client keep-alive timeout: 0.0 s must be > 0"),
+    (["--upstream-keepalive-timeout", "0"], "upstream keep-alive timeout (--upstream-keepalive-timeout): 0.0 s"),
+    (["--client-send-timeout", "-1"], "client send timeout (--client-send-timeout): -1.0 s must be > 0"),
 ])
 def test_invalid_flags_exit_2_with_a_clear_message(argv, needle, capsys, monkeypatch):
     monkeypatch.delenv("PREFIXROUTE_ADMIN_TOKEN", raising=False)
@@ -53,6 +55,21 @@ def test_invalid_flags_exit_2_with_a_clear_message(argv, needle, capsys, monkeyp
 def test_metrics_scrape_timeout_flag_reaches_the_settings():
     assert build_settings(_parse()).metrics_scrape_timeout_s == 2.0
     assert build_settings(_parse("--metrics-scrape-timeout", "7.5")).metrics_scrape_timeout_s == 7.5
+
+
+def test_a_retry_status_other_than_429_or_503_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _parse("--retry-status", "500")
+    assert exc.value.code == 2
+    assert "'500' is not a status that may be retried (allowed: 429, 503)" in capsys.readouterr().err
+
+
+def test_retry_and_timeout_flags_reach_the_settings():
+    s = build_settings(_parse("--retry-status", "503, 429", "--client-send-timeout", "5",
+                              "--upstream-keepalive-timeout", "2.5"))
+    assert (s.retry_statuses, s.client_send_timeout_s, s.keepalive_timeout_s) == (frozenset({429, 503}), 5.0, 2.5)
+    d = build_settings(_parse())
+    assert (d.retry_statuses, d.client_send_timeout_s, d.keepalive_timeout_s) == (frozenset(), 60.0, 4.0)
 
 
 def test_client_keepalive_timeout_flag_reaches_the_settings():

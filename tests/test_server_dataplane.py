@@ -1552,6 +1552,6 @@ async def test_every_refusal_of_the_router_is_logged_at_info_within_a_budget(bac
         obs.refused("default", "AllTraffic", 429, "limit", "r", 0.0, 0.0)
         lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("refused")]
         assert len(lines) == observe.REFUSALS_LOGGED_PER_S + 1
-        assert lines[-1].endswith("; 5 more refusals not logged before it")
+        assert lines[-1].endswith("; 5 more lines not logged before it")
     finally:
         await handle.close()

@@ -272,8 +272,8 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
                    help="retry an instance's 429 and/or 503 answer (e.g. 429,503) on an instance not tried yet, "
                         "while nothing of it has reached the client and --max-retries allows; the instance is "
                         "held back from new requests for its Retry-After (at most 30 s, 1 s without one); with "
-                        "no other instance left the answer is relayed (default: none, every answer is relayed, "
-                        "as SageMaker does)")
+                        "no other instance left the answer is relayed ('none' or '': off, the default: every "
+                        "answer is relayed, as SageMaker does)")
     o.add_argument("--upstream-keepalive-timeout", type=float, default=4.0, metavar="SECONDS",
                    help="seconds an idle pooled connection to an instance is kept for reuse; keep it below the "
                         "engine's own idle timeout (uvicorn, in front of vLLM and SGLang: 5 s), or a request may "
@@ -304,8 +304,8 @@ def add_listener_flags(p: argparse.ArgumentParser) -> None:
                    help="seed of the random choices (RANDOM routing, weighted variants, ties); default: random")
     o.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
                    help="log level of stderr logs: info shows health changes, reloads and what they changed, "
-                        "startup and shutdown; no request is logged at any level but with --access-log "
-                        "(default: info)")
+                        "startup and shutdown; a request is logged only when the router refuses it or retries a "
+                        "429/503 (at most 10 lines a second), all of them with --access-log (default: info)")
     o.add_argument("--log-prompts", action="store_true",
                    help="allow prompt text (the first 512 bytes of a request body, every API) in DEBUG logs "
                         "(default: off, prompts never reach the logs)")

@@ -34,9 +34,10 @@ __all__ = ["Observers", "key_digest", "REFUSALS_LOGGED_PER_S"]
 
 log = logging.getLogger("prefixroute.server")
 
-#: Refusals logged per second at most (INFO, one line each); the others in that second
-#: are counted and named by the next line logged, so a client looping on a 4xx, or a
-#: rate limit answering thousands of 429s, cannot flood the log.
+#: Per-request lines (refusals, retried 429/503) logged per second at most (INFO); the
+#: others in that second are counted and named by the next line logged, so a client
+#: looping on a 4xx, a rate limit answering thousands of 429s or a fleet shedding load
+#: cannot flood the log.
 REFUSALS_LOGGED_PER_S = 10
 
 _clock = time.monotonic  # (what the budget's seconds are read from)
@@ -165,6 +166,14 @@ class Observers:
             log.exception("recording a refused request failed")
 
     def _log_refusal(self, endpoint: str, variant: str, status: int, message: str, request_id: str | None) -> None:
+        self.log_budgeted("refused%s: %d %s (endpoint %s%s)" % (
+            f" request {request_id}" if request_id else "", status, message or "(no message)", endpoint,
+            f", variant {variant}" if variant else ""))
+
+    def log_budgeted(self, line: str) -> None:
+        """Log ``line`` (a per-request event: a refusal, a retried 429/503; never request
+        text) at INFO, at most :data:`REFUSALS_LOGGED_PER_S` lines a second; the others
+        of that second are counted into the next line logged."""
         second = int(_clock())
         if second != self._log_second:
             self._log_second, self._logged_this_second = second, 0
@@ -173,6 +182,4 @@ class Observers:
             return
         self._logged_this_second += 1
         more, self._not_logged = self._not_logged, 0
-        log.info("refused%s: %d %s (endpoint %s%s)%s", f" request {request_id}" if request_id else "", status,
-                 message or "(no message)", endpoint, f", variant {variant}" if variant else "",
-                 f"; {more} more refusal{'s' if more != 1 else ''} not logged before it" if more else "")
+        log.info("%s%s", line, f"; {more} more line{'s' if more != 1 else ''} not logged before it" if more else "")

@@ -439,12 +439,12 @@ async def retry_elsewhere(state: RouterState, rr: RoutedRequest, instance: str, 
         lease = await acquire_or_grow(state, rr, exclude)
     except (NoHealthyInstance, SetSaturated):
         exclude.discard(instance)
-        log.info("instance %s answered %d, relayed (no other instance left); held back from new requests for %g s",
-                 instance, status, held_s)
+        state.observers.log_budgeted(f"instance {instance} answered {status}, relayed (no other instance left); "
+                                     f"held back from new requests for {held_s:g} s")
         return None
     state.metrics.upstream_errors.labels(instance, f"http_{status}").inc()
-    log.info("instance %s answered %d: retried on %s; held back from new requests for %g s", instance, status,
-             lease.decision.instance.instance_id, held_s)
+    state.observers.log_budgeted(f"instance {instance} answered {status}: retried on "
+                                 f"{lease.decision.instance.instance_id}; held back from new requests for {held_s:g} s")
     return lease
 
 

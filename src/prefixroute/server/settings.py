@@ -216,10 +216,10 @@ class ServerSettings:
         _count("max retries", self.max_retries, 0, 16)
         if not self.retry_statuses <= {429, 503}:
             raise ConfigError(f"retry status: {sorted(self.retry_statuses)} (allowed: 429, 503)")
-        _duration("client send timeout", self.client_send_timeout_s, positive=True)
+        _duration("client send timeout (--client-send-timeout)", self.client_send_timeout_s, positive=True)
         _count("max body size", self.max_body_bytes, 1)
         _count("max connections", self.max_connections, 1)
-        _duration("keep-alive timeout", self.keepalive_timeout_s, positive=True)
+        _duration("upstream keep-alive timeout (--upstream-keepalive-timeout)", self.keepalive_timeout_s, positive=True)
         _duration("client keep-alive timeout", self.client_keepalive_timeout_s, positive=True)
         _duration("shutdown timeout", self.shutdown_timeout_s)
         _duration("metrics scrape interval", self.metrics_scrape_interval_s)

@@ -91,7 +91,10 @@ def startup_summary(config: FleetConfig, settings: ServerSettings, url: str, adm
                                                                            else ""))
     lines.append(f"  timeouts: connect {_seconds(s.connect_timeout_s)}, response headers "
                  f"{_seconds(s.response_headers_timeout_s)}, stream idle {_seconds(s.stream_idle_timeout_s)}; "
-                 f"retries {s.max_retries}; max body {_size(s.max_body_bytes)}; "
+                 f"retries {s.max_retries}"
+                 f"{' (and 429/503: ' + ','.join(map(str, sorted(s.retry_statuses))) + ')' if s.retry_statuses else ''}; "
+                 f"client send {_seconds(s.client_send_timeout_s)}; upstream keep-alive {_seconds(s.keepalive_timeout_s)}; "
+                 f"max body {_size(s.max_body_bytes)}; "
                  f"drain on stop {_seconds(s.shutdown_timeout_s)}")
     scrape = f"every {_seconds(s.metrics_scrape_interval_s)}" if s.metrics_scrape_interval_s > 0 else "off"
     lines.append(f"  engine /metrics scrape: {scrape}; client API keys: {keys or 'off (inference routes open)'}")
