@@ -396,7 +396,8 @@ class CacheAwareStrategy(Strategy):
                 if inst.in_flight < threshold and u_top >= max(self.stick_units, STICK_FRACTION * size) and \
                         size - u_top + self._queue(inst) <= size + self.tie_units + REPLICATE_FRACTION * size:
                     spread = self._spread(blocks, inst, held, candidates, d, u_top, size, by_bit, threshold,
-                                          get(min(max(d, amin), n - 1))) if chain else None
+                                          min(max(d, amin), n - 1)) \
+                        if chain and max(inst.in_flight, inst.engine_load) > SPREAD_SLACK else None
                     if spread is not None:  # (no other candidate holds even the first block)
                         self.uncached_units = size
                         return spread, DecisionKind.OVERFLOW
@@ -458,7 +459,8 @@ class CacheAwareStrategy(Strategy):
             if most >= u_top or (most >= 0 and (alone or not levels.any_holds(_first_over(levels.bound, most,
                                                                                              upto)))):
                 spread = self._spread(blocks, home, home_mask, candidates, d_top, u_top, size, by_bit, threshold,
-                                      get(min(max(d_top, amin), n - 1)), levels, unit) if chain else None
+                                      min(max(d_top, amin), n - 1), levels, unit) \
+                    if chain and max(home.in_flight, home.engine_load) > SPREAD_SLACK else None
                 if spread is not None:
                     self.uncached_units = size - unit(levels.depth_of(bits[candidates.index(spread)]))
                     return spread, DecisionKind.OVERFLOW
@@ -482,7 +484,7 @@ class CacheAwareStrategy(Strategy):
 
     def _spread(self, blocks: BlockChain, home: InstanceState, home_mask: int, candidates: Sequence[InstanceState],
                 d_top: int, u_top: int, size: int, by_bit: dict[int, InstanceState], threshold: float,
-                anchor: int, levels: "_Levels | None" = None,
+                anchor_block: int, levels: "_Levels | None" = None,
                 unit: Callable[[int], int] | None = None) -> InstanceState | None:
         """A new branch off a shared prefix (a new conversation behind a long system
         prompt, a new question about a document) whose home has markedly more requests in
@@ -490,10 +492,11 @@ class CacheAwareStrategy(Strategy):
         instance the branch's own rendezvous order gives (bounded load, the homes
         skipped), which then prefills the shared prefix once and becomes a home too. Not
         for a continuation (the match ends where a request routed to the home ended: a
-        conversation's next turn keeps its instance). ``None``: the home keeps it."""
+        conversation's next turn keeps its instance). ``None``: the home keeps it. Called
+        only when the home has more than :data:`SPREAD_SLACK` requests (the usual request
+        makes no call and hashes nothing more); ``anchor_block`` is hashed only when the
+        home is to be left."""
         home_load = max(home.in_flight, home.engine_load)  # (the engine's count includes other replicas')
-        if home_load <= SPREAD_SLACK:
-            return None  # (the usual case: no pass over the fleet)
         loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
         if not loads or home_load <= SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK:
             return None
@@ -506,7 +509,7 @@ class CacheAwareStrategy(Strategy):
             u_top = unit(d_top)
         if d_top and self._continuing(blocks, home_bit, d_top, u_top, size, by_bit):
             return None
-        alt = self._walk(anchor, candidates, threshold, home_mask)
+        alt = self._walk(blocks.hash(anchor_block), candidates, threshold, home_mask)  # (hashed only now)
         if alt is None or max(alt.in_flight, alt.engine_load) >= home_load:
             return None
         return alt
