@@ -544,6 +544,24 @@ async def test_a_kept_alive_connection_failing_before_an_answer_is_retried_once_
     await assert_invariants(handle, backends, floor, frozenset(i for i in backends[0].ids() if i is not None))
 
 
+async def _read_request(reader: asyncio.StreamReader) -> bytes:
+    """One request from a scripted engine's connection (head and Content-Length body); its head."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = int([line.split(b":")[1] for line in head.split(b"\r\n")
+                  if line.lower().startswith(b"content-length")][0])
+    await reader.readexactly(length)
+    return head
+
+
+async def _scripted_engine_router(engine, data_plane: str, **kw):
+    """A raw asyncio server running ``engine`` and a router in front of it (no health
+    checks); returns ``(server, handle)``."""
+    server = await asyncio.start_server(engine, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    handle = await _router([f"http://127.0.0.1:{port}"], data_plane=data_plane, health_check_interval_s=0, **kw)
+    return server, handle
+
+
 @pytest.mark.parametrize("route", ("chat_stream", "chat"))
 @pytest.mark.parametrize("garbage", [b"zz\r\nnot a chunk", b"5\r\ntoolongforfive\r\n", b"\r\n\r\n\r\n"])
 async def test_malformed_chunked_framing_after_a_good_head_ends_the_answer_within_a_second(http, floor, data_plane,
@@ -554,10 +572,7 @@ async def test_malformed_chunked_framing_after_a_good_head_ends_the_answer_withi
     closed = asyncio.Event()
 
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        length = int([line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(
-            b"content-length")][0])
-        await reader.readexactly(length)
+        await _read_request(reader)
         sse = b"text/event-stream" if route == "chat_stream" else b"application/json"
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: " + sse + b"\r\nTransfer-Encoding: chunked\r\n\r\n"
                      + b"e\r\ndata: {\"a\":1}\n\n\r\n" + garbage)
@@ -566,10 +581,7 @@ async def test_malformed_chunked_framing_after_a_good_head_ends_the_answer_withi
         closed.set()
         writer.close()
 
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    handle = await _router([f"http://127.0.0.1:{port}"], data_plane=data_plane, health_check_interval_s=0,
-                           stream_idle_timeout_s=30)
+    server, handle = await _scripted_engine_router(engine, data_plane, stream_idle_timeout_s=30)
     try:
         t0 = time.monotonic()
         out = await call(http, handle, route, timeout=5)
@@ -614,11 +626,7 @@ async def test_an_invalid_answer_on_a_kept_alive_connection_is_a_502_and_not_sen
     async def engine(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = int([line.split(b":")[1] for line in head.split(b"\r\n")
-                              if line.lower().startswith(b"content-length")][0])
-                await reader.readexactly(length)
-                received.append(head)
+                received.append(await _read_request(reader))
                 if len(received) == 1:
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
                 else:
@@ -631,10 +639,7 @@ async def test_an_invalid_answer_on_a_kept_alive_connection_is_a_502_and_not_sen
             pass
         writer.close()
 
-    server = await asyncio.start_server(engine, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    handle = await _router([f"http://127.0.0.1:{port}"], data_plane=data_plane, health_check_interval_s=0,
-                           max_retries=2)
+    server, handle = await _scripted_engine_router(engine, data_plane, max_retries=2)
     try:
         assert (await call(http, handle, "chat")).status == 200
         out = await call(http, handle, "chat")
