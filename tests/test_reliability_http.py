@@ -372,7 +372,7 @@ def test_the_server_log_keeps_other_records_whole(caplog):
 async def test_pooled_connection_closed_by_the_peer_is_found_dead():
     import asyncio
 
-    from prefixroute.server.proxy import peer_closed
+    from prefixroute.server.client_session import peer_closed
 
     peers: list[asyncio.StreamWriter] = []
 

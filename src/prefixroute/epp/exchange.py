@@ -56,7 +56,8 @@ from prefixroute.server.app import (BodyTooLarge, decode_request_body, prepare_i
                                     request_id)
 from prefixroute.server.routes import match_route
 from prefixroute.server.errors import openai_error, sagemaker_error
-from prefixroute.server.proxy import Api, RoutedRequest, acquire, count_routed, our_headers, saturated_error, upstream_error
+from prefixroute.server.attempt import acquire, count_routed
+from prefixroute.server.proxy import Api, RoutedRequest, our_headers, saturated_error, upstream_error
 from prefixroute.server.state import RouterState
 
 __all__ = ["Exchange", "EppOptions", "MAX_CHUNK_BYTES", "endpoint_address"]

@@ -33,7 +33,7 @@ from prefixroute.epp.exchange import EppOptions, Exchange
 from prefixroute.server.health import health_check_loop
 from prefixroute.server.models import refresh_models
 from prefixroute.server.metrics import CONTENT_TYPE
-from prefixroute.server.proxy import make_client_session
+from prefixroute.server.client_session import make_client_session
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState

@@ -60,7 +60,8 @@ from prefixroute.server.lora import LoraManager
 from prefixroute.server.metrics import CONTENT_TYPE
 from prefixroute.server.models import refresh_models
 from prefixroute.server.precise import attach_precise
-from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get, make_client_session
+from prefixroute.server.client_session import make_client_session
+from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState

@@ -14,7 +14,7 @@ answered whole, wakes no task at all); everything else goes to the aiohttp appli
                  │ gzip/deflate (decoded here, strictly; any other coding: 415)
                  ├──► prepare_inference (app.py: resolve, validate, select the pool and
                  │      its candidates for the component / model / adapter, routing key)
-                 │      └─► proxy.acquire ─► _Upstream (pooled raw connection) ─► instance
+                 │      └─► attempt.acquire ─► _Upstream (pooled raw connection) ─► instance
                  │      (from the parser's callback, FrontServer.begin, when the client
                  │      connection is idle; a whole answer is then written and settled
                  │      by callbacks, anything else handed to the connection's task)
@@ -71,21 +71,17 @@ from prefixroute.server.app import (
     request_id,
     transfer_refused,
 )
+from prefixroute.server.attempt import acquire, acquire_or_grow, apply_step, count_routed, retry_elsewhere
 from prefixroute.server.proxy import (
     STREAM_ABORTED,
     Api,
     RoutedRequest,
-    acquire,
-    acquire_or_grow,
     at_event_boundary,
     broken_message,
-    apply_step,
-    count_routed,
     ends_with_done,
     model_error,
     no_instance_error,
     our_headers,
-    retry_elsewhere,
     saturated_error,
     sse_error_event,
     upstream_error,

@@ -11,7 +11,7 @@ shutdown. Closing the upstream response closes its connection, so the engine see
 abort at once and stops generating.
 
 What each outcome of an attempt means is decided by :class:`prefixroute.core.attempts.Attempts`
-(shared with the fast data plane) and applied by :func:`apply_step`. Retries (at most
+(shared with the fast data plane) and applied by :func:`prefixroute.server.attempt.apply_step`. Retries (at most
 ``max_retries``, each on an instance not tried yet) happen only when the failed instance
 cannot have started the request:
 
@@ -36,13 +36,10 @@ chunks. There is no total timeout, so a long stream lasts as long as tokens flow
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import inspect
 import io
 import logging
-import select
 import time
-import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
@@ -51,7 +48,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from prefixroute.core.attempts import Attempts, Next, Step
+from prefixroute.core.attempts import Attempts, Next
 from prefixroute.core.openai_routes import OpenAIRoute
 from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated, VariantPool
 from prefixroute.server import eventstream
@@ -59,14 +56,13 @@ from prefixroute.server import headers as H
 from prefixroute.server.errors import openai_error, sagemaker_error
 from prefixroute.server.record import RequestRecord
 from prefixroute.server.routes import Api
-from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
+from prefixroute.server.attempt import acquire_or_grow, apply_step, client_gone, retry_elsewhere
+from prefixroute.server.client_session import FRESH_CONNECTION, REUSED_CONNECTION
 
-__all__ = ["Api", "RoutedRequest", "PoolConnector", "make_client_session", "forward", "forward_get", "acquire",
-           "our_headers", "count_routed",
-           "acquire_or_grow", "saturated_error", "no_instance_error",
-           "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "peer_closed",
-           "model_error", "broken_message", "upstream_error", "retry_elsewhere", "apply_step"]
+__all__ = ["Api", "RoutedRequest", "forward", "forward_get", "our_headers", "saturated_error", "no_instance_error",
+           "STREAM_ABORTED", "upstream_headers", "sse_error_event", "at_event_boundary", "model_error",
+           "broken_message", "upstream_error", "ends_with_done"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -176,189 +172,12 @@ class RoutedRequest:
 
 
 _DONE_ROUTES = frozenset({OpenAIRoute.CHAT, OpenAIRoute.COMPLETIONS})
-_POLLER = select.poll()  # one poll object, one fd registered at a time (the loop's thread only)
-
-
-def peer_closed(transport: asyncio.BaseTransport | None) -> bool:
-    """True if the peer already closed (or reset) this idle connection: its socket is
-    readable (end-of-file, an error, or bytes nobody asked for) though no request is
-    outstanding on it. One ``poll`` with a zero timeout: no syscall that reads."""
-    if transport is None or transport.is_closing():
-        return True
-    sock = transport.get_extra_info("socket")
-    if sock is None:
-        return False
-    try:
-        fd = sock.fileno()
-        _POLLER.register(fd, select.POLLIN | select.POLLPRI)
-    except (OSError, ValueError):
-        return True
-    try:
-        return bool(_POLLER.poll(0))
-    finally:
-        _POLLER.unregister(fd)
-
-
-#: Whether the connection the current task's last upstream request went out on was a
-#: kept-alive one (set by :class:`PoolConnector`, read by :func:`forward`).
-REUSED_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar("REUSED_CONNECTION", default=False)
-#: Set by :func:`forward` for an attempt that must go out on a new connection (a
-#: kept-alive one just failed): :class:`PoolConnector` then closes pooled ones it is given.
-FRESH_CONNECTION: contextvars.ContextVar[bool] = contextvars.ContextVar("FRESH_CONNECTION", default=False)
-
-
-class PoolConnector(aiohttp.TCPConnector):
-    """A ``TCPConnector`` that checks a pooled keep-alive connection before reusing it.
-
-    aiohttp drops pooled connections whose close it has already processed; an instance
-    may have closed one an instant before (its keep-alive timer fired) without the event
-    loop having seen it yet. Such a connection is found dead here, before anything is
-    written on it, closed, and another one taken, so the request is never lost to the
-    keep-alive race.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._handed_out: weakref.WeakSet[Any] = weakref.WeakSet()  # protocols used before
-
-    async def connect(self, *args: Any, **kwargs: Any) -> aiohttp.connector.Connection:
-        for _ in range(8):
-            conn = await super().connect(*args, **kwargs)
-            proto = conn.protocol
-            reused = proto in self._handed_out
-            if reused and FRESH_CONNECTION.get():
-                conn.close()  # (not kept: the attempt wants a connection of its own)
-                continue
-            REUSED_CONNECTION.set(reused)  # (the request's task: forward() reads it after a failure)
-            self._handed_out.add(proto)
-            transport = conn.transport
-            # Only idle pooled plain-TCP connections are checked: a fresh one is alive by
-            # construction, and a TLS one may hold bytes (session tickets) that are not
-            # a close; aiohttp's own check covers those.
-            if not reused or transport is None or transport.get_extra_info("sslcontext") is not None \
-                    or not peer_closed(transport):
-                return conn
-            conn.close()
-        return conn
-
-
-def make_client_session(settings: ServerSettings) -> aiohttp.ClientSession:
-    """The one pooled client shared by all requests (keep-alive, bounded connections).
-
-    Bodies are relayed undecoded (``auto_decompress=False``) and aiohttp adds no
-    headers of its own (``User-Agent``, ``Accept``...): the instance sees the client's.
-    Only the connect timeout is set here; :func:`forward` applies the response-headers
-    and stream-idle timeouts itself, as they differ.
-    """
-    connector = PoolConnector(
-        limit=settings.max_connections,
-        limit_per_host=0,
-        keepalive_timeout=settings.keepalive_timeout_s,
-        ttl_dns_cache=60,
-    )
-    timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=settings.connect_timeout_s, sock_read=None)
-    return aiohttp.ClientSession(
-        connector=connector,
-        timeout=timeout,
-        auto_decompress=False,
-        skip_auto_headers=("User-Agent", "Accept", "Content-Type"),
-        trust_env=False,
-    )
 
 
 def _payload(body: bytes) -> bytes | io.BytesIO:
     # aiohttp sends a BytesIO in chunks, yielding to the loop between them (and does not
     # warn about large raw bytes); BytesIO shares the bytes object, it does not copy it.
     return body if len(body) <= _LARGE_BODY else io.BytesIO(body)
-
-
-def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str] = frozenset(),
-            refuse_all_busy: bool = True) -> Lease:
-    """Decide where ``rr`` goes among its candidates (its selection's: the instances
-    serving its model, an adapter's sticky set) and claim an in-flight slot there; a
-    request for a LoRA adapter also counts in flight for the adapter on that instance
-    (so the adapter is never unloaded under it). ``refuse_all_busy=False``: an adapter's
-    saturated set takes the request anyway (its least outstanding instance: after a
-    load the request has waited for, it is not refused).
-
-    An instance held back after a retried 429/503 (:mod:`prefixroute.core.retry_status`)
-    is skipped while another candidate is left.
-
-    Raises:
-        NoHealthyInstance: no healthy, non-excluded candidate.
-        SetSaturated: an adapter's sticky set is empty, or every instance of it is at
-            ``ConcurrencyThreshold`` (never overflowed to an instance without it).
-    """
-    if state.retry_status.holds:  # (--retry-status) instances that answered 429/503 lately, while others remain
-        held = state.retry_status.held()
-        if held and not held <= exclude:
-            try:
-                return _acquire(state, rr, exclude | held, refuse_all_busy)
-            except (NoHealthyInstance, SetSaturated):
-                pass  # (a held instance is still better than a refusal of the router's own)
-    return _acquire(state, rr, exclude, refuse_all_busy)
-
-
-def _acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str],
-             refuse_all_busy: bool) -> Lease:
-    sel = rr.selection
-    if sel is None:
-        return rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session)
-    if sel.adapter is None:
-        return rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session, only=sel.only)
-    if sel.only is not None and not sel.only:
-        raise SetSaturated(f"LoRA adapter {sel.adapter!r} is loaded on no instance of {rr.pool.describe}")
-    lease = rr.pool.acquire(rr.key, exclude, rr.blocks, learn=False, session=rr.session, only=sel.only,
-                            refuse_all_busy=refuse_all_busy)
-    lease.attach(state.adapter_tracker.use(lease.decision.instance.instance_id, sel.adapter))
-    return lease
-
-
-async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
-                          exclude: set[str] | frozenset[str] = frozenset()) -> Lease:
-    """:func:`acquire`, and when an adapter's sticky set is saturated, empty or down
-    and ``LoraAdapters.Autoload`` is on, load the adapter on another instance
-    (:mod:`prefixroute.server.lora`: at most one load time, shared by every request
-    waiting for that adapter) and decide again within the grown set, where the request
-    is then taken even if that set is busy again (it waited one load, no more). A
-    saturated set that cannot grow (no free slot, no idle adapter with another copy to
-    unload) takes the request within itself, as any pool does when every instance is
-    busy (``all_busy``).
-
-    Raises:
-        NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow
-            (and, autoload on, when it is empty).
-    """
-    try:
-        return acquire(state, rr, exclude)
-    except (SetSaturated, NoHealthyInstance) as exc:
-        sel = rr.selection
-        lora = state.lora
-        if sel is None or sel.adapter is None or lora is None or not lora.autoload_for(rr.endpoint):
-            raise
-        members = sel.only if sel.only is not None else frozenset(i.instance_id for i in rr.pool.instances)
-        empty = not any(i.healthy and i.instance_id in members and i.instance_id not in exclude
-                        for i in rr.pool.instances)
-        if await lora.grow(rr, empty):
-            rr.selection = state.reselect(rr)
-            return acquire(state, rr, exclude, refuse_all_busy=False)
-        if isinstance(exc, SetSaturated) and not empty:
-            return acquire(state, rr, exclude, refuse_all_busy=False)
-        raise
-
-
-def count_routed(state: RouterState, rr: RoutedRequest, decision: Decision) -> None:
-    """Count a request an instance took (``requests_total``; per component copy and per
-    adapter instance too, when it was for one)."""
-    m = state.metrics
-    instance = decision.instance.instance_id
-    m.requests.labels(rr.endpoint, decision.variant, instance, decision.kind.value).inc()
-    component = rr.pool.component
-    if component is not None:
-        m.component_requests.labels(rr.endpoint, component, instance).inc()
-    sel = rr.selection
-    if sel is not None and sel.adapter is not None:
-        m.adapter_requests.labels(rr.endpoint, sel.adapter, instance).inc()
 
 
 def our_headers(rr: RoutedRequest) -> dict[str, str]:
@@ -418,58 +237,6 @@ def _error_kind(exc: BaseException) -> str:
     return "other"
 
 
-def _client_gone(rr: RoutedRequest) -> bool:
-    """Whether the aiohttp request's client connection is closed or closing."""
-    request = rr.request
-    transport = request.transport if request is not None else None
-    return request is not None and (transport is None or transport.is_closing())
-
-
-async def retry_elsewhere(state: RouterState, rr: RoutedRequest, instance: str, status: int,
-                          retry_after: str | bytes | None, exclude: set[str]) -> Lease | None:
-    """``instance`` answered ``status`` (429 or 503, ``--retry-status``) with nothing of it
-    sent to the client yet: the lease of an instance not tried yet, or ``None`` when none
-    is left (the answer is then relayed). Either way the instance is held back from new
-    requests for its ``Retry-After`` and logged; with a lease it is excluded from this
-    request's next attempts and counted (``upstream_errors_total{kind="http_429"|"http_503"}``;
-    a relayed 503 is counted as ``http_5xx`` by the relay, as any)."""
-    held_s = state.retry_status.hold(instance, retry_after)
-    exclude.add(instance)
-    try:
-        lease = await acquire_or_grow(state, rr, exclude)
-    except (NoHealthyInstance, SetSaturated):
-        exclude.discard(instance)
-        state.observers.log_budgeted(f"instance {instance} answered {status}, relayed (no other instance left); "
-                                     f"held back from new requests for {held_s:g} s")
-        return None
-    state.metrics.upstream_errors.labels(instance, f"http_{status}").inc()
-    state.observers.log_budgeted(f"instance {instance} answered {status}: retried on "
-                                 f"{lease.decision.instance.instance_id}; held back from new requests for {held_s:g} s")
-    return lease
-
-
-def apply_step(state: RouterState, rr: RoutedRequest, instance: str, decision: Decision, step: Step) -> None:
-    """What an attempt's :class:`~prefixroute.core.attempts.Step` says beyond the answer,
-    for both data planes: the request's recorded error, ``upstream_errors_total``,
-    ``requests_total``, the instance's passive health, the log line."""
-    record = rr.record
-    if step.reason is not None:
-        record.error = step.reason
-    elif step.error_kind is not None:
-        record.error = step.error_kind
-    if step.error_kind is not None and step.next is not Next.TRY_ELSEWHERE:  # (retry_elsewhere counts those)
-        state.metrics.upstream_errors.labels(instance, step.error_kind).inc()
-    if step.count_routed:
-        count_routed(state, rr, decision)
-    health = step.health
-    if health == "success":
-        state.health.passive_success(instance)
-    elif health is not None:
-        state.health.passive_failure(instance, definitive=health == "definitive")
-    if step.log:
-        (log.warning if step.log_warning else log.info)("%s", step.log)
-
-
 def upstream_headers(state: RouterState, rr: RoutedRequest) -> list[tuple[bytes, bytes]]:
     """The headers ``rr`` is sent to an instance with (raw pairs, no ``Host`` or
     ``Content-Length``): :mod:`headers`' rules for its API, without any header that
@@ -511,7 +278,7 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
     fresh = False  # the next attempt goes out on a new connection (a kept-alive one failed)
     try:
         for attempts.index in range(1 + settings.max_retries):
-            if attempts.index and _client_gone(rr):
+            if attempts.index and client_gone(rr):
                 code = 499  # nothing is sent again for a client that has gone
                 return web.Response(status=499)
             try:

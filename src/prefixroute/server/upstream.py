@@ -18,7 +18,7 @@ from typing import Any, Callable
 import httptools
 
 from prefixroute.server import eventstream
-from prefixroute.server.proxy import peer_closed
+from prefixroute.server.client_session import peer_closed
 from prefixroute.server.record import RequestRecord
 
 __all__ = ["_Upstream", "_UpstreamPool", "_UpstreamLost", "_Reply", "_error_kind"]
@@ -150,7 +150,7 @@ class _Upstream(asyncio.Protocol):
                 self.poller = poller
 
     def peer_gone(self) -> bool:
-        """:func:`~prefixroute.server.proxy.peer_closed` for this idle connection, with
+        """:func:`~prefixroute.server.client_session.peer_closed` for this idle connection, with
         its socket registered once (one ``poll`` system call, zero timeout)."""
         transport = self.transport
         if transport is None or transport.is_closing():
