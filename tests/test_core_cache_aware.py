@@ -584,6 +584,13 @@ def _reference_choose(strategy, candidates, blocks):
     def load(c):
         return max(c.in_flight, c.engine_load)
 
+    # A saturated fleet (every candidate at the threshold, by the router's count or the
+    # engine's) weighs a prefill by the requests it delays: uncached x (1 + waiting).
+    saturated = all(load(c) >= strategy.threshold for c in candidates)
+
+    def uncached_cost(c, units):
+        return units * (1 + max(c.awaiting_first_token, c.engine_waiting)) if saturated else units
+
     def spread(home, homes, top_d, u_top, anchor, threshold):
         """A new branch off a shared prefix whose home is markedly busier than the mean
         goes to the branch's bounded-load rendezvous choice (not a continuation)."""
@@ -631,7 +638,7 @@ def _reference_choose(strategy, candidates, blocks):
             kind = DecisionKind.AFFINITY if i == rendezvous_best(anchor, tokens) else DecisionKind.OVERFLOW
             return i, kind, size - unit(depth[i])
         limit = strategy.tie_units + C.REPLICATE_FRACTION * size
-        costs = [(size - unit(depth[i]) - extra + queue(candidates[i]), i) for i in homes
+        costs = [(uncached_cost(candidates[i], size - unit(depth[i]) - extra) + queue(candidates[i]), i) for i in homes
                  if candidates[i].in_flight < threshold]
         if costs:
             low = min(c for c, _ in costs)
@@ -644,7 +651,8 @@ def _reference_choose(strategy, candidates, blocks):
                     return alt, DecisionKind.OVERFLOW, size - unit(depth[alt])
                 return home, DecisionKind.AFFINITY, size - unit(depth[home]) - extra
         alt = walk(blocks[min(max(rest_d, amin), n - 1)], threshold, set(homes))
-        if costs and (alt is None or c_home <= size - unit(depth[alt]) + queue(candidates[alt]) + limit):
+        if costs and (alt is None or c_home <= uncached_cost(candidates[alt], size - unit(depth[alt]))
+                      + queue(candidates[alt]) + limit):
             return home, DecisionKind.AFFINITY, size - unit(depth[home]) - extra
         if alt is None:
             return None
@@ -682,15 +690,17 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
             for d in range(25)]
     for inst in pool.instances:  # every instance holds the long header (a shared system prompt)
         pool.learn(inst, text_block_hashes(headers[2] + "intro", 16, 131_072, "m"))
-    live, kinds = [], set()
+    live, kinds, saturations = [], set(), 0
     for i in range(1500):
         text = rng.choice(headers) + rng.choice(docs) + f"question {rng.randrange(30)}" * rng.randrange(1, 20)
         blocks = text_block_hashes(text, 16, 131_072, "m")
         for inst in pool.instances:
-            if rng.random() < 0.05:
-                inst.engine_load = rng.randrange(0, 8)
+            if rng.random() < 0.05:  # in the second half the engines report a saturated fleet
+                inst.engine_load = rng.randrange(0, 8) if i < 750 else rng.randrange(threshold, threshold + 6)
+                inst.engine_waiting = rng.randrange(0, inst.engine_load + 1)
         got = _decide_as_the_reference(pool, blocks, i)
         kinds.add(got[1])
+        saturations += pool.strategy.saturated
         lease = pool.acquire(None, blocks=blocks)
         assert lease.instance is got[0]
         if rng.random() < 0.7:
@@ -699,6 +709,7 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
         if len(live) > 3 * threshold or rng.random() < 0.4:
             live.pop(rng.randrange(len(live))).release()
     assert kinds >= {DecisionKind.AFFINITY, DecisionKind.OVERFLOW}
+    assert saturations > 300  # the saturated fleet's rule was exercised too
 
 
 @pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (8, 16.0)])
@@ -768,3 +779,62 @@ def test_every_instance_at_the_threshold_is_all_busy_and_keeps_affinity():
         assert (d.kind, d.instance) == (DecisionKind.ALL_BUSY, holder)
     for lease in busy:
         lease.release()
+
+
+def test_a_saturated_fleet_weighs_a_miss_by_the_requests_it_delays():
+    # Two instances, both at the threshold, the document on one whose queue of prefill
+    # is longer: a miss elsewhere costs its whole prompt once for the request and once
+    # for every request waiting there (uncached x (1 + waiting)); the home keeps the
+    # request unless its own queue outweighs that.
+    urls = [f"http://10.9.0.{i}:8000" for i in range(2)]
+    pool = VariantPool("v", urls, ca(threshold=2, load_weight=0))
+    doc = "document 9\n" + "d" * 8_181
+    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
+    holder = home.instance
+    home.release()
+    other = next(i for i in pool.instances if i is not holder)
+    ask = text_block_hashes(doc + " question?", 64, 131_072, "m")
+    size = len(doc + " question?")
+
+    def decide(home_queue: int, waiting: int, *, engine: bool = False):
+        for inst in pool.instances:
+            inst.in_flight = 0 if engine else 3
+            inst.engine_load = 5 if engine else 0
+            inst.awaiting_first_token = 0 if engine else waiting
+            inst.engine_waiting = waiting if engine else 0
+            inst.pending_prefill = 0
+        holder.pending_prefill = home_queue
+        d = pool.choose(None, blocks=ask)
+        assert pool.strategy.saturated
+        return d.instance, d.kind
+
+    # nobody waiting: the plain cost (the home's queue exceeds a miss plus the margin)
+    assert decide(20_000, 0) == (other, DecisionKind.ALL_BUSY)
+    # 3 waiting on each: the miss would cost 4 x size there, more than the home's queue
+    assert 4 * size > 20_000 + 4 * 10
+    assert decide(20_000, 3) == (holder, DecisionKind.ALL_BUSY)
+    # a home queue longer than that still moves it
+    assert decide(60_000, 3) == (other, DecisionKind.ALL_BUSY)
+    # the engines' counts saturate the fleet too (another replica's requests): the router
+    # counts none in flight, so ConcurrencyThreshold is honoured and the kinds are plain
+    assert decide(20_000, 3, engine=True) == (holder, DecisionKind.AFFINITY)
+    assert decide(20_000, 0, engine=True) == (other, DecisionKind.OVERFLOW)
+    # below saturation (one instance below the threshold by every count) the plain cost
+    other.engine_load = 0
+    other.in_flight = 0
+    d = pool.choose(None, blocks=ask)
+    assert not pool.strategy.saturated and d.instance is other
+
+
+def test_awaiting_first_token_counts_requests_until_their_first_token():
+    pool = VariantPool("v", URLS[:1], ca())
+    inst = pool.instances[0]
+    a = pool.acquire(None, blocks=text_block_hashes("a" * 500, 64, 131_072, "m"))
+    b = pool.acquire(None, blocks=text_block_hashes("b" * 500, 64, 131_072, "m"))
+    assert inst.awaiting_first_token == 2
+    a.first_token()
+    a.first_token()  # idempotent
+    assert inst.awaiting_first_token == 1
+    a.release()
+    b.release()  # released before its first token: no longer waiting either
+    assert (inst.awaiting_first_token, inst.in_flight, inst.pending_prefill) == (0, 0, 0)

@@ -53,6 +53,17 @@ disagree when several router replicas run (SPEC §5). This strategy:
    another is below it. When every one is at it (``all_busy``) the threshold cannot be
    honoured and the request goes where it costs least, so an overload does not turn
    into a cascade of cache misses.
+7. **A saturated fleet weighs a prefill by the requests it delays.** When every
+   candidate is at the threshold by the router's count or by the engine's own running
+   plus waiting requests (other replicas' included), a prefill on an instance delays
+   every request already waiting for its first token there by as long as it lasts, so
+   its cost is ``uncached x (1 + waiting)``: a miss then moves a request off its home
+   only when the home's queue outweighs the miss's extra prefill times the requests it
+   would hold up (no constant: the weight is a count). Simulated
+   (``prefixroute simulate --bench-workload W --replica-per session --overhead-ms 3``,
+   the ten workloads x 1, 4, 8 replicas): near-saturation P50 TTFT 1,504 -> 700 ms
+   (1 replica), 2,252 -> 1,554 (4), 2,468 -> 1,429 (8), cache hits +2.9 to +3.8
+   points; the nine others identical (they never saturate the fleet).
 
 The constants were chosen with the simulator over the benchmark's ten workloads at 1, 4
 and 8 router replicas (docs/BENCHMARKS.md, docs/SIMULATOR.md).
@@ -228,6 +239,10 @@ class CacheAwareStrategy(Strategy):
 
     name = RoutingStrategy.CACHE_AWARE
 
+    #: Whether the fleet was saturated at the last decision (every candidate at the
+    #: threshold by the router's count or the engine's; see :meth:`_uncached_cost`).
+    saturated = False
+
     def __init__(self, config: RoutingConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
         ca = config.cache_aware
@@ -327,6 +342,23 @@ class CacheAwareStrategy(Strategy):
             self._bits_src, self._bits_list, self._bits_mask, self._by_bit = insts, out, mask, by_bit
         return out, mask, by_bit
 
+    def _uncached_cost(self, inst: InstanceState, uncached: float) -> float:
+        """What prefilling ``uncached`` units on ``inst`` costs the fleet. Below
+        saturation: the units (Dynamo's cost). When the fleet is saturated (every
+        candidate at the threshold: :attr:`saturated`) a prefill also delays every
+        request already waiting for its first token there, by as long as it lasts, so
+        it counts once for the request and once for each of them:
+        ``uncached x (1 + waiting)``, ``waiting`` the larger of the router's count
+        (:attr:`InstanceState.awaiting_first_token`) and the engine's
+        (``vllm:num_requests_waiting``). A miss (the whole prompt) then outweighs a
+        queue unless the home's is longer by the misses' extra prefill times the
+        requests it would delay: a saturated fleet does not turn its overload into a
+        cascade of misses that lengthen every queue. No constant: the weight is
+        the count of delayed requests."""
+        if not self.saturated:
+            return uncached
+        return uncached * (1 + max(inst.awaiting_first_token, inst.engine_waiting))
+
     def _queue(self, inst: InstanceState) -> float:
         """An instance's queue cost in routing-text units: its pending prefill plus
         LoadWeight blocks per request in flight (the larger of the router's count and the
@@ -349,7 +381,10 @@ class CacheAwareStrategy(Strategy):
             if chosen is not None:
                 return chosen
         # -- end of the precise-mode hook ---------------------------------------------------
-        found = self._decide(candidates, blocks, self.threshold)
+        thr = self.threshold
+        # (all() stops at the first candidate below it: one check in the usual case)
+        self.saturated = all(max(c.in_flight, c.engine_load) >= thr for c in candidates)
+        found = self._decide(candidates, blocks, thr)
         if found is None:
             # Every candidate is at the threshold, so it cannot be honoured: the same rule
             # without it. The engines queue the request; giving up affinity here would
@@ -375,6 +410,7 @@ class CacheAwareStrategy(Strategy):
             size = n * bs
             unit = lambda d: d * bs  # noqa: E731
         bits, cmask, by_bit = self._bits_of(candidates)
+        busy = self.saturated  # (always so for all_busy: every candidate at the threshold)
         amin = min(ANCHOR_MIN_BLOCKS, n - 1)
         held = self._index.get(get(0), 0) & cmask
         if not held:  # no candidate holds even the first block: a new prefix
@@ -390,7 +426,7 @@ class CacheAwareStrategy(Strategy):
             # tests/test_core_cache_aware.py).
             index = self._index
             d = n if index.get(get(n - 1), 0) & held else n - 1 if n > 1 and index.get(get(n - 2), 0) & held else 0
-            if d:
+            if d and not busy:
                 inst = by_bit[held]
                 u_top = unit(d)
                 if inst.in_flight < threshold and u_top >= max(self.stick_units, STICK_FRACTION * size) and \
@@ -444,7 +480,7 @@ class CacheAwareStrategy(Strategy):
             inst = by_bit[b]
             if inst.in_flight < threshold:
                 m = unit(levels.depth_of(b)) + extra
-                homes.append(((size - m) + self._queue(inst), inst, m))
+                homes.append((self._uncached_cost(inst, size - m) + self._queue(inst), inst, m))
         limit = tie + REPLICATE_FRACTION * size
         if homes:
             low = min(c for c, _, _ in homes)
@@ -474,7 +510,7 @@ class CacheAwareStrategy(Strategy):
         alt = self._walk(get(min(max(d_rest, amin), n - 1)), candidates, threshold, home_mask)
         if alt is not None:
             m_alt = unit(levels.depth_of(bits[candidates.index(alt)]))
-        if homes and (alt is None or c_home <= (size - m_alt) + self._queue(alt) + limit):
+        if homes and (alt is None or c_home <= self._uncached_cost(alt, size - m_alt) + self._queue(alt) + limit):
             self.uncached_units = size - m_home
             return home, DecisionKind.AFFINITY
         if alt is None:

@@ -68,12 +68,13 @@ class Lease:
     """One request's claim on an instance's in-flight count (and its share of the
     instance's pending prefill); release exactly once."""
 
-    __slots__ = ("decision", "_released", "_prefill", "_attached")
+    __slots__ = ("decision", "_released", "_prefill", "_awaiting", "_attached")
 
     def __init__(self, decision: Decision) -> None:
         self.decision = decision
         self._released = False
         self._prefill = decision.prefill_units
+        self._awaiting = True  # counted in the instance's awaiting_first_token until its first token
         self._attached: Any = None
 
     def attach(self, claim: Any) -> None:
@@ -96,6 +97,9 @@ class Lease:
         if self._prefill:
             self.decision.instance.pending_prefill -= self._prefill
             self._prefill = 0
+        if self._awaiting:
+            self._awaiting = False
+            self.decision.instance.awaiting_first_token -= 1
 
     def release(self) -> None:
         """Return the in-flight slot (and the pending prefill, if the first token never
@@ -105,6 +109,9 @@ class Lease:
             if self._prefill:
                 self.decision.instance.pending_prefill -= self._prefill
                 self._prefill = 0
+            if self._awaiting:
+                self._awaiting = False
+                self.decision.instance.awaiting_first_token -= 1
             self.decision.instance.add_in_flight(-1)
             if self._attached is not None:
                 self._attached.release()
@@ -401,6 +408,7 @@ class VariantPool:
         inst.add_in_flight(1)
         inst.served += 1
         inst.pending_prefill += decision.prefill_units
+        inst.awaiting_first_token += 1
         return Lease(decision)
 
     def learn(self, instance: InstanceState, blocks: Sequence[int]) -> None:

@@ -99,6 +99,7 @@ class InstanceState:
     engine_waiting: int = 0
     engine_kv_usage: float = 0.0
     pending_prefill: int = 0
+    awaiting_first_token: int = 0
     token: bytes = field(default=b"", repr=False)
 
     def __post_init__(self) -> None:
