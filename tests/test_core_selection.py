@@ -431,3 +431,28 @@ def test_served_models_copies_are_independent():
     t = s.with_adapter("a", "llama", "/a")
     assert s.adapters == {} and t.adapters == {"a": "llama"} and t.without_adapter("a").adapters == {}
     assert [c["id"] for c in t.cards] == ["a"] and t.roots == {"a": "/a"}
+
+
+def test_an_adapter_loaded_on_no_copy_of_a_component_is_unknown_without_autoload():
+    # A declared adapter of a component's model, loaded on none of its copies, and no
+    # Autoload: an unknown model (404 model_not_found), never a request to a copy that
+    # does not have it, whether the component is named by its model or by header/path.
+    fleet, cat = make_fleet(InferenceComponents=[{"InferenceComponentName": "ic", "ModelName": "meta/llama",
+                                                  "Instances": [A, B]}],
+                            LoraAdapters={"Adapters": [{"LoraName": "sql", "LoraPath": "/a/sql",
+                                                        "BaseModelName": "meta/llama"}]})
+    ep = fleet.endpoint("e")
+    sel = Selector(cat)
+    for i in (A, B):
+        cat.set(i, parse_model_list(vllm_models("meta/llama")))
+    with pytest.raises(UnknownModel, match="sql"):
+        sel.select(ep, model="sql")
+    with pytest.raises(UnknownModel, match="sql"):
+        sel.select(ep, component="ic", model="sql")
+    cat.set(C, parse_model_list(vllm_models("meta/llama", "other")))  # an adapter listed outside the component
+    with pytest.raises(UnknownModel, match="other"):
+        sel.select(ep, component="ic", model="other")
+    cat.set(B, parse_model_list(vllm_models("meta/llama", "sql")))  # loaded on a copy: its sticky set
+    s = sel.select(ep, component="ic", model="sql")
+    assert (s.pool, s.adapter, s.only) == (ep.component("ic"), "sql", {B})
+    assert sel.select(ep, component="ic", model="anything").only is None  # not an adapter: every copy

@@ -64,7 +64,9 @@ async def fleet(data_plane):
         "InferenceComponents": [
             {"InferenceComponentName": "llama-ic", "ModelName": "llama", "Instances": "DISCOVER"},
             {"InferenceComponentName": "qwen-ic", "ModelName": "qwen", "Instances": [urls[2], urls[3]]}],
-        "LoraAdapters": {"RetryAfterSeconds": 2}}]})
+        # "ghost": declared, loaded on no engine, no Autoload (an unknown model until loaded)
+        "LoraAdapters": {"RetryAfterSeconds": 2, "Adapters": [
+            {"LoraName": "ghost", "LoraPath": "/adapters/ghost", "BaseModelName": "llama"}]}}]})
     router = await start_router(cfg, settings(data_plane=data_plane))
     yield Fleet(runners, urls, router)
     await router.close()
@@ -171,6 +173,9 @@ async def test_bad_input_gets_its_status_and_reaches_no_engine(fleet):
         with pytest.raises(openai.NotFoundError) as e:
             client.completions.create(model="not-an-adapter", prompt="x", max_tokens=2)
         errors["adapter"] = e.value
+        with pytest.raises(openai.NotFoundError) as e:  # an adapter of llama-ic's model, loaded nowhere
+            client.completions.create(model="ghost", prompt="x", max_tokens=2)
+        errors["ghost"] = e.value
         return errors
 
     errors = await asyncio.to_thread(bad)
@@ -180,6 +185,7 @@ async def test_bad_input_gets_its_status_and_reaches_no_engine(fleet):
     assert "Nope" in errors["variant"]["Error"]["Message"]
     assert errors["model"].status_code == 404 and errors["model"].code == "model_not_found"
     assert errors["adapter"].code == "model_not_found"
+    assert errors["ghost"].code == "model_not_found" and "ghost" in str(errors["ghost"])
     assert sum(sum(e.requests_by_model.values()) for e in fleet.engines) == 0
     assert fleet.refused() == [{}, {}, {}, {}]
 

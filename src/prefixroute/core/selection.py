@@ -25,7 +25,11 @@ Rules (:meth:`Selector.select`):
 5. A model no listed instance serves goes to the instances whose list is unknown (an
    engine without ``/v1/models``), or, with ``LoraAdapters.Autoload`` and a path known for
    it, is an adapter with an empty sticky set (the driver loads it); else
-   :class:`UnknownModel` (404 ``model_not_found``), unless ``unknown_model="any"``.
+   :class:`UnknownModel` (404 ``model_not_found``), unless ``unknown_model="any"``. An
+   adapter (declared in ``LoraAdapters``, or listed as one by any instance) that no
+   instance of the pool has loaded is unknown there without Autoload, whatever
+   ``unknown_model`` and even in a component named by header or path: no request goes
+   to an instance that does not have its adapter.
 """
 
 from __future__ import annotations
@@ -121,7 +125,10 @@ class Selector:
         """
         lora = endpoint.config.lora
         if component:
-            return self._within(endpoint.component(component), model, lora, strict=False)
+            found = self._within(endpoint.component(component), model, lora, strict=False)
+            if found is None:  # an adapter loaded on none of the component's copies
+                raise UnknownModel(f"The model `{model}` does not exist on inference component {component!r}.")
+            return found
         if model:
             by_model = endpoint.component_by_model.get(model)
             if by_model is None and endpoint.component_by_model:  # an adapter of a component's model
@@ -131,7 +138,10 @@ class Selector:
             if by_model is not None:
                 pool = endpoint.components[by_model]
                 if variant is None or variant == pool.name:
-                    return self._within(pool, model, lora, strict=False)
+                    found = self._within(pool, model, lora, strict=False)
+                    if found is None:
+                        raise UnknownModel(f"The model `{model}` does not exist on endpoint {endpoint.name!r}.")
+                    return found
         if native and endpoint.components:
             raise ComponentRequired(
                 f"endpoint {endpoint.name!r} hosts inference components: name one with "
@@ -186,6 +196,11 @@ class Selector:
         unlisted = frozenset(i for i in ids if not catalog.listed(i))
         if unlisted:
             return Selection(pool, None if len(unlisted) == len(ids) else unlisted, model)
+        if parent is not None or declared is not None:
+            # An adapter (declared, or listed by an instance elsewhere) that no instance
+            # of this pool has loaded, without Autoload: unknown here, even in a pool
+            # named by header (a copy without it would refuse it).
+            return None
         if not strict or self.unknown_model == "any":
             return Selection(pool, None, model)
         return None
