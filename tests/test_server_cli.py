@@ -465,6 +465,19 @@ def test_startup_summary_and_draining_text():
     assert "http://10.0.0.1:8001  up" in text and "http://10.0.0.2:8001  DOWN" in text
     assert "readiness (GET /health): degraded: no healthy instance in x" in text
     assert "client API keys: 3 keys from k.yaml" in text and "access log -" in text
+    multi = FleetConfig.from_mapping({"Endpoints": [{
+        "EndpointName": "llm", "ProductionVariants": [{"VariantName": "AllTraffic", "Instances": [
+            "http://10.0.0.1:8001", "http://10.0.0.2:8001"], "RoutingConfig": {"RoutingStrategy": "RANDOM"}}],
+        "InferenceComponents": [
+            {"InferenceComponentName": "llama", "ModelName": "meta/llama", "Instances": "DISCOVER"},
+            {"InferenceComponentName": "qwen", "Instances": ["http://10.0.0.2:8001"], "RoutingConfig": {
+                "RoutingStrategy": "LEAST_OUTSTANDING_REQUESTS"}}],
+        "LoraAdapters": {"Adapters": [{"LoraName": "sql", "LoraPath": "/a/sql"}]}}]})
+    text = startup_summary(multi, ServerSettings(), "http://0.0.0.0:8080", None)
+    assert "inference component llama: model meta/llama, copies: those whose /v1/models lists it, " \
+           "its variant's routing" in text
+    assert "inference component qwen: model qwen, 1 copy, LEAST_OUTSTANDING_REQUESTS (its own)" in text
+    assert "LoRA adapters: sql; Autoload off (a saturated sticky set is a 429)" in text
     assert draining_message("SIGINT", 3, 30) == (
         "prefixroute: SIGINT received, stopping. new connections refused; waiting for 3 requests in flight to "
         "finish, at most 30 s (--shutdown-timeout). SIGINT again stops at once.")

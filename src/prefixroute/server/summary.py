@@ -77,6 +77,19 @@ def startup_summary(config: FleetConfig, settings: ServerSettings, url: str, adm
                 lines.append(f"      {url_i}" + (f"  {shown}" if shown else ""))
             if len(v.instances) > _INSTANCES_SHOWN:
                 lines.append(f"      ... and {len(v.instances) - _INSTANCES_SHOWN} more")
+        for c in e.components:
+            copies = "copies: those whose /v1/models lists it" if isinstance(c.instances, str) else \
+                f"{len(c.instances)} {'copy' if len(c.instances) == 1 else 'copies'}"
+            routing_c = f"{c.routing.strategy.value} (its own)" if c.routing is not None else "its variant's routing"
+            lines.append(f"    inference component {c.name}: model {c.model_name}"
+                         + (f" on variant {c.variant}" if c.variant else "") + f", {copies}, {routing_c}")
+        lora = e.lora
+        if lora.adapters or lora.autoload:
+            names = ", ".join(a.name for a in lora.adapters[:_INSTANCES_SHOWN]) or "none declared"
+            more = f" and {len(lora.adapters) - _INSTANCES_SHOWN} more" if len(lora.adapters) > _INSTANCES_SHOWN else ""
+            lines.append(f"    LoRA adapters: {names}{more}; Autoload "
+                         + ("on (a saturated or empty sticky set grows by a load)" if lora.autoload
+                            else "off (a saturated sticky set is a 429)"))
     if s.health_check_interval_s > 0:
         lines.append(f"  health checks: GET {s.health_check_path} every {_seconds(s.health_check_interval_s)} "
                      f"(timeout {_seconds(s.health_check_timeout_s)}; out after {s.unhealthy_threshold} failures, "
