@@ -8,7 +8,9 @@ compound, up to :data:`MAX_LAG_S` of catch-up), then hands the step's tokens to 
 waiting handlers. With no work it sleeps until a request arrives.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` as
-server-sent events), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``,
+server-sent events), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
+``/v1/responses``, ``/v1/score``, ``/v1/rerank`` (:mod:`prefixroute.engine.extra_routes`),
+``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus, vLLM metric names), ``POST /invocations`` + ``GET /ping``
 (SageMaker container contract), ``GET /info`` (instance id, configuration, counters,
 KV-event endpoints), ``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409
@@ -53,6 +55,7 @@ from prometheus_client.registry import Collector
 from prefixroute.core.keys import InvalidRequest, completion_prompt
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
+from prefixroute.engine.extra_routes import ExtraRoutes
 from prefixroute.engine.http_common import (DEFAULT_MAX_TOKENS, GENERATION_PROMPT, ClientError, InFlight, Job,
                                             chat_prompt_text, error_response)
 from prefixroute.engine.kv_events import KvEventRecorder
@@ -137,7 +140,7 @@ class _EngineCollector(Collector):
             yield from self._server.extra_metrics()
 
 
-class EngineServer:
+class EngineServer(ExtraRoutes):
     """One emulated vLLM instance: an :class:`EngineCore` driven in real time plus its
     HTTP application.
 
@@ -229,6 +232,7 @@ class EngineServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/invocations", self._invocations)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        self.add_extra_routes(app)
         if self.runtime_lora_updating:  # (vLLM registers them only when allowed)
             app.router.add_post("/v1/load_lora_adapter", self._load_lora)
             app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
