@@ -151,9 +151,14 @@ class ModelTokenizer:
         """Token ids of ``text`` (with the post-processor's BOS if ``add_special_tokens``)."""
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of ``token_ids``, special tokens skipped."""
-        return self.tokenizer.decode(list(token_ids), skip_special_tokens=True)
+    def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``token_ids``, special tokens skipped unless ``skip_special_tokens`` is
+        false (as vLLM's ``/detokenize`` decodes: a BOS shows as its text)."""
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (``Ġworld``), ``""`` for an unknown id."""
+        return [self.tokenizer.id_to_token(i) or "" for i in token_ids]
 
     def render_chat(self, payload: Mapping[str, Any]) -> str:
         """The prompt text of a chat request (see :mod:`prefixroute.core.chat_template`).

@@ -8,7 +8,9 @@ compound, up to :data:`MAX_LAG_S` of catch-up), then hands the step's tokens to 
 waiting handlers. With no work it sleeps until a request arrives.
 
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` as
-server-sent events), ``POST /v1/embeddings``, ``GET /v1/models``, ``GET /health``,
+server-sent events), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
+``/v1/responses``, ``/v1/score``, ``/v1/rerank`` (:mod:`prefixroute.engine.extra_routes`),
+``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus, vLLM metric names), ``POST /invocations`` + ``GET /ping``
 (SageMaker container contract), ``GET /info`` (instance id, configuration, counters,
 KV-event endpoints), ``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409
@@ -41,7 +43,6 @@ import math
 import time
 import uuid
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 import orjson
@@ -51,14 +52,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixroute.core.keys import InvalidRequest, completion_prompt, render_chat_text
+from prefixroute.core.keys import InvalidRequest, completion_prompt
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
+from prefixroute.engine.extra_routes import ExtraRoutes
+from prefixroute.engine.http_common import (DEFAULT_MAX_TOKENS, GENERATION_PROMPT, ClientError, InFlight, Job,
+                                            chat_prompt_text, error_response)
 from prefixroute.engine.kv_events import KvEventRecorder
 from prefixroute.engine.kv_publisher import KvEventPublisher, KvEventsSettings
 from prefixroute.engine.tiers import SharedTier
 from prefixroute.engine.model import EngineConfig
-from prefixroute.engine.tokenizer import TokenizedPrompt, decode, from_token_ids, tokenize
+from prefixroute.engine.tokenizer import decode, from_token_ids, tokenize
 
 __all__ = [
     "GENERATION_PROMPT",
@@ -72,25 +76,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: Appended to the rendered chat (the template's "add_generation_prompt"). It equals
-#: how :func:`render_chat_text` renders the start of an assistant message, so the
-#: next turn of a conversation begins with this turn's prompt plus its answer.
-GENERATION_PROMPT = "<|assistant|>\n"
-
-
-def chat_prompt_text(payload: Any, image_tokens: int) -> str:
-    """The prompt the emulated engine prefills for a chat body: the rendered messages
-    (:func:`render_chat_text`, each image part ``image_tokens x 4`` characters) and
-    :data:`GENERATION_PROMPT`.
-
-    Raises:
-        InvalidRequest: a malformed ``messages``.
-    """
-    return render_chat_text(payload, media_chars=image_tokens * 4) + GENERATION_PROMPT
-
-
-#: Output tokens when a request sets neither ``max_completion_tokens`` nor ``max_tokens``.
-DEFAULT_MAX_TOKENS = 16
 #: Most wall seconds the step loop may run behind its schedule before it resets to
 #: "now" instead of catching up with back-to-back steps.
 MAX_LAG_S = 0.1
@@ -101,37 +86,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 _FAILED = object()  # queued to a request's handler when the engine loop crashed
-
-
-class _ClientError(Exception):
-    def __init__(self, status: int, message: str, type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.type = type_
-
-
-def _error_response(status: int, message: str, type_: str | None = None) -> web.Response:
-    kind = type_ or ("NotFoundError" if status == 404 else "invalid_request_error")
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
-
-
-@dataclass(slots=True)
-class _Job:
-    prompt: TokenizedPrompt
-    max_tokens: int
-    stream: bool
-    include_usage: bool
-    lora: str | None = None
-    model: str = ""  # the name answers carry (the adapter's, else the first served name)
-
-
-@dataclass(slots=True)
-class _InFlight:
-    queue: asyncio.Queue[Any]
-    arrival_wall: float
-    arrival_model: float
-    finished: bool = False
 
 
 class _EngineCollector(Collector):
@@ -186,7 +140,7 @@ class _EngineCollector(Collector):
             yield from self._server.extra_metrics()
 
 
-class EngineServer:
+class EngineServer(ExtraRoutes):
     """One emulated vLLM instance: an :class:`EngineCore` driven in real time plus its
     HTTP application.
 
@@ -262,7 +216,7 @@ class EngineServer:
             "vllm:e2e_request_latency_seconds", "End-to-end request latency, in modelled seconds.",
             ["model_name"], registry=self.registry, buckets=E2E_BUCKETS,
         )
-        self._inflight: dict[str, _InFlight] = {}
+        self._inflight: dict[str, InFlight] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._wall0 = 0.0
@@ -278,6 +232,7 @@ class EngineServer:
         app.router.add_post("/v1/completions", self._completions)
         app.router.add_post("/invocations", self._invocations)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        self.add_extra_routes(app)
         if self.runtime_lora_updating:  # (vLLM registers them only when allowed)
             app.router.add_post("/v1/load_lora_adapter", self._load_lora)
             app.router.add_post("/v1/unload_lora_adapter", self._unload_lora)
@@ -382,13 +337,13 @@ class EngineServer:
             job.finished = True
             job.queue.put_nowait(_FAILED)
 
-    def _submit(self, request_id: str, job: _Job) -> _InFlight:
+    def _submit(self, request_id: str, job: Job) -> InFlight:
         try:
             self.core.add_request(request_id, job.prompt, job.max_tokens, lora=job.lora)
         except RequestRejected as exc:
-            raise _ClientError(400, str(exc)) from None
+            raise ClientError(400, str(exc)) from None
         loop = asyncio.get_running_loop()
-        entry = _InFlight(asyncio.Queue(), loop.time(), self._model_now())
+        entry = InFlight(asyncio.Queue(), loop.time(), self._model_now())
         self._inflight[request_id] = entry
         self._wakeup.set()
         return entry
@@ -404,38 +359,38 @@ class EngineServer:
         try:
             payload = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:
-            raise _ClientError(400, f"request body is not valid JSON: {exc}") from None
+            raise ClientError(400, f"request body is not valid JSON: {exc}") from None
         if not isinstance(payload, dict):
-            raise _ClientError(400, "request body must be a JSON object")
+            raise ClientError(400, "request body must be a JSON object")
         return payload
 
     def _resolve_model(self, model: Any) -> str | None:
         """The LoRA adapter a request's ``model`` names, ``None`` for the base model.
 
         Raises:
-            _ClientError: 404 (vLLM's message) for a name the engine does not serve now,
+            ClientError: 404 (vLLM's message) for a name the engine does not serve now,
                 counted per name; 400 for a ``model`` that is not a string.
         """
         if model is None or model in self.config.model_names:
             return None
         if not isinstance(model, str):
-            raise _ClientError(400, "'model' must be a string")
+            raise ClientError(400, "'model' must be a string")
         if model in self.adapters:
             return model
         self.not_served[model] = self.not_served.get(model, 0) + 1
         log.info("request for %s, which this engine does not serve now: 404", model[:200])
-        raise _ClientError(404, f"The model `{model}` does not exist.", "NotFoundError")
+        raise ClientError(404, f"The model `{model}` does not exist.", "NotFoundError")
 
-    def _count(self, job: _Job) -> None:
+    def _count(self, job: Job) -> None:
         self.requests_by_model[job.model] = self.requests_by_model.get(job.model, 0) + 1
 
-    def _parse(self, payload: dict[str, Any], chat: bool) -> _Job:
+    def _parse(self, payload: dict[str, Any], chat: bool) -> Job:
         lora = self._resolve_model(payload.get("model"))
         try:
             if not chat:
                 raw = payload.get("prompt")
                 if isinstance(raw, list) and len(raw) > 1 and isinstance(raw[0], (str, list)):
-                    raise _ClientError(400, "batched prompts are not supported by the emulator; send one per request")
+                    raise ClientError(400, "batched prompts are not supported by the emulator; send one per request")
             prompt: str | list[int]
             if self.tokenizer is not None:
                 prompt = self.tokenizer.request_token_ids(payload, chat)
@@ -444,28 +399,28 @@ class EngineServer:
             else:
                 prompt = completion_prompt(payload)
         except InvalidRequest as exc:
-            raise _ClientError(400, str(exc)) from None
+            raise ClientError(400, str(exc)) from None
         max_tokens = payload.get("max_completion_tokens")
         if max_tokens is None:
             max_tokens = payload.get("max_tokens")
         if max_tokens is None:
             max_tokens = DEFAULT_MAX_TOKENS
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise _ClientError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+            raise ClientError(400, f"max_tokens must be an integer >= 1, got {max_tokens!r}")
         if payload.get("n", 1) != 1:
-            raise _ClientError(400, "only n=1 is supported by the emulator")
+            raise ClientError(400, "only n=1 is supported by the emulator")
         stream = payload.get("stream", False)
         if not isinstance(stream, bool):
-            raise _ClientError(400, "'stream' must be a boolean")
+            raise ClientError(400, "'stream' must be a boolean")
         options = payload.get("stream_options") or {}
         if not isinstance(options, dict):
-            raise _ClientError(400, "'stream_options' must be an object")
+            raise ClientError(400, "'stream_options' must be an object")
         try:
             tokens = tokenize(prompt) if self.tokenizer is None or isinstance(prompt, str) else from_token_ids(prompt)
         except ValueError as exc:
-            raise _ClientError(400, str(exc)) from None
+            raise ClientError(400, str(exc)) from None
         model = lora or (payload["model"] if isinstance(payload.get("model"), str) else self.config.model)
-        return _Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)), lora, model)
+        return Job(tokens, max_tokens, stream, bool(options.get("include_usage", False)), lora, model)
 
     # -- handlers ----------------------------------------------------------------------
 
@@ -488,8 +443,8 @@ class EngineServer:
             rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
             entry = self._submit(rid, job)
             self._count(job)
-        except _ClientError as exc:
-            return _error_response(exc.status, str(exc), exc.type)
+        except ClientError as exc:
+            return error_response(exc.status, str(exc), exc.type)
         try:
             if job.stream:
                 return await self._answer_stream(request, rid, chat, job, entry)
@@ -500,7 +455,7 @@ class EngineServer:
     def _decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else decode(token_ids)
 
-    async def _next(self, entry: _InFlight) -> RequestOutput:
+    async def _next(self, entry: InFlight) -> RequestOutput:
         item = await entry.queue.get()
         if item is _FAILED:
             raise web.HTTPInternalServerError(text="engine step failed")
@@ -514,7 +469,7 @@ class EngineServer:
             "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
         }
 
-    async def _answer_json(self, rid: str, chat: bool, entry: _InFlight, model: str) -> web.Response:
+    async def _answer_json(self, rid: str, chat: bool, entry: InFlight, model: str) -> web.Response:
         tokens: list[int] = []
         while True:
             o = await self._next(entry)
@@ -538,7 +493,7 @@ class EngineServer:
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
     async def _answer_stream(
-        self, request: web.Request, rid: str, chat: bool, job: _Job, entry: _InFlight
+        self, request: web.Request, rid: str, chat: bool, job: Job, entry: InFlight
     ) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -601,22 +556,22 @@ class EngineServer:
     async def _lora_body(self, request: web.Request) -> dict[str, Any]:
         try:
             return await self._read_json(request)
-        except _ClientError as exc:
-            raise _ClientError(exc.status, str(exc), "InvalidUserInput") from None
+        except ClientError as exc:
+            raise ClientError(exc.status, str(exc), "InvalidUserInput") from None
 
     async def _load_lora(self, request: web.Request) -> web.Response:
         """``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``: vLLM's checks and
         answers; the adapter is usable (and listed) once its load time has passed."""
         try:
             body = await self._lora_body(request)
-        except _ClientError as exc:
-            return _error_response(exc.status, str(exc), exc.type)
+        except ClientError as exc:
+            return error_response(exc.status, str(exc), exc.type)
         name, path = body.get("lora_name"), body.get("lora_path")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            return _error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
+            return error_response(400, "Both 'lora_name' and 'lora_path' must be provided.", "InvalidUserInput")
         async with self._lora_locks.setdefault(name, asyncio.Lock()):
             if name in self.adapters and not body.get("load_inplace"):
-                return _error_response(400, f"The lora adapter '{name}' has already been loaded. If you want to "
+                return error_response(400, f"The lora adapter '{name}' has already been loaded. If you want to "
                                             "load the adapter in place, set 'load_inplace' to True.",
                                        "InvalidUserInput")
             await asyncio.sleep(self.config.lora_load_s * self.time_scale)
@@ -630,15 +585,15 @@ class EngineServer:
         Requests already running with it finish; new ones get 404."""
         try:
             body = await self._lora_body(request)
-        except _ClientError as exc:
-            return _error_response(exc.status, str(exc), exc.type)
+        except ClientError as exc:
+            return error_response(exc.status, str(exc), exc.type)
         name = body.get("lora_name")
         if not isinstance(name, str) or not name:
-            return _error_response(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
+            return error_response(400, "'lora_name' needs to be provided to unload a LoRA adapter.",
                                    "InvalidUserInput")
         async with self._lora_locks.setdefault(name, asyncio.Lock()):
             if name not in self.adapters:
-                return _error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
+                return error_response(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
             del self.adapters[name]
             self.lora_unloads += 1
         log.info("Removed LoRA adapter: name '%s'", name)
@@ -703,11 +658,11 @@ class EngineServer:
             elif isinstance(raw, list) and raw and all(isinstance(x, (str, list)) for x in raw):
                 inputs = raw
             else:
-                raise _ClientError(400, "'input' must be a string, a list of strings, or a list of token ids")
+                raise ClientError(400, "'input' must be a string, a list of strings, or a list of token ids")
             prompts = [tokenize(x) if isinstance(x, str) else from_token_ids(x) for x in inputs]
             model = lora or (payload["model"] if isinstance(payload.get("model"), str) else self.config.model)
-            jobs = [_Job(p, 1, False, False, lora, model) for p in prompts]
-            entries: list[tuple[str, _InFlight]] = []
+            jobs = [Job(p, 1, False, False, lora, model) for p in prompts]
+            entries: list[tuple[str, InFlight]] = []
             try:
                 for job in jobs:
                     rid = "embd-" + uuid.uuid4().hex
@@ -717,10 +672,10 @@ class EngineServer:
             finally:
                 for rid, _ in entries:
                     self._release(rid)
-        except _ClientError as exc:
-            return _error_response(exc.status, str(exc), exc.type)
+        except ClientError as exc:
+            return error_response(exc.status, str(exc), exc.type)
         except ValueError as exc:
-            return _error_response(400, str(exc))
+            return error_response(400, str(exc))
         b64 = payload.get("encoding_format") == "base64"  # (as vLLM: float32 little-endian, base64)
         data = [{"object": "embedding", "index": i,
                  "embedding": _base64(_vector(p.payload, self.embedding_dim)) if b64 else
@@ -731,7 +686,7 @@ class EngineServer:
                                         "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
 
-    async def _until_finished(self, entry: _InFlight) -> RequestOutput:
+    async def _until_finished(self, entry: InFlight) -> RequestOutput:
         while True:
             o = await self._next(entry)
             if o.finished:
@@ -770,7 +725,7 @@ class EngineServer:
 
     async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
         if not self.core.reset_prefix_cache():
-            return _error_response(409, "the prefix cache cannot be reset while requests are running")
+            return error_response(409, "the prefix cache cannot be reset while requests are running")
         self._publish_events()
         return web.Response(status=200)
 
