@@ -382,6 +382,9 @@ def test_every_route_keys_on_its_own_input():
     assert key(OpenAIRoute.TOKENIZE, {"model": "m", "prompt": doc}) == completion
     assert key(OpenAIRoute.DETOKENIZE, {"model": "m", "tokens": [1, 2, 3]}) == \
         key(OpenAIRoute.COMPLETIONS, {"model": "m", "prompt": [1, 2, 3]})
+    # no tokens (vLLM answers an empty text): keyed as an empty prompt, not refused
+    assert key(OpenAIRoute.DETOKENIZE, {"model": "m", "tokens": []}) == \
+        key(OpenAIRoute.COMPLETIONS, {"model": "m", "prompt": ""})
     chat = key(OpenAIRoute.CHAT, {"model": "m", "messages": [{"role": "system", "content": doc},
                                                             {"role": "user", "content": "q"}]})
     assert key(OpenAIRoute.RESPONSES, {"model": "m", "instructions": doc, "input": "q"}) == chat

@@ -185,7 +185,7 @@ def keyed_view(payload: Mapping[str, Any], route: OpenAIRoute) -> tuple[Mapping[
         tokens = payload.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
             raise InvalidRequest("'tokens' must be a list of token ids")
-        view["prompt"] = tokens
+        view["prompt"] = tokens if tokens else ""  # (vLLM takes an empty list: an empty text)
         return view, False
     if route is OpenAIRoute.RESPONSES:
         messages: list[Any] = []
