@@ -405,29 +405,38 @@ def test_a_copy_never_used_counts_from_the_start_and_a_loaded_one_as_used():
     assert tracker.last_used(A, "old") == 0 and tracker.idle_for(A, "old") == 10.0
 
 
-def test_a_spare_copy_goes_first_and_a_saturated_set_grows_into_an_idle_one():
+def test_a_spare_copy_in_use_goes_only_to_place_an_adapter_loaded_nowhere():
     fleet, cat = make_fleet()
     pool = fleet.endpoint("e").variant()
+    a, b, c = pool.get(A), pool.get(B), pool.get(C)
     clock = Clock()
     tracker = AdapterTracker(clock)
     cat.set(A, parse_model_list(vllm_models("llama", "a1", "a2"), max_lora=2))
     cat.set(B, parse_model_list(vllm_models("llama", "a1"), max_lora=1))
     cat.set(C, parse_model_list(vllm_models("llama", "sql"), max_lora=1))
     b_a1 = tracker.use(B, "a1")  # B: full, its only adapter in flight
+    c_sql = tracker.use(C, "sql")  # C too (sql's set, saturated)
     clock.t += 100.0
-    tracker.use(A, "a2").release()
+    tracker.use(A, "a2").release()  # at 1100 s
     clock.t += 1.0
-    tracker.use(A, "a1").release()  # a1 used last, not idle; but B has it too: a spare copy
-    plan = plan_load("sql", "/s", "llama", [pool.get(A), pool.get(B)], cat, tracker, idle_s=30)
-    assert (plan.instance_id, plan.evict) == (A, "a1")  # a1's set shrinks to B, it is not emptied
-    # B down: A's copy of a1 is its last healthy one, and a2's is its last: neither idle
-    assert plan_load("sql", "/s", "llama", [pool.get(A)], cat, tracker, idle_s=30) is None
+    tracker.use(A, "a1").release()  # at 1101 s: neither idle (30 s)
+    # "new", loaded nowhere: a1's copy on A is a spare (B has it too): it goes, though used last
+    plan = plan_load("new", "/n", "llama", [a, b, c], cat, tracker, idle_s=30)
+    assert (plan.instance_id, plan.evict) == (A, "a1")
+    # a saturated set (sql, on C) does not shrink a set in use: its requests queue within it
+    assert plan_load("sql", "/s", "llama", [a, b, c], cat, tracker, idle_s=30, empty=False) is None
+    # B down: A's copy of a1 is its last healthy one; a2's is its last too: nothing may go
+    assert plan_load("new", "/n", "llama", [a, c], cat, tracker, idle_s=30) is None
     clock.t += 29.5  # a2 idle (30.5 s), a1 not (29.5 s)
-    assert plan_load("sql", "/s", "llama", [pool.get(A)], cat, tracker, idle_s=30).evict == "a2"
+    plan = plan_load("sql", "/s", "llama", [a, b, c], cat, tracker, idle_s=30, empty=False)
+    assert (plan.instance_id, plan.evict) == (A, "a2")  # a saturated set grows into an idle adapter's slot
+    plan = plan_load("new", "/n", "llama", [a, b, c], cat, tracker, idle_s=30)
+    assert plan.evict == "a2"  # an idle copy before a spare one in use
+    clock.t += 1.0  # both idle: the spare one (a1's set shrinks, a2's is not emptied), though a2 is older
+    assert plan_load("new", "/n", "llama", [a, b, c], cat, tracker, idle_s=30).evict == "a1"
+    assert plan_load("sql", "/s", "llama", [a, b, c], cat, tracker, idle_s=30, empty=False).evict == "a1"
     b_a1.release()
-    # A saturated set (sql on C) grows into an idle last copy, as an empty one would
-    plan = plan_load("sql", "/s", "llama", [pool.get(A), pool.get(B), pool.get(C)], cat, tracker, idle_s=30)
-    assert plan is not None and plan.instance_id in (A, B)
+    c_sql.release()
 
 
 def test_plan_load_ties_are_the_same_on_every_replica():

@@ -16,30 +16,36 @@ change a set safely:
   or empty: the least loaded instance of the adapter's base model that does not have
   it, with a free adapter slot or else a copy of another adapter that may be unloaded.
 
-Which copy may be unloaded to make room (the same rule for a saturated set and for an
-adapter loaded nowhere):
+Which copy of another adapter may be unloaded to make room:
 
 * never one with a request of this router in flight there;
-* a *spare* copy (the adapter is loaded on another healthy instance of the pool too)
-  once nothing is in flight for it there: its set shrinks but is not emptied, so its
-  requests keep an instance that has it (queued within the set or growing it again by
-  one load, never a 429 and never a wait of more than one load);
-* an adapter's *last* copy only when it is *idle*: nothing in flight **and** no request
-  for it there started or ended for ``idle_s`` seconds (``LoraAdapters.IdleSeconds``;
-  by default ``LoadTimeoutSeconds``, 60). "Nothing in flight at this instant" is not
-  idleness: the hottest adapter of a busy fleet is between requests every few
-  milliseconds, and unloading its only copy then turns its next requests into 429s (or
-  a load they wait for) while the adapter that took its slot is the colder one. An
-  unloaded last copy costs its adapter's next request one load, at most
-  ``LoadTimeoutSeconds``; waiting at least that long without a request means the wait
-  an unload can add is never longer than the silence that allowed it. A copy the router
-  has seen no request on counts from when the tracker started (a router that has just
-  started does not take a hot adapter it has not seen yet for an idle one), and a copy
-  it loads counts as used when the load ends.
+* an *idle* copy: nothing in flight **and** no request for it there started or ended for
+  ``idle_s`` seconds (``LoraAdapters.IdleSeconds``; by default ``LoadTimeoutSeconds``,
+  60), for a saturated set as for an adapter loaded nowhere. "Nothing in flight at this
+  instant" is not idleness: the hottest adapter of a busy fleet is between two of its
+  requests every few milliseconds, and unloading its only copy then turned its next
+  requests into 429s while the adapter that took the slot was a colder one. An unloaded
+  last copy costs its adapter's next request one load, at most ``LoadTimeoutSeconds``:
+  waiting at least that long without a request means that the wait an unload adds is
+  never longer than the silence that allowed it. A copy the router has seen no request
+  on counts from when the tracker started (a router that has just started does not take
+  a hot adapter it has not seen yet for an idle one); a copy it loads counts as used
+  when the load ends;
+* a *spare* copy in use (its adapter is loaded on another healthy instance of the pool
+  too; nothing in flight for it there, but not idle) only to place an adapter whose set
+  is empty, whose request is refused otherwise: the spare's set shrinks but is not
+  emptied, so its requests keep an instance that has it. A saturated set does not take
+  one: its requests can queue within it, and shrinking another set in use only makes
+  that one saturated, so that loads chase each other round the fleet (the full
+  ``bench/multi_model.py`` run at 9aa9001, which allowed it, made 21 loads and 17
+  unloads in 45 s, the
+  waiting sets taking the slots before an adapter loaded nowhere could, which got 52
+  answers 429);
+* never the last copy of an adapter that is not idle.
 
-Among the copies that may go, a spare one first, then the least recently used. When none
-may go anywhere, there is no plan: a saturated set queues within itself, and a request
-for an adapter loaded nowhere gets the 429 with ``Retry-After``.
+Among the copies that may go: idle ones first (a spare before a last copy), then the least
+recently used. When none may go anywhere, there is no plan: a saturated set queues within
+itself, and a request for an adapter loaded nowhere gets the 429 with ``Retry-After``.
 
 An adapter is never unloaded while this router has a request in flight for it there,
 and it leaves the sticky set (:meth:`~prefixroute.core.catalog.ModelCatalog.adapter_unloading`)
@@ -165,7 +171,8 @@ class AdapterTracker:
 
 def plan_load(adapter: str, path: str, parent: str | None, candidates: Sequence[InstanceState],
               catalog: ModelCatalog, tracker: AdapterTracker, default_slots: int | None = None,
-              evictable: Callable[[str], bool] = lambda name: True, idle_s: float = DEFAULT_IDLE_S) -> LoadPlan | None:
+              evictable: Callable[[str], bool] = lambda name: True, idle_s: float = DEFAULT_IDLE_S,
+              empty: bool = True) -> LoadPlan | None:
     """Where to load ``adapter`` so that its sticky set grows, or ``None`` if nowhere.
 
     Args:
@@ -179,17 +186,20 @@ def plan_load(adapter: str, path: str, parent: str | None, candidates: Sequence[
             (``MaxAdaptersPerInstance``); ``None``: unbounded.
         evictable: whether an adapter may be unloaded to make room (the router must
             be able to load it back: its path known).
-        idle_s: how long an adapter's last copy must have seen no request to be
-            unloaded (``LoraAdapters.IdleSeconds``).
+        idle_s: how long a copy must have seen no request to be idle
+            (``LoraAdapters.IdleSeconds``).
+        empty: ``True`` to place an adapter whose sticky set is empty (then a spare
+            copy in use may be unloaded too); ``False`` to grow a saturated set (idle
+            copies only).
 
     Rule: an eligible instance serves ``parent`` as a base model, does not have the
     adapter, has no load or unload under way, and has a free slot (fewer adapters than
     its slots) or a copy that may be unloaded (the module docstring's rule: nothing in
-    flight from this router, and another healthy copy in the pool or idle for
-    ``idle_s``; a spare copy first, then the least recently used). Among them, the
-    fewest requests in flight wins; a free slot beats an unload at equal load;
-    remaining ties are broken by the adapter's rendezvous order over the instances, so
-    router replicas agree.
+    flight from this router, and idle for ``idle_s``, or, with ``empty``, another
+    healthy copy in the pool; idle first, a spare before a last copy, then the least
+    recently used). Among them, the fewest requests in flight wins; a free slot beats
+    an unload at equal load; remaining ties are broken by the adapter's rendezvous
+    order over the instances, so router replicas agree.
     """
     if adapter in tracker.loading:
         return None
@@ -208,14 +218,14 @@ def plan_load(adapter: str, path: str, parent: str | None, candidates: Sequence[
         slots = catalog.slots(iid, default_slots)
         evict: str | None = None
         if slots is not None and len(served.adapters) >= slots:
-            # name -> whether it is its adapter's last healthy copy in the pool
-            last = {a: not ((catalog.serving(a) & healthy) - {iid}) for a in served.adapters}
-            may_go = [a for a in served.adapters if tracker.in_flight(iid, a) == 0 and evictable(a)
-                      and (not last[a] or tracker.idle_for(iid, a) >= idle_s)]
+            # name -> (not idle, its adapter's last healthy copy in the pool)
+            rank = {a: (tracker.idle_for(iid, a) < idle_s, not ((catalog.serving(a) & healthy) - {iid}))
+                    for a in served.adapters if tracker.in_flight(iid, a) == 0 and evictable(a)}
+            may_go = [a for a, (busy_copy, last) in rank.items() if not busy_copy or (empty and not last)]
             if not may_go:
                 continue
-            # a spare copy first (its set shrinks, it is not emptied), then the least recently used
-            evict = min(may_go, key=lambda a: (last[a], tracker.last_used(iid, a), a))
+            # idle first, a spare copy before a last one (its set shrinks, it is not emptied), then the LRU
+            evict = min(may_go, key=lambda a: (*rank[a], tracker.last_used(iid, a), a))
         options.append((inst.in_flight, evict is not None, order[pos], inst, evict, base))
     if not options:
         return None

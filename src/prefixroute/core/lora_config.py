@@ -6,7 +6,7 @@ Validated once, into frozen models, like the rest of :mod:`prefixroute.core.conf
       Autoload: true                     # load an adapter where its sticky set can grow (opt-in)
       MaxAdaptersPerInstance: 2          # when the engine does not report vLLM's max_lora
       RetryAfterSeconds: 1               # Retry-After of the 429 for a saturated sticky set
-      IdleSeconds: 60                    # an adapter's last copy is unloaded only after this long unused
+      IdleSeconds: 60                    # a copy may be unloaded after this long without a request
       Adapters:                          # what the router may load, and from where
         - {LoraName: sql-lora, LoraPath: /adapters/sql-lora, BaseModelName: meta-llama/Llama-3.1-8B-Instruct}
 
@@ -51,9 +51,9 @@ class LoraAdaptersConfig(BaseModel):
         autoload: ``Autoload`` (default ``False``): when an adapter's sticky set is
             saturated (every instance of it at ``ConcurrencyThreshold``) or empty, load it
             on the least loaded instance of its base model that has a free adapter slot
-            or a copy of another adapter to unload (one with nothing in flight that has
-            another copy, or an adapter's last copy once idle: ``IdleSeconds``), and
-            route the request there once it is loaded; a saturated set that cannot grow
+            or a copy of another adapter to unload (one idle: ``IdleSeconds``; to place
+            an adapter loaded nowhere also a spare copy, its adapter loaded elsewhere
+            too, with nothing in flight), and route the request there once it is loaded; a saturated set that cannot grow
             takes the request anyway, an adapter loaded nowhere that cannot be placed
             gets the 429. One router process only (not with
             ``serve --workers N``). Off: a saturated set answers 429 with
@@ -67,12 +67,13 @@ class LoraAdaptersConfig(BaseModel):
         retry_after_s: ``RetryAfterSeconds``, 1-3,600: the ``Retry-After`` of a 429.
         load_timeout_s: ``LoadTimeoutSeconds``, 1-3,600: how long one load may take
             before the router gives up on it (the request then gets the 429).
-        idle_s: ``IdleSeconds``, 0.1-86,400: how long an adapter's last copy must have
-            had no request (none in flight, none started or ended) before autoload may
-            unload it to make room; ``None`` (the default): ``LoadTimeoutSeconds``, so an
-            unload never adds to the adapter's next request a wait (one load) longer
-            than the silence that allowed it (:mod:`prefixroute.core.adapters`). Copies
-            that have another copy go sooner: once nothing is in flight for them.
+        idle_s: ``IdleSeconds``, 0.1-86,400: how long a copy must have had no request
+            (none in flight, none started or ended) before autoload may unload it to
+            make room; ``None`` (the default): ``LoadTimeoutSeconds``, so an unload never
+            adds to the adapter's next request a wait (one load) longer than the silence
+            that allowed it (:mod:`prefixroute.core.adapters`). Only to place an adapter
+            loaded nowhere may a spare copy (its adapter loaded elsewhere too) go
+            sooner, once nothing is in flight for it.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")

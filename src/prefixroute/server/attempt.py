@@ -71,10 +71,9 @@ async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
     (:mod:`prefixroute.server.lora`: at most one load time, shared by every request
     waiting for that adapter) and decide again within the grown set, where the request
     is then taken even if that set is busy again (it waited one load, no more). A
-    saturated set that cannot grow (no free slot, no copy of another adapter that may be
-    unloaded: a spare one with nothing in flight, or a last one idle for
-    ``IdleSeconds``) takes the request within itself, as any pool does when every
-    instance is busy (``all_busy``).
+    saturated set that cannot grow (no free slot, no copy of another adapter idle for
+    ``IdleSeconds`` to unload) takes the request within itself, as any pool does when
+    every instance is busy (``all_busy``).
 
     Raises:
         NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow
@@ -90,7 +89,7 @@ async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
         members = sel.only if sel.only is not None else frozenset(i.instance_id for i in rr.pool.instances)
         empty = not any(i.healthy and i.instance_id in members and i.instance_id not in exclude
                         for i in rr.pool.instances)
-        if await lora.grow(rr):
+        if await lora.grow(rr, empty):
             rr.selection = state.reselect(rr)
             return acquire(state, rr, exclude, refuse_all_busy=False)
         if isinstance(exc, SetSaturated) and not empty:

@@ -162,8 +162,8 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--lora-autoload", action="store_true",
                    help="when an adapter's sticky set (the instances that have it loaded) is saturated or empty, "
                         "load it on the least loaded instance of its base model with a free adapter slot (or a copy "
-                        "of another adapter to unload: one with nothing in flight that has another copy, or an "
-                        "adapter's last copy idle for --lora-idle-seconds; a saturated set that cannot grow queues "
+                        "of another adapter to unload: one idle for --lora-idle-seconds; for an adapter loaded "
+                        "nowhere also a spare copy with nothing in flight; a saturated set that cannot grow queues "
                         "within itself, an adapter loaded nowhere gets 429), logging and counting every load and "
                         "unload; --workers 1 only (default: off: a saturated set gets 429 with Retry-After)")
     m.add_argument("--lora-max-adapters", type=int, metavar="N", default=None,
@@ -172,7 +172,7 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
     m.add_argument("--lora-retry-after", type=int, metavar="SECONDS", default=None,
                    help="Retry-After of the 429 for a saturated sticky set (default: 1)")
     m.add_argument("--lora-idle-seconds", type=float, metavar="SECONDS", default=None,
-                   help="with --lora-autoload, how long an adapter's last copy must have had no request before it "
+                   help="with --lora-autoload, how long a copy of an adapter must have had no request before it "
                         "may be unloaded to make room, 0.1-86400 (default: 60, the load timeout)")
 
 

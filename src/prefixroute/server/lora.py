@@ -9,9 +9,9 @@ it healthy, :meth:`LoraManager.grow`:
 
 1. plans a load (:func:`~prefixroute.core.adapters.plan_load`: the least loaded
    instance of the adapter's base model with a free adapter slot, or a copy of another
-   adapter to unload there: one with nothing in flight that has another copy first, then
-   the least recently used; another adapter's last copy only once it has had no request
-   for ``IdleSeconds``, never merely because nothing is in flight at that instant);
+   adapter to unload there: one idle, no request for it for ``IdleSeconds`` (never merely
+   nothing in flight at that instant), or, to place an adapter loaded nowhere, a spare
+   copy of an adapter loaded elsewhere too with nothing in flight);
 2. takes the adapter to unload out of its sticky set at once, waits until this router
    has no request in flight for it there, and sends ``POST /v1/unload_lora_adapter
    {"lora_name": ...}``;
@@ -86,27 +86,29 @@ class LoraManager:
             return False
         return True
 
-    async def grow(self, rr: "RoutedRequest") -> bool:
+    async def grow(self, rr: "RoutedRequest", empty: bool) -> bool:
         """Load ``rr``'s adapter where its sticky set can grow (or wait for the load of
-        it already under way): its set is saturated, empty or down. Returns whether the
-        adapter is now loaded on one more instance; ``False`` when no instance can take
-        it (no free slot, no copy that may be unloaded) or the load failed."""
+        it already under way). ``empty``: the set has no healthy instance (then a spare
+        copy of another adapter may be unloaded to make room; a merely saturated set
+        takes only free slots and idle copies). Returns whether the adapter is now
+        loaded on one more instance; ``False`` when no instance can take it (no free
+        slot, no copy that may be unloaded) or the load failed."""
         sel = rr.selection
         assert sel is not None and sel.adapter is not None
         adapter = sel.adapter
         task = self._loads.get(adapter)
         if task is None:
-            plan = self._plan(rr)
+            plan = self._plan(rr, empty)
             if plan is None:
                 log.info("LoRA adapter %s: its sticky set cannot grow (no instance of its base model with a free "
-                         "slot, a spare copy or an idle adapter to unload)", adapter)
+                         "slot or a copy of another adapter that may be unloaded)", adapter)
                 return False
             task = asyncio.get_running_loop().create_task(self._run(plan, rr.endpoint), name=f"lora-load-{adapter}")
             self._loads[adapter] = task
             task.add_done_callback(lambda _t, a=adapter: self._loads.pop(a, None))
         return await asyncio.shield(task)
 
-    def _plan(self, rr: "RoutedRequest") -> LoadPlan | None:
+    def _plan(self, rr: "RoutedRequest", empty: bool) -> LoadPlan | None:
         state = self.state
         sel = rr.selection
         lora = state.fleet.endpoint(rr.endpoint).config.lora
@@ -121,7 +123,7 @@ class LoraManager:
 
         candidates = [i for i in rr.pool.instances if i.healthy]
         plan = plan_load(sel.adapter, path, parent, candidates, state.catalog, state.adapter_tracker,
-                         lora.max_adapters_per_instance, evictable, idle_s=lora.idle_after_s)
+                         lora.max_adapters_per_instance, evictable, idle_s=lora.idle_after_s, empty=empty)
         if plan is None:
             return None
         tracker = state.adapter_tracker
