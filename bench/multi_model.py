@@ -19,11 +19,17 @@ Two parts, every engine and the router separate processes on loopback:
     (vLLM's ``--max-loras 2``), traffic skewed over the adapters (Zipf), PREFIX_AWARE
     within each adapter's sticky set; once with ``LoraAdapters.Autoload`` (each instance
     starts with one adapter, four are loaded nowhere: the router loads an adapter where
-    its set is saturated or empty, unloading idle ones) and once without (all 8 loaded
-    from the start, two per instance; a saturated set is a 429). Reported per adapter: its sticky-set size over time (the router's gauge),
-    loads and unloads, cache-hit rate (the engines' per-adapter counters), and
+    its set is saturated or empty, unloading spare copies or idle adapters) and once
+    without (all 8 loaded from the start, two per instance; a saturated set is a 429).
+    Reported per adapter: its sticky-set size over time (the router's gauge), loads and
+    unloads, 429s, cache-hit rate (the engines' per-adapter counters),
     ``sticky_set_violations``: requests an engine got for an adapter it did not have
-    loaded at that moment, counted by the engines themselves (must be 0).
+    loaded at that moment, counted by the engines themselves (must be 0), and, apart,
+    the longest first byte a client saw and the longest *router-side wait*: the router's
+    own time on a request, its ``X-Prefixroute-Overhead-Ms`` (routing plus any wait for
+    an adapter load; for a 429 the router gave itself, the time to its headers). With
+    autoload, no request may wait more than one load: the longest router-side wait must
+    be at most ``--lora-load-s`` + 20 % (at least 50 ms of wall time; ``check_lora``).
 
 Times are model seconds (the engines run at ``--time-scale``); TTFT percentiles come from
 the engines' own ``vllm:time_to_first_token_seconds`` histograms (linear within their
@@ -162,6 +168,10 @@ class Result:
     latency_s: float | None = None
     error: str = ""
     retry_after_s: float = 0.0
+    # the router's own time on the request, wall seconds: its X-Prefixroute-Overhead-Ms
+    # (routing, and any wait for an adapter load), or, for an answer the router gave itself
+    # (a 429: no X-Prefixroute-Instance), the time to its headers; None if unknown
+    router_wait_s: float | None = None
 
 
 async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any], api: str, stream: bool,
@@ -182,7 +192,13 @@ async def send(http: aiohttp.ClientSession, router: str, body: dict[str, Any], a
     t0 = time.perf_counter()
     try:
         async with http.post(router + path, data=orjson.dumps(payload), headers=headers) as r:
+            t_headers = time.perf_counter() - t0
             res.status = r.status
+            overhead = r.headers.get("X-Prefixroute-Overhead-Ms")
+            if overhead is not None:
+                res.router_wait_s = float(overhead) / 1000
+            elif r.status != 200 and "X-Prefixroute-Instance" not in r.headers:
+                res.router_wait_s = t_headers
             retry = r.headers.get("Retry-After", "")
             res.retry_after_s = float(retry) if retry.isdigit() else 0.0
             res.instance = r.headers.get("X-Prefixroute-Instance", "")
@@ -486,6 +502,10 @@ async def lora_run(procs: ProcessGroup, http: aiohttp.ClientSession, args: argpa
             "unloads": int(total(rmetrics, "prefixroute_adapter_unloads_total", adapter=a, result="ok")),
             "p50_first_byte_s": percentile([r.first_byte_s / args.time_scale for r in ok
                                             if r.first_byte_s is not None], 50),
+            "max_first_byte_s": max((r.first_byte_s / args.time_scale for r in ok if r.first_byte_s is not None),
+                                    default=float("nan")),
+            "max_router_wait_s": max((r.router_wait_s / args.time_scale for r in results[a]
+                                      if r.router_wait_s is not None), default=float("nan")),
         }
     ok = [r for r in all_results if not r.error]
     queries = sum(total(a, "vllm:prefix_cache_queries_total") - total(b, "vllm:prefix_cache_queries_total")
@@ -498,6 +518,7 @@ async def lora_run(procs: ProcessGroup, http: aiohttp.ClientSession, args: argpa
         if r.instance in counts:
             counts[r.instance] += 1
     first = [r.first_byte_s / args.time_scale for r in ok if r.first_byte_s is not None]
+    waits = [r.router_wait_s / args.time_scale for r in all_results if r.router_wait_s is not None]
     run = {
         "router": "prefixroute", "strategy": "PREFIX_AWARE", "replicas": 1, "requests": len(all_results),
         "errors": len(failed), "p50_ttft_s": histogram_quantile(buckets, 0.5),
@@ -515,18 +536,41 @@ async def lora_run(procs: ProcessGroup, http: aiohttp.ClientSession, args: argpa
                             - sum(total(b, "prefixroute_engine_lora_loads_total") for b in before)),
         "engine_unloads": int(sum(total(a, "prefixroute_engine_lora_unloads_total") for a in after)
                               - sum(total(b, "prefixroute_engine_lora_unloads_total") for b in before)),
-        "lora_load_s": args.lora_load_s, "max_first_byte_s": max(first, default=float("nan")),
+        "lora_load_s": args.lora_load_s, "time_scale": args.time_scale,
+        # the longest first byte a client saw (a load, a queue, a cold prefill, the engine's
+        # TTFT) and, apart, the longest the router itself held a request (routing and any
+        # wait for a load: X-Prefixroute-Overhead-Ms), model seconds
+        "max_first_byte_s": max(first, default=float("nan")),
+        "max_router_wait_s": max(waits, default=float("nan")),
+        "router_wait_limit_s": router_wait_limit(args.lora_load_s, args.time_scale),
+        "router_wait_unknown": len(all_results) - len(waits),
         "adapters": per_adapter, "sticky_set_timeline": timeline,
     }
     console.print(f"  LoRA, autoload {'on ' if autoload else 'off'}: {run['requests']} requests, {run['errors']} "
                   f"errors, {throttled} answered 429 ({saturated} saturated, {throttled - saturated} loaded nowhere "
-                  f"with no slot free), {run['loads']} loads, {run['unloads']} unloads, "
-                  f"{violations} sticky-set violations, hit {run['cache_hit_rate'] * 100:.1f} %")
+                  f"with nothing to unload), {run['loads']} loads, {run['unloads']} unloads, "
+                  f"{violations} sticky-set violations, hit {run['cache_hit_rate'] * 100:.1f} %, longest router-side "
+                  f"wait {run['max_router_wait_s']:.3f} s (load {args.lora_load_s:g} s), longest first byte "
+                  f"{run['max_first_byte_s']:.3f} s")
     procs.stop_all()
     return run
 
 
+#: How much longer than one adapter load (``--lora-load-s``) the router may hold a request
+#: with autoload on: 20 % of the load, and at least 50 ms of wall time (the router's own
+#: routing, the unload before the load, the event loop of a 2-core machine that also runs
+#: the engines and the clients).
+LOAD_WAIT_MARGIN = 0.20
+LOAD_WAIT_FLOOR_S = 0.05
+
+
+def router_wait_limit(load_s: float, time_scale: float) -> float:
+    """The longest router-side wait (model seconds) the rule allows: one load plus the margin."""
+    return max(load_s * (1 + LOAD_WAIT_MARGIN), load_s + LOAD_WAIT_FLOOR_S / time_scale)
+
+
 def check_lora(runs: list[dict[str, Any]]) -> list[str]:
+    """The LoRA part's acceptance rules; returns the failures (empty: all hold)."""
     failures = []
     for r in runs:
         name = f"LoRA autoload {'on' if r['autoload'] else 'off'}"
@@ -542,6 +586,16 @@ def check_lora(runs: list[dict[str, Any]]) -> list[str]:
             failures.append(f"{name}: no sticky set grew past one instance")
         if not r["autoload"] and r["loads"]:
             failures.append(f"{name}: the router loaded adapters without Autoload")
+        if r["autoload"]:  # the issue's "no request waits more than one load time"
+            limit = router_wait_limit(r["lora_load_s"], r.get("time_scale", 1.0))
+            if r["max_router_wait_s"] != r["max_router_wait_s"]:  # nan: no answer carried it
+                failures.append(f"{name}: no router-side wait was measured (no X-Prefixroute-Overhead-Ms)")
+            elif r["max_router_wait_s"] > limit:
+                slow = [a for a, x in r["adapters"].items() if x["max_router_wait_s"] > limit]
+                failures.append(f"{name}: the router held a request {r['max_router_wait_s']:.3f} s, more than the "
+                                f"{limit:.3f} s allowed (one load, {r['lora_load_s']:g} s, + "
+                                f"{LOAD_WAIT_MARGIN * 100:g} %, at least {LOAD_WAIT_FLOOR_S * 1000:g} ms of wall time; "
+                                f"{', '.join(slow) or 'no adapter named'})")
     return failures
 
 
@@ -569,14 +623,18 @@ def render(matrix_runs: list[dict[str, Any]], lora_runs: list[dict[str, Any]]) -
     for r in lora_runs:
         lt = Table(title=f"LoRA: 8 adapters on 4 instances x 2 slots, autoload {'on' if r['autoload'] else 'off'}; "
                          f"{r['requests']} requests, {r['throttled_429']} answered 429, "
-                         f"{r['sticky_set_violations']} sticky-set violations", title_justify="left")
+                         f"{r['sticky_set_violations']} sticky-set violations; longest router-side wait "
+                         f"{r['max_router_wait_s'] * 1000:.1f} ms (one load: {r['lora_load_s'] * 1000:.0f} ms, "
+                         f"allowed with autoload {r['router_wait_limit_s'] * 1000:.0f} ms), longest first byte "
+                         f"{r['max_first_byte_s'] * 1000:.1f} ms", title_justify="left")
         for col in ("adapter", "requests", "429", "cache hit", "set min/max/final", "loads", "unloads",
-                    "violations", "P50 first byte"):
+                    "violations", "P50 first byte", "longest first byte", "longest router wait"):
             lt.add_column(col, no_wrap=True, justify="left" if col == "adapter" else "right")
         for a, x in r["adapters"].items():
             lt.add_row(a, str(x["requests"]), str(x["throttled_429"]), f"{x['cache_hit_rate'] * 100:.1f} %",
                        f"{x['sticky_set_min']}/{x['sticky_set_max']}/{x['sticky_set_final']}", str(x["loads"]),
-                       str(x["unloads"]), str(x["sticky_set_violations"]), f"{x['p50_first_byte_s'] * 1000:.0f} ms")
+                       str(x["unloads"]), str(x["sticky_set_violations"]), f"{x['p50_first_byte_s'] * 1000:.0f} ms",
+                       f"{x['max_first_byte_s'] * 1000:.0f} ms", f"{x['max_router_wait_s'] * 1000:.1f} ms")
         tables.append(lt)
     return tables
 
@@ -680,8 +738,8 @@ async def _main(args: argparse.Namespace) -> int:
         console.print("[green]every check holds[/green]: " + "; ".join(filter(None, [
             "16 matrix runs without error, PREFIX_AWARE >= 30 points of hit rate and >= 60 % lower P50 TTFT than "
             "RANDOM, every component request on a copy of it" if matrix_runs else "",
-            "0 sticky-set violations; with autoload sets grown by loads and no saturated set refused, without it "
-            "429" if lora_runs else ""])))
+            "0 sticky-set violations; with autoload sets grown by loads, no saturated set refused and no request "
+            "held by the router longer than one load (+20 %), without it 429" if lora_runs else ""])))
     if not args.no_plots and lora_runs:
         console.print("plots: " + ", ".join(str(p) for p in plot(Path(args.out_dir), lora_runs)))
     if args.json:

@@ -47,6 +47,33 @@ def test_matrix_rules_name_each_failure():
     assert any("not 60 % lower" in f for f in failures) and any("reached an engine without" in f for f in failures)
 
 
+def _lora(autoload: bool, wait: float, load: float = 1.0, time_scale: float = 1.0, **adapter_waits: float) -> dict:
+    """A LoRA run that passes every rule but the router-side wait's, which ``wait`` sets."""
+    waits = {"lora-0": 0.0003, "lora-4": wait, **{k.replace("_", "-"): v for k, v in adapter_waits.items()}}
+    return {"autoload": autoload, "sticky_set_violations": 0, "errors": 0, "loads": 5 if autoload else 0,
+            "throttled_saturated": 0 if autoload else 40, "lora_load_s": load, "time_scale": time_scale,
+            "max_router_wait_s": wait, "adapters": {a: {"sticky_set_max": 2, "max_router_wait_s": w}
+                                                    for a, w in waits.items()}}
+
+
+def test_lora_rule_no_request_waits_more_than_one_load():
+    assert bench.check_lora([_lora(True, 1.0096), _lora(False, 0.0004)]) == []  # one load and its 9.6 ms
+    assert bench.router_wait_limit(1.0, 1.0) == pytest.approx(1.2)  # + 20 %
+    assert bench.check_lora([_lora(True, 1.199)]) == []
+    failures = bench.check_lora([_lora(True, 2.05, lora_7=1.3)])  # two loads in a row for lora-4, 1.3 s for lora-7
+    assert failures == ["LoRA autoload on: the router held a request 2.050 s, more than the 1.200 s allowed (one "
+                        "load, 1 s, + 20 %, at least 50 ms of wall time; lora-4, lora-7)"]
+    # the floor: a load that takes no time still leaves the router 50 ms of wall time (5 model s at scale 0.01)
+    assert bench.router_wait_limit(0.0, 1.0) == pytest.approx(0.05)
+    assert bench.check_lora([_lora(True, 4.9, load=0.0, time_scale=0.01)]) == []
+    assert bench.check_lora([_lora(True, 0.06, load=0.0)])[0].startswith("LoRA autoload on: the router held")
+    # without autoload nothing is loaded, so there is no load to wait for: not this rule's business
+    assert bench.check_lora([_lora(False, 3.0)]) == []
+    nan = float("nan")  # no answer carried X-Prefixroute-Overhead-Ms: not measured is not a pass
+    assert bench.check_lora([_lora(True, nan)]) == [
+        "LoRA autoload on: no router-side wait was measured (no X-Prefixroute-Overhead-Ms)"]
+
+
 @pytest.mark.e2e
 def test_lora_part_runs_and_writes_spec_json(tmp_path):
     out = tmp_path / "mm.json"
@@ -65,6 +92,11 @@ def test_lora_part_runs_and_writes_spec_json(tmp_path):
                                                 for p in r["sticky_set_timeline"])
     assert on["autoload"] and on["loads"] >= 4 and on["engine_loads"] == on["loads"]  # lora-4..7 placed at least
     assert on["throttled_saturated"] == 0
+    # the router's own wait, apart from the first byte: the placing loads (1 s each) at most, each measured
+    assert on["router_wait_unknown"] == 0 and on["max_router_wait_s"] <= on["router_wait_limit_s"] == 1.2
+    assert on["max_router_wait_s"] <= on["max_first_byte_s"]
+    assert all(x["max_router_wait_s"] <= on["max_router_wait_s"] for x in on["adapters"].values())
+    assert off["max_router_wait_s"] < 0.5  # nothing to wait for without autoload
     assert not off["autoload"] and off["loads"] == 0 and off["throttled_saturated"] > 0
     assert (tmp_path / "plots" / "sticky_sets_autoload_on.png").stat().st_size > 1000
 

@@ -80,6 +80,18 @@ def test_lora_config_errors():
         fleet_config(LoraAdapters={"Autoload": "yes"})
     with pytest.raises(ConfigError, match="RetryAfterSeconds"):
         fleet_config(LoraAdapters={"RetryAfterSeconds": 0})
+    for bad, needle in ((0, "greater than or equal to 0.1"), (90_000, "less than or equal to 86400"),
+                        (True, "True is not a number of seconds"), ("soon", "valid number"),
+                        (float("inf"), "finite number")):
+        with pytest.raises(ConfigError, match=f"LoraAdapters.IdleSeconds: .*{needle}"):
+            fleet_config(LoraAdapters={"IdleSeconds": bad})
+
+
+def test_lora_idle_seconds_default_to_the_load_timeout():
+    lora = fleet_config(LoraAdapters={"Autoload": True}).endpoints[0].lora
+    assert lora.idle_s is None and lora.idle_after_s == lora.load_timeout_s == 60.0
+    assert fleet_config(LoraAdapters={"LoadTimeoutSeconds": 20}).endpoints[0].lora.idle_after_s == 20.0
+    assert fleet_config(LoraAdapters={"IdleSeconds": 0.5}).endpoints[0].lora.idle_after_s == 0.5
 
 
 def test_slot_keys_cover_component_copies():
@@ -304,41 +316,127 @@ def test_selector_sticky_sets_and_autoload():
 # -- load planning ----------------------------------------------------------------------
 
 
-def test_plan_load_prefers_least_loaded_free_slot_then_evicts_idle_lru():
+class Clock:
+    """A monotonic clock a test moves by hand (seconds)."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_plan_load_prefers_least_loaded_free_slot_then_an_idle_copy():
     fleet, cat = make_fleet()
     pool = fleet.endpoint("e").variant()
-    tracker = AdapterTracker()
+    clock = Clock()
+    tracker = AdapterTracker(clock)
     cat.set(A, parse_model_list(vllm_models("llama", "a1", "a2"), max_lora=2))  # full
     cat.set(B, parse_model_list(vllm_models("llama", "a3"), max_lora=2))  # one free slot
     cat.set(C, parse_model_list(vllm_models("qwen"), max_lora=2))  # another base model
     cat.set(D, parse_model_list(vllm_models("llama", "x"), max_lora=2))  # the adapter already there
-    plan = plan_load("x", "/x", "llama", pool.instances, cat, tracker)
+    plan = plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30)
     assert (plan.instance_id, plan.evict) == (B, None)
-    pool.get(B).add_in_flight(3)  # B busier: A, with an idle adapter to unload, wins
-    tracker.use(A, "a1")  # a1 used last; a2 the least recently used
-    plan = plan_load("x", "/x", "llama", pool.instances, cat, tracker)
+    pool.get(B).add_in_flight(3)  # B busier: A wins only once one of its adapters (both last copies) is idle
+    tracker.use(A, "a2").release()  # at 1000 s
+    clock.t = 1001.0
+    tracker.use(A, "a1").release()  # at 1001 s: a2 is the least recently used
+    clock.t = 1020.0  # nothing in flight on A, but both used within 30 s: not idle
+    assert plan_load("x", "/x", "llama", [pool.get(A)], cat, tracker, idle_s=30) is None
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30).instance_id == B
+    clock.t = 1030.5  # a2 unused for 30.5 s, a1 for 29.5 s
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=31).instance_id == B
+    plan = plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30)
     assert (plan.instance_id, plan.evict, plan.parent) == (A, "a2", "llama")
-    held = tracker.use(A, "a2")  # both of A's adapters in flight: nothing to unload there
-    tracker.use(A, "a1")
-    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker).instance_id == B
-    held.release()
-    # An adapter with another copy is unloaded before one whose last copy it is, even if
-    # used more recently: emptying a set would only move the load to its next request.
-    cat2 = ModelCatalog()
-    cat2.set(A, parse_model_list(vllm_models("llama", "a1", "a2"), max_lora=2))
-    cat2.set(B, parse_model_list(vllm_models("llama", "a1"), max_lora=1))
-    tracker2 = AdapterTracker()
-    tracker2.use(A, "a2").release()
-    tracker2.use(A, "a1").release()  # a1 used last
-    plan = plan_load("x", "/x", "llama", [pool.get(A)], cat2, tracker2)
-    assert plan is not None and plan.evict == "a1"
-    cat3 = ModelCatalog()
-    cat3.set(A, parse_model_list(vllm_models("llama", "a2"), max_lora=1))  # a2's last copy
-    assert plan_load("x", "/x", "llama", [pool.get(A)], cat3, AdapterTracker(), evict_last_copy=False) is None
-    assert plan_load("x", "/x", "llama", [pool.get(A)], cat3, AdapterTracker()).evict == "a2"
+    clock.t = 1031.0  # both idle now: the least recently used goes
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30).evict == "a2"
+    held = tracker.use(A, "a2")  # a request in flight: a2 stays however long it runs
+    clock.t = 1200.0
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30).evict == "a1"
+    held_a1 = tracker.use(A, "a1")
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30).instance_id == B
+    held.release()  # a2's long request ended at 1200 s: idle from then on, not from its start
+    held_a1.release()
+    clock.t = 1229.0
+    assert tracker.idle_for(A, "a2") == 29.0
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30).instance_id == B
+    clock.t = 1230.0
+    assert plan_load("x", "/x", "llama", pool.instances, cat, tracker, idle_s=30).instance_id == A
     tracker.loading["x"] = B  # one load of an adapter at a time
     assert plan_load("x", "/x", "llama", pool.instances, cat, tracker) is None
     assert plan_load("y", "/y", "mistral", pool.instances, cat, tracker) is None  # no base anywhere
+
+
+def test_a_hot_adapters_only_copy_is_not_unloaded_between_two_of_its_requests():
+    # The review's case: the hottest adapter had nothing in flight at one instant and its
+    # only copy was unloaded for an adapter loaded nowhere (its next requests: 429s).
+    fleet, cat = make_fleet()
+    pool = fleet.endpoint("e").variant()
+    clock = Clock()
+    tracker = AdapterTracker(clock)
+    cat.set(A, parse_model_list(vllm_models("llama", "hot"), max_lora=1))
+    for i in (B, C, D):
+        cat.set(i, parse_model_list(vllm_models("qwen")))
+    clock.t += 61.0  # the default IdleSeconds (LoadTimeoutSeconds' default, 60) since the router started
+    tracker.use(A, "hot").release()  # a request every few milliseconds ...
+    clock.t += 0.004
+    assert tracker.in_flight(A, "hot") == 0 and tracker.idle_for(A, "hot") == pytest.approx(0.004)
+    assert plan_load("cold", "/c", "llama", pool.instances, cat, tracker) is None  # ... so no: the 429
+    clock.t += 59.9
+    assert plan_load("cold", "/c", "llama", pool.instances, cat, tracker) is None
+    clock.t += 0.1  # 60 s without a request: idle
+    assert plan_load("cold", "/c", "llama", pool.instances, cat, tracker).evict == "hot"
+    assert plan_load("cold", "/c", "llama", pool.instances, cat, tracker, evictable=lambda a: a != "hot") is None
+
+
+def test_a_copy_never_used_counts_from_the_start_and_a_loaded_one_as_used():
+    fleet, cat = make_fleet()
+    pool = fleet.endpoint("e").variant()
+    clock = Clock()
+    tracker = AdapterTracker(clock)  # a router that has just started: "old" may be hot, it has not seen yet
+    cat.set(A, parse_model_list(vllm_models("llama", "old"), max_lora=1))
+    clock.t += 9.9
+    assert plan_load("new", "/n", "llama", [pool.get(A)], cat, tracker, idle_s=10) is None
+    clock.t += 0.1
+    assert plan_load("new", "/n", "llama", [pool.get(A)], cat, tracker, idle_s=10).evict == "old"
+    tracker.loaded(A, "old")  # (loaded again by the router: used now)
+    assert plan_load("new", "/n", "llama", [pool.get(A)], cat, tracker, idle_s=10) is None
+    tracker.forget(A, "old")  # unloaded: its marks go, a later copy counts from the start again
+    assert tracker.last_used(A, "old") == 0 and tracker.idle_for(A, "old") == 10.0
+
+
+def test_a_spare_copy_in_use_goes_only_to_place_an_adapter_loaded_nowhere():
+    fleet, cat = make_fleet()
+    pool = fleet.endpoint("e").variant()
+    a, b, c = pool.get(A), pool.get(B), pool.get(C)
+    clock = Clock()
+    tracker = AdapterTracker(clock)
+    cat.set(A, parse_model_list(vllm_models("llama", "a1", "a2"), max_lora=2))
+    cat.set(B, parse_model_list(vllm_models("llama", "a1"), max_lora=1))
+    cat.set(C, parse_model_list(vllm_models("llama", "sql"), max_lora=1))
+    b_a1 = tracker.use(B, "a1")  # B: full, its only adapter in flight
+    c_sql = tracker.use(C, "sql")  # C too (sql's set, saturated)
+    clock.t += 100.0
+    tracker.use(A, "a2").release()  # at 1100 s
+    clock.t += 1.0
+    tracker.use(A, "a1").release()  # at 1101 s: neither idle (30 s)
+    # "new", loaded nowhere: a1's copy on A is a spare (B has it too): it goes, though used last
+    plan = plan_load("new", "/n", "llama", [a, b, c], cat, tracker, idle_s=30)
+    assert (plan.instance_id, plan.evict) == (A, "a1")
+    # a saturated set (sql, on C) does not shrink a set in use: its requests queue within it
+    assert plan_load("sql", "/s", "llama", [a, b, c], cat, tracker, idle_s=30, empty=False) is None
+    # B down: A's copy of a1 is its last healthy one; a2's is its last too: nothing may go
+    assert plan_load("new", "/n", "llama", [a, c], cat, tracker, idle_s=30) is None
+    clock.t += 29.5  # a2 idle (30.5 s), a1 not (29.5 s)
+    plan = plan_load("sql", "/s", "llama", [a, b, c], cat, tracker, idle_s=30, empty=False)
+    assert (plan.instance_id, plan.evict) == (A, "a2")  # a saturated set grows into an idle adapter's slot
+    plan = plan_load("new", "/n", "llama", [a, b, c], cat, tracker, idle_s=30)
+    assert plan.evict == "a2"  # an idle copy before a spare one in use
+    clock.t += 1.0  # both idle: the spare one (a1's set shrinks, a2's is not emptied), though a2 is older
+    assert plan_load("new", "/n", "llama", [a, b, c], cat, tracker, idle_s=30).evict == "a1"
+    assert plan_load("sql", "/s", "llama", [a, b, c], cat, tracker, idle_s=30, empty=False).evict == "a1"
+    b_a1.release()
+    c_sql.release()
 
 
 def test_plan_load_ties_are_the_same_on_every_replica():

@@ -1,6 +1,7 @@
 """LoRA autoload (opt-in), end to end on emulated vLLM engines: a saturated or empty sticky
-set grows by one load (shared by every waiting request), an idle adapter is unloaded
-when slots run out, every load and unload is logged and counted, and no engine ever
+set grows by one load (shared by every waiting request), a spare copy or an idle adapter
+is unloaded when slots run out (an adapter in use keeps its last copy), every load and
+unload is logged and counted, and no engine ever
 gets a request for an adapter it does not have (its own counter says so)."""
 
 from __future__ import annotations
@@ -34,11 +35,13 @@ def servers(runners):
     return [r.app[ENGINE_KEY] for r in runners]
 
 
-async def router_for(urls, data_plane, autoload=True, max_per_instance=None, **kw):
+async def router_for(urls, data_plane, autoload=True, max_per_instance=None, idle_s=None, **kw):
     lora = {"Autoload": autoload, "Adapters": [{"LoraName": "sql", "LoraPath": "/adapters/sql"},
                                                {"LoraName": "old", "LoraPath": "/adapters/old"}]}
     if max_per_instance:
         lora["MaxAdaptersPerInstance"] = max_per_instance
+    if idle_s is not None:
+        lora["IdleSeconds"] = idle_s
     cfg = FleetConfig.from_mapping({"Endpoints": [{
         "EndpointName": "e", "LoraAdapters": lora, "ProductionVariants": [
             {"VariantName": "AllTraffic", "Instances": urls, "RoutingConfig": {
@@ -112,6 +115,71 @@ async def test_an_adapter_loaded_nowhere_is_loaded_and_an_idle_one_unloaded_for_
         assert metric_value(text, "prefixroute_adapter_unloads_total", instance=inst, adapter="old",
                             result="ok") == 1
         assert any(f"LoRA adapter old unloaded from {inst}" in m for m in caplog.messages)
+    finally:
+        await router.close()
+        for r in runners:
+            await r.cleanup()
+
+
+async def test_an_adapters_last_copy_is_unloaded_only_once_idle(data_plane, caplog):
+    # The review's case: an adapter in use (nothing in flight at that instant, a request a
+    # moment ago) kept its only copy; the adapter loaded nowhere got the 429 instead.
+    caplog.set_level(logging.INFO, logger="prefixroute.server.lora")
+    idle_s = 0.6
+    runners, urls = await engines(1, 1, [{"old": "/adapters/old"}])
+    router = await router_for(urls, data_plane, idle_s=idle_s, metrics_scrape_interval_s=0.1)
+    engine = servers(runners)[0]
+    try:
+        assert await eventually(lambda: router.state.catalog.slots(urls[0]) == 1)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            assert (await ask(http, router, "old", 2))[0] == 200
+            assert router.state.adapter_tracker.in_flight(urls[0], "old") == 0
+            status, _, _, body, headers = await ask(http, router, "sql", 2)
+            assert status == 429 and headers["Retry-After"] == "1" and b"sticky_set_saturated" in body
+            assert engine.adapters == {"old": "/adapters/old"} and engine.lora_unloads == engine.lora_loads == 0
+            await asyncio.sleep(idle_s + 0.1)  # no request for "old" for IdleSeconds: idle, its slot may go
+            status, inst, ttfb, _, _ = await ask(http, router, "sql", 2)
+            assert status == 200 and inst == urls[0] and ttfb < LOAD_S + 0.6
+            assert engine.adapters == {"sql": "/adapters/sql"} and engine.lora_unloads == engine.lora_loads == 1
+            # and back: "sql" was just used, so "old", now loaded nowhere, waits its turn
+            assert (await ask(http, router, "old", 2))[0] == 429
+        assert not engine.not_served
+        assert any(f"LoRA adapter old unloaded from {urls[0]}" in m for m in caplog.messages)
+    finally:
+        await router.close()
+        for r in runners:
+            await r.cleanup()
+
+
+async def test_a_saturated_set_grows_only_into_an_idle_copy(data_plane):
+    # e1 and e2 hold "old" (a spare copy each): in use, neither is taken for sql's saturated
+    # set (its requests queue within it); idle, one is, and "old" keeps the other.
+    idle_s = 1.5
+    runners, urls = await engines(3, 1, [{"sql": "/adapters/sql"}, {"old": "/adapters/old"}, {"old": "/adapters/old"}])
+    router = await router_for(urls, data_plane, idle_s=idle_s, metrics_scrape_interval_s=0.1)
+    pool = router.fleet.endpoint("e").variant()
+    try:
+        assert await eventually(lambda: all(router.state.catalog.slots(u) == 1 for u in urls))
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            assert (await ask(http, router, "old", 2))[0] == 200  # "old" in use
+            holder = asyncio.ensure_future(ask(http, router, "sql", 300))  # e0 at its threshold (1)
+            assert await eventually(lambda: pool.get(urls[0]).in_flight == 1)
+            status, inst, _, _, headers = await ask(http, router, "sql", 2, 1)
+            assert (status, inst, headers["X-Prefixroute-Decision"]) == (200, urls[0], "all_busy")  # queued in the set
+            await holder
+            assert sum(e.lora_loads for e in servers(runners)) == 0
+            await asyncio.sleep(idle_s + 0.1)  # "old" idle now
+            holder = asyncio.ensure_future(ask(http, router, "sql", 2000))  # (~0.9 s: e0 stays busy past the load)
+            assert await eventually(lambda: pool.get(urls[0]).in_flight == 1)
+            status, inst, _, _, headers = await ask(http, router, "sql", 2, 2)
+            assert status == 200 and inst in urls[1:]  # the set grew into one of old's slots
+            assert float(headers["X-Prefixroute-Overhead-Ms"]) >= LOAD_S * 1000 * 0.9  # it waited the load
+            await holder
+        grown = servers(runners)[urls.index(inst)]
+        assert grown.adapters == {"sql": "/adapters/sql"} and grown.lora_unloads == grown.lora_loads == 1
+        assert router.state.catalog.serving("sql") == {urls[0], inst}
+        assert router.state.catalog.serving("old") == set(urls[1:]) - {inst}  # not emptied
+        assert all(not e.not_served for e in servers(runners))
     finally:
         await router.close()
         for r in runners:

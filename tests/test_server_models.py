@@ -350,8 +350,10 @@ def test_flags_declare_components_and_adapters():
     configure_parser(p)
     args = p.parse_args(["--backend", "http://a:1", "--backend", "http://b:1",
                          "--inference-component", "ic-a:llama=http://a:1", "--inference-component", "ic-b=discover",
-                         "--lora-adapter", "sql=/adapters/sql@llama", "--lora-autoload", "--lora-max-adapters", "2"])
+                         "--lora-adapter", "sql=/adapters/sql@llama", "--lora-autoload", "--lora-max-adapters", "2",
+                         "--lora-idle-seconds", "2.5"])
     ep = build_config(args).endpoints[0]
+    assert ep.lora.idle_s == ep.lora.idle_after_s == 2.5
     assert [(c.name, c.model_name, c.instances) for c in ep.components] == [
         ("ic-a", "llama", ("http://a:1",)), ("ic-b", "ic-b", "DISCOVER")]
     assert ep.lora.autoload and ep.lora.max_adapters_per_instance == 2
@@ -363,6 +365,8 @@ def test_flags_declare_components_and_adapters():
         build_config(p.parse_args(["--backend", "http://a:1", "--inference-component", "ic"]))
     with pytest.raises(ConfigError, match="not an instance of production variant"):
         build_config(p.parse_args(["--backend", "http://a:1", "--inference-component", "ic=http://z:1"]))
+    with pytest.raises(ConfigError, match="IdleSeconds: Input should be greater than or equal to 0.1"):
+        build_config(p.parse_args(["--backend", "http://a:1", "--lora-autoload", "--lora-idle-seconds", "0"]))
     for flag, value in (("--inference-component", "foo:=discover"), ("--lora-adapter", "a=/x@")):  # empty parts
         with pytest.raises(ConfigError, match="expected NAME"):
             build_config(p.parse_args(["--backend", "http://a:1", flag, value]))

@@ -6,6 +6,7 @@ Validated once, into frozen models, like the rest of :mod:`prefixroute.core.conf
       Autoload: true                     # load an adapter where its sticky set can grow (opt-in)
       MaxAdaptersPerInstance: 2          # when the engine does not report vLLM's max_lora
       RetryAfterSeconds: 1               # Retry-After of the 429 for a saturated sticky set
+      IdleSeconds: 60                    # a copy may be unloaded after this long without a request
       Adapters:                          # what the router may load, and from where
         - {LoraName: sql-lora, LoraPath: /adapters/sql-lora, BaseModelName: meta-llama/Llama-3.1-8B-Instruct}
 
@@ -50,9 +51,11 @@ class LoraAdaptersConfig(BaseModel):
         autoload: ``Autoload`` (default ``False``): when an adapter's sticky set is
             saturated (every instance of it at ``ConcurrencyThreshold``) or empty, load it
             on the least loaded instance of its base model that has a free adapter slot
-            or an idle adapter to unload (for a saturated set, only one that has another
-            copy), and route the request there once it is loaded; a saturated set that
-            cannot grow takes the request anyway. One router process only (not with
+            or a copy of another adapter to unload (one idle: ``IdleSeconds``; to place
+            an adapter loaded nowhere also a spare copy, its adapter loaded elsewhere
+            too, with nothing in flight), and route the request there once it is loaded; a saturated set that cannot grow
+            takes the request anyway, an adapter loaded nowhere that cannot be placed
+            gets the 429. One router process only (not with
             ``serve --workers N``). Off: a saturated set answers 429 with
             ``Retry-After``, an adapter loaded nowhere is an unknown model (404).
         adapters: ``Adapters``: adapters the router may load, by name. Adapters seen
@@ -64,6 +67,13 @@ class LoraAdaptersConfig(BaseModel):
         retry_after_s: ``RetryAfterSeconds``, 1-3,600: the ``Retry-After`` of a 429.
         load_timeout_s: ``LoadTimeoutSeconds``, 1-3,600: how long one load may take
             before the router gives up on it (the request then gets the 429).
+        idle_s: ``IdleSeconds``, 0.1-86,400: how long a copy must have had no request
+            (none in flight, none started or ended) before autoload may unload it to
+            make room; ``None`` (the default): ``LoadTimeoutSeconds``, so an unload never
+            adds to the adapter's next request a wait (one load) longer than the silence
+            that allowed it (:mod:`prefixroute.core.adapters`). Only to place an adapter
+            loaded nowhere may a spare copy (its adapter loaded elsewhere too) go
+            sooner, once nothing is in flight for it.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -73,12 +83,20 @@ class LoraAdaptersConfig(BaseModel):
     max_adapters_per_instance: int | None = Field(default=None, alias="MaxAdaptersPerInstance", ge=1, le=1_024)
     retry_after_s: int = Field(default=1, alias="RetryAfterSeconds", ge=1, le=3_600)
     load_timeout_s: float = Field(default=60.0, alias="LoadTimeoutSeconds", ge=1.0, le=3_600.0)
+    idle_s: float | None = Field(default=None, alias="IdleSeconds", ge=0.1, le=86_400.0, allow_inf_nan=False)
 
     @field_validator("autoload", mode="before")
     @classmethod
     def _v_autoload(cls, v: object) -> object:
         if not isinstance(v, bool):
             raise ValueError(f"Autoload: {v!r} is not true or false")
+        return v
+
+    @field_validator("idle_s", mode="before")
+    @classmethod
+    def _v_idle(cls, v: object) -> object:
+        if isinstance(v, bool):
+            raise ValueError(f"IdleSeconds: {v!r} is not a number of seconds")
         return v
 
     @model_validator(mode="after")
@@ -88,6 +106,11 @@ class LoraAdaptersConfig(BaseModel):
         if repeated:
             raise ValueError(f"Adapters: duplicate LoraName {', '.join(map(repr, repeated[:10]))}")
         return self
+
+    @property
+    def idle_after_s(self) -> float:
+        """``IdleSeconds``, or ``LoadTimeoutSeconds`` when it is not set."""
+        return self.idle_s if self.idle_s is not None else self.load_timeout_s
 
     def path_of(self, name: str) -> LoraAdapterConfig | None:
         """The declared adapter called ``name``, if any."""

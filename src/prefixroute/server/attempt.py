@@ -71,9 +71,9 @@ async def acquire_or_grow(state: RouterState, rr: RoutedRequest,
     (:mod:`prefixroute.server.lora`: at most one load time, shared by every request
     waiting for that adapter) and decide again within the grown set, where the request
     is then taken even if that set is busy again (it waited one load, no more). A
-    saturated set that cannot grow (no free slot, no idle adapter with another copy to
-    unload) takes the request within itself, as any pool does when every instance is
-    busy (``all_busy``).
+    saturated set that cannot grow (no free slot, no copy of another adapter idle for
+    ``IdleSeconds`` to unload) takes the request within itself, as any pool does when
+    every instance is busy (``all_busy``).
 
     Raises:
         NoHealthyInstance, SetSaturated: as :func:`acquire`, when the set could not grow

@@ -161,15 +161,19 @@ def add_routing_flags(p: argparse.ArgumentParser) -> None:
                         "BASE_MODEL); repeatable")
     m.add_argument("--lora-autoload", action="store_true",
                    help="when an adapter's sticky set (the instances that have it loaded) is saturated or empty, "
-                        "load it on the least loaded instance of its base model with a free adapter slot (or an "
-                        "idle adapter to unload: for a saturated set only one that has another copy; a set that "
-                        "cannot grow queues within itself), logging and counting every load and unload; "
-                        "--workers 1 only (default: off: a saturated set gets 429 with Retry-After)")
+                        "load it on the least loaded instance of its base model with a free adapter slot (or a copy "
+                        "of another adapter to unload: one idle for --lora-idle-seconds; for an adapter loaded "
+                        "nowhere also a spare copy with nothing in flight; a saturated set that cannot grow queues "
+                        "within itself, an adapter loaded nowhere gets 429), logging and counting every load and "
+                        "unload; --workers 1 only (default: off: a saturated set gets 429 with Retry-After)")
     m.add_argument("--lora-max-adapters", type=int, metavar="N", default=None,
                    help="adapter slots of an instance whose engine does not report vLLM's max_lora "
                         "(default: unbounded)")
     m.add_argument("--lora-retry-after", type=int, metavar="SECONDS", default=None,
                    help="Retry-After of the 429 for a saturated sticky set (default: 1)")
+    m.add_argument("--lora-idle-seconds", type=float, metavar="SECONDS", default=None,
+                   help="with --lora-autoload, how long a copy of an adapter must have had no request before it "
+                        "may be unloaded to make room, 0.1-86400 (default: 60, the load timeout)")
 
 
 
@@ -458,6 +462,8 @@ def with_model_flags(config: FleetConfig, args: argparse.Namespace) -> FleetConf
         lora["MaxAdaptersPerInstance"] = args.lora_max_adapters
     if getattr(args, "lora_retry_after", None) is not None:
         lora["RetryAfterSeconds"] = args.lora_retry_after
+    if getattr(args, "lora_idle_seconds", None) is not None:
+        lora["IdleSeconds"] = args.lora_idle_seconds
     if not components and not lora:
         return config
     ep = config.endpoints[0]

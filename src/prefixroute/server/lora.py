@@ -1,5 +1,6 @@
-"""Growing a LoRA adapter's sticky set: loading it on another instance (and unloading an
-idle adapter there first when its slots are full), with vLLM's API.
+"""Growing a LoRA adapter's sticky set: loading it on another instance (and unloading
+another adapter's spare or idle copy there first when its slots are full), with vLLM's
+API.
 
 The I/O driver of :func:`prefixroute.core.adapters.plan_load`, used only with the
 endpoint's ``LoraAdapters.Autoload`` (opt-in). When a request's adapter has a saturated
@@ -7,9 +8,10 @@ sticky set (every instance of it at ``ConcurrencyThreshold``), an empty one, or 
 it healthy, :meth:`LoraManager.grow`:
 
 1. plans a load (:func:`~prefixroute.core.adapters.plan_load`: the least loaded
-   instance of the adapter's base model with a free adapter slot, or an idle adapter to
-   unload there: one with another copy first, then the least recently used; for a
-   saturated set never another adapter's last copy);
+   instance of the adapter's base model with a free adapter slot, or a copy of another
+   adapter to unload there: one idle, no request for it for ``IdleSeconds`` (never merely
+   nothing in flight at that instant), or, to place an adapter loaded nowhere, a spare
+   copy of an adapter loaded elsewhere too with nothing in flight);
 2. takes the adapter to unload out of its sticky set at once, waits until this router
    has no request in flight for it there, and sends ``POST /v1/unload_lora_adapter
    {"lora_name": ...}``;
@@ -86,11 +88,11 @@ class LoraManager:
 
     async def grow(self, rr: "RoutedRequest", empty: bool) -> bool:
         """Load ``rr``'s adapter where its sticky set can grow (or wait for the load of
-        it already under way). ``empty``: the set has no healthy instance (then another
-        adapter's last copy may be unloaded to make room; for a merely saturated set
-        only free slots and adapters with other copies are used). Returns whether the
-        adapter is now loaded on one more instance; ``False`` when no instance can take
-        it or the load failed."""
+        it already under way). ``empty``: the set has no healthy instance (then a spare
+        copy of another adapter may be unloaded to make room; a merely saturated set
+        takes only free slots and idle copies). Returns whether the adapter is now
+        loaded on one more instance; ``False`` when no instance can take it (no free
+        slot, no copy that may be unloaded) or the load failed."""
         sel = rr.selection
         assert sel is not None and sel.adapter is not None
         adapter = sel.adapter
@@ -99,7 +101,7 @@ class LoraManager:
             plan = self._plan(rr, empty)
             if plan is None:
                 log.info("LoRA adapter %s: its sticky set cannot grow (no instance of its base model with a free "
-                         "or idle slot)", adapter)
+                         "slot or a copy of another adapter that may be unloaded)", adapter)
                 return False
             task = asyncio.get_running_loop().create_task(self._run(plan, rr.endpoint), name=f"lora-load-{adapter}")
             self._loads[adapter] = task
@@ -121,7 +123,7 @@ class LoraManager:
 
         candidates = [i for i in rr.pool.instances if i.healthy]
         plan = plan_load(sel.adapter, path, parent, candidates, state.catalog, state.adapter_tracker,
-                         lora.max_adapters_per_instance, evictable, evict_last_copy=empty)
+                         lora.max_adapters_per_instance, evictable, idle_s=lora.idle_after_s, empty=empty)
         if plan is None:
             return None
         tracker = state.adapter_tracker
@@ -155,6 +157,7 @@ class LoraManager:
             if plan.evict is not None:
                 tracker.unloading.discard((plan.instance_id, plan.evict))
         elapsed = time.perf_counter() - t0
+        tracker.loaded(plan.instance_id, plan.adapter)
         state.catalog.adapter_loaded(plan.instance_id, plan.adapter, plan.parent, plan.path)
         state.models_changed()
         m.adapter_loads.labels(plan.instance_id, plan.adapter, "ok").inc()
@@ -178,7 +181,8 @@ class LoraManager:
             raise LoadFailed(f"the unload of {adapter} to make room failed: {exc}") from None
         tracker.forget(instance_id, adapter)
         self.state.metrics.adapter_unloads.labels(instance_id, adapter, "ok").inc()
-        log.info("LoRA adapter %s unloaded from %s (idle; its slot is needed)", adapter, instance_id)
+        log.info("LoRA adapter %s unloaded from %s (nothing in flight for it there; its slot is needed)", adapter,
+                 instance_id)
 
     async def _post(self, instance_id: str, path: str, body: dict[str, str], already_ok: str) -> None:
         if self.state.session is None:
