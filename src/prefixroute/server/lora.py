@@ -100,8 +100,10 @@ class LoraManager:
         if task is None:
             plan = self._plan(rr, empty)
             if plan is None:
-                log.info("LoRA adapter %s: its sticky set cannot grow (no instance of its base model with a free "
-                         "slot or a copy of another adapter that may be unloaded)", adapter)
+                # (one line per refused request: budgeted, as the router's other refusals)
+                self.state.observers.log_budgeted(
+                    f"LoRA adapter {adapter}: its sticky set cannot grow (no instance of its base model with a "
+                    "free slot or a copy of another adapter that may be unloaded)")
                 return False
             task = asyncio.get_running_loop().create_task(self._run(plan, rr.endpoint), name=f"lora-load-{adapter}")
             self._loads[adapter] = task
