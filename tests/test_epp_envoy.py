@@ -264,6 +264,28 @@ async def test_three_messages_each_way_and_the_lease_lasts_to_the_answers_end(tm
     assert len(routed) == 6 and all(x["header"] == x["metadata"] == x["upstream"] for x in routed), routed
 
 
+async def test_a_picker_failing_on_the_body_fail_open_still_serves_it(monkeypatch):
+    """Envoy holds the request body (BUFFERED): a picker that fails before answering it
+    loses nothing with fail-open (the request goes round robin, without the picker's
+    headers); fail-closed answers 500. (With the body FULL_DUPLEX_STREAMED, as before,
+    both were 500: Envoy kept no copy.)"""
+    from prefixroute.epp import exchange
+
+    def fail(self, msg):
+        raise RuntimeError("the picker fails on the body")
+
+    monkeypatch.setattr(exchange.Exchange, "_request_body", fail)
+    body = {"model": DEFAULT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": DOC}]}
+    async with engines() as (urls, port):
+        for fail_open, want in ((True, 200), (False, 500)):
+            async with gateway(urls, port, fail_open=fail_open) as (gw, epp, _), aiohttp.ClientSession() as http:
+                async with http.post(gw + "/v1/chat/completions", json=body) as r:
+                    assert r.status == want and "x-prefixroute-instance" not in r.headers, fail_open
+                    if want == 200:
+                        assert (await r.json())["choices"]
+                assert await eventually(lambda: epp.in_flight() == 0 and epp.open_streams == 0)
+
+
 async def _post(http: aiohttp.ClientSession, url: str, body, headers=None) -> tuple[int, dict]:
     async with http.post(url, data=body, headers=headers or {"Content-Type": "application/json"}) as r:
         return r.status, json.loads(await r.read())
