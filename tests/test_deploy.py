@@ -175,7 +175,7 @@ def test_envoy_example_is_what_the_picker_prints_and_envoy_accepts_it():
     doc = yaml.safe_load(printed)
     ext_proc = doc["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
         "http_filters"][1]["typed_config"]
-    assert ext_proc["processing_mode"]["request_body_mode"] == "FULL_DUPLEX_STREAMED"
+    assert ext_proc["processing_mode"]["request_body_mode"] == "BUFFERED" and ext_proc["allow_mode_override"] is True
     assert ext_proc["failure_mode_allow"] is False
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(DEPLOY / "envoy" / "envoy.yaml")],
                          capture_output=True, text=True, timeout=60)

@@ -32,7 +32,7 @@ from prefixroute.epp.envoy_process import EnvoyProcess
 from prefixroute.epp.server import start_epp
 from prefixroute.server import start_router
 from prefixroute.server.settings import ServerSettings
-from test_server_helpers import eventually
+from test_server_helpers import FakeInstance, eventually, metric_value
 
 pytestmark = pytest.mark.e2e
 
@@ -149,7 +149,141 @@ async def test_openai_and_sagemaker_clients_through_envoy_and_the_picker(tmp_pat
     assert len(routed) == 7 and {x["path"] for x in routed} == {"/v1/chat/completions", "/v1/completions",
                                                                  "/invocations"}
     for x in routed:
-        assert x["status"] == 200 and x["header"] == x["metadata"] == x["upstream"], x
+        assert x["status"] == 200 and x["header"] == x["metadata"] == x["upstream"], json.dumps(routed, indent=0)
+
+
+def _ext_proc_messages(envoy: EnvoyProcess) -> tuple[int, int]:
+    """Messages Envoy sent to the picker and received from it so far."""
+    stats = envoy.stats()
+    return (stats.get("http.gateway.ext_proc.stream_msgs_sent", 0),
+            stats.get("http.gateway.ext_proc.stream_msgs_received", 0))
+
+
+async def _raw_post(url: str, path: str, body: bytes, pause_s: float) -> tuple[bytes, dict[str, str]]:
+    """A request whose headers and body reach Envoy apart (``pause_s`` between them)."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode())
+        await writer.drain()
+        await asyncio.sleep(pause_s)
+        writer.write(body)
+        await writer.drain()
+        head, _, _ = (await reader.read()).partition(b"\r\n\r\n")
+    finally:
+        writer.close()
+    status, *lines = head.decode("latin-1").split("\r\n")
+    return status.encode(), {k.lower(): v for k, v in (x.split(": ", 1) for x in lines)}
+
+
+async def test_three_messages_each_way_and_the_lease_lasts_to_the_answers_end(tmp_path):
+    """Request body BUFFERED, response body NONE: a whole answer costs the picker three
+    messages each way (request headers, body, response headers); the lease still lasts
+    until the answer's last byte, whether the picker sees the body (event streams, asked
+    for with mode_override) or not (Envoy ends the ext_proc stream with the HTTP stream)."""
+    fakes = [await FakeInstance().start() for _ in range(3)]
+    urls = [f.url for f in fakes]
+    log = str(tmp_path / "access.log")
+    chat_body = {"model": "m", "max_tokens": 2, "messages": [{"role": "system", "content": DOC},
+                                                            {"role": "user", "content": "q"}]}
+    try:
+        async with gateway(urls, int(urls[0].rsplit(":", 1)[1]), access_log=log, max_body=12 << 20) as \
+                (gw, epp, envoy), aiohttp.ClientSession() as http:
+            def counted(code: str) -> float:
+                return metric_value(epp.state.metrics.render().decode(), "prefixroute_responses_total",
+                                    code=code) or 0.0
+
+            def ttft_count() -> float:
+                return metric_value(epp.state.metrics.render().decode(), "prefixroute_ttft_seconds_count") or 0.0
+
+            # a whole answer: 3 messages each way
+            sent0, received0 = _ext_proc_messages(envoy)
+            async with http.post(gw + "/v1/chat/completions", json=chat_body) as r:
+                assert r.status == 200 and r.headers["x-prefixroute-decision"]
+                picked = r.headers["x-prefixroute-instance"]
+                assert (await r.json())["instance"] == picked
+            assert await eventually(lambda: epp.in_flight() == 0)
+            sent, received = _ext_proc_messages(envoy)
+            assert (sent - sent0, received - received0) == (3, 3)
+            assert counted("200") == 1 and ttft_count() == 1
+            # a body over gRPC's default message limits (it comes to the picker in one message)
+            big = {**chat_body, "messages": [{"role": "user", "content": "b" * (10 << 20)}]}
+            async with http.post(gw + "/v1/chat/completions", json=big) as r:
+                assert r.status == 200 and len((await r.json())["body"]) > 10 << 20
+            # headers and body apart (the picker answers the headers before the body comes):
+            # still routed where the picker said
+            status, headers = await _raw_post(gw, "/v1/chat/completions", json.dumps(chat_body).encode(), 0.05)
+            assert status.endswith(b"200 OK") and headers["x-prefixroute-instance"] == picked
+            assert await eventually(lambda: epp.in_flight() == 0)
+
+            # an answer whose body comes late, not through the picker: the lease lasts to its end
+            (fake,) = [f for f in fakes if f.url == picked]
+            fake.mode, fake.stream_content_type = "stream", "application/json"
+            fake.chunks, fake.gates = [b'{"choices": ', b'[]}'], [asyncio.Event(), asyncio.Event()]
+            fake.gates[0].set()
+            sent0, _ = _ext_proc_messages(envoy)
+            async with http.post(gw + "/v1/chat/completions", json=chat_body) as r:
+                assert r.status == 200 and await r.content.readexactly(len(fake.chunks[0])) == fake.chunks[0]
+                await asyncio.sleep(0.3)
+                assert epp.in_flight() == 1 and epp.open_streams == 1
+                assert _ext_proc_messages(envoy)[0] - sent0 == 3  # nothing of the body went to the picker
+                fake.gates[1].set()
+                assert await r.read() == fake.chunks[1]
+            assert await eventually(lambda: epp.in_flight() == 0 and epp.open_streams == 0)
+            assert counted("200") == 4
+
+            # an event stream: its body goes through the picker (its first event is the TTFT)
+            fake.stream_content_type = "text/event-stream"
+            fake.chunks, fake.gates = [b"data: 1\n\n", b"data: [DONE]\n\n"], [asyncio.Event(), asyncio.Event()]
+            fake.gates[0].set()
+            ttft0 = ttft_count()
+            async with http.post(gw + "/v1/chat/completions", json={**chat_body, "stream": True}) as r:
+                assert r.status == 200 and await r.content.readexactly(len(fake.chunks[0])) == fake.chunks[0]
+                assert await eventually(lambda: ttft_count() == ttft0 + 1)
+                assert epp.in_flight() == 1
+                fake.gates[1].set()
+                assert await r.read() == fake.chunks[1]
+            assert await eventually(lambda: epp.in_flight() == 0)
+            assert counted("200") == 5
+
+            # the client goes away in the middle of a late body: released all the same
+            fake.stream_content_type = "application/json"
+            fake.chunks, fake.gates = [b"{", b"}"], [asyncio.Event(), asyncio.Event()]
+            fake.gates[0].set()
+            async with http.post(gw + "/v1/chat/completions", json=chat_body) as r:
+                await r.content.readexactly(1)
+                assert epp.in_flight() == 1
+                r.close()
+            assert await eventually(lambda: epp.in_flight() == 0 and epp.open_streams == 0)
+            fake.gates[1].set()
+    finally:
+        for f in fakes:
+            await f.stop()
+    routed = [json.loads(x) for x in open(log)]
+    assert len(routed) == 6 and all(x["header"] == x["metadata"] == x["upstream"] for x in routed), routed
+
+
+async def test_a_picker_failing_on_the_body_fail_open_still_serves_it(monkeypatch):
+    """Envoy holds the request body (BUFFERED): a picker that fails before answering it
+    loses nothing with fail-open (the request goes round robin, without the picker's
+    headers); fail-closed answers 500. (With the body FULL_DUPLEX_STREAMED, as before,
+    both were 500: Envoy kept no copy.)"""
+    from prefixroute.epp import exchange
+
+    def fail(self, msg):
+        raise RuntimeError("the picker fails on the body")
+
+    monkeypatch.setattr(exchange.Exchange, "_request_body", fail)
+    body = {"model": DEFAULT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": DOC}]}
+    async with engines() as (urls, port):
+        for fail_open, want in ((True, 200), (False, 500)):
+            async with gateway(urls, port, fail_open=fail_open) as (gw, epp, _), aiohttp.ClientSession() as http:
+                async with http.post(gw + "/v1/chat/completions", json=body) as r:
+                    assert r.status == want and "x-prefixroute-instance" not in r.headers, fail_open
+                    if want == 200:
+                        assert (await r.json())["choices"]
+                assert await eventually(lambda: epp.in_flight() == 0 and epp.open_streams == 0)
 
 
 async def _post(http: aiohttp.ClientSession, url: str, body, headers=None) -> tuple[int, dict]:

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
-from prefixroute.epp.exchange import MAX_CHUNK_BYTES, EppOptions, Exchange, endpoint_address
+from prefixroute.epp.exchange import (BUFFERED, MAX_CHUNK_BYTES, NONE, STREAMED, EppOptions, Exchange,
+                                      endpoint_address)
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -254,3 +255,187 @@ def test_precise_mode_picks_the_instance_whose_events_show_the_prompt():
             assert ex.lease.decision.kind.value == "affinity"
             ex.close()
         assert pickers == [endpoint_address(holder)] * 2
+
+
+# -- Envoy's body modes: the picker's own bootstrap (request body BUFFERED, response body NONE)
+
+
+def buffered_headers(path: str = "/v1/chat/completions", **kw) -> pb.ProcessingRequest:
+    """Request headers with the ``protocol_config`` Envoy sends first: request body
+    BUFFERED, response body NONE (:func:`prefixroute.epp.envoy_config.picker_bootstrap`)."""
+    msg = headers_msg(path, **kw)
+    msg.protocol_config.request_body_mode = BUFFERED
+    msg.protocol_config.response_body_mode = NONE
+    return msg
+
+
+def response_headers(status: bytes = b"200", content_type: bytes = b"application/json",
+                     eos: bool = False) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_headers=pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
+        base_pb2.HeaderValue(key=":status", raw_value=status),
+        base_pb2.HeaderValue(key="content-type", raw_value=content_type)]), end_of_stream=eos))
+
+
+def whole_body(body: bytes, eos: bool = True) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=eos))
+
+
+def metric(st_: RouterState, line: str) -> float:
+    for x in st_.metrics.render().decode().splitlines():
+        if x.startswith(line):
+            return float(x.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_buffered_body_one_message_each_way_destination_in_the_body_answer():
+    st_ = state()
+    ex = Exchange(st_)
+    body = chat("w" * 150_000)
+    (first,) = ex.handle(buffered_headers())
+    assert first.WhichOneof("response") == "request_headers" and first == pb.ProcessingResponse(
+        request_headers=pb.HeadersResponse())  # CONTINUE at once: Envoy sends the body next
+    assert ex.request_body_mode == BUFFERED and ex.response_body_mode == NONE
+    (answer,) = ex.handle(whole_body(body))
+    assert answer.WhichOneof("response") == "request_body"
+    common = answer.request_body.response
+    (h,) = [o.header for o in common.header_mutation.set_headers if o.header.key == "x-gateway-destination-endpoint"]
+    dest = h.raw_value.decode()
+    assert dest in {endpoint_address(u) for u in URLS} and common.clear_route_cache
+    assert not common.HasField("body_mutation")  # Envoy holds the body: nothing echoed
+    meta = json.loads(json.dumps(dict(answer.dynamic_metadata)["envoy.lb"], default=dict))
+    assert meta == {"x-gateway-destination-endpoint": dest}
+    assert st_.fleet.default.variant().total_in_flight() == 1
+    # the response: headers answered with the decision; the body is not sent here (NONE),
+    # so the lease lasts until the stream ends, which is the HTTP stream's end
+    (resp_h,) = ex.handle(response_headers())
+    set_h = {o.header.key: o.header.raw_value.decode() for o in resp_h.response_headers.response.header_mutation
+             .set_headers}
+    assert endpoint_address(set_h["x-prefixroute-instance"]) == dest and set_h["x-prefixroute-decision"]
+    assert not resp_h.HasField("mode_override")
+    assert metric(st_, "prefixroute_ttft_seconds_count") == 1  # a whole answer: its first byte follows at once
+    assert st_.fleet.default.variant().total_in_flight() == 1
+    ex.close()
+    assert st_.fleet.default.variant().total_in_flight() == 0
+    assert metric(st_, 'prefixroute_responses_total{code="200"') == 1  # the answer's status, not 499
+    ex.close()
+    assert metric(st_, 'prefixroute_responses_total{code="200"') == 1
+
+
+def test_buffered_gzip_body_replaced_decoded():
+    import gzip
+
+    raw = chat()
+    ex = Exchange(state())
+    ex.handle(buffered_headers(content_encoding="gzip"))
+    (answer,) = ex.handle(whole_body(gzip.compress(raw)))
+    common = answer.request_body.response
+    assert {"content-encoding", "content-length"} <= set(common.header_mutation.remove_headers)
+    assert common.body_mutation.body == raw
+
+
+def test_buffered_body_with_trailers_after_it_is_routed_at_once():
+    """Envoy sends a buffered body without end of stream when request trailers follow:
+    it is whole, and the headers can change only in its answer."""
+    ex = Exchange(state())
+    ex.handle(buffered_headers())
+    (answer,) = ex.handle(whole_body(chat(), eos=False))
+    assert answer.request_body.response.clear_route_cache and ex.lease is not None
+    assert ex.handle(pb.ProcessingRequest(request_trailers=pb.HttpTrailers())) == [
+        pb.ProcessingResponse(request_trailers=pb.TrailersResponse())]
+
+
+def test_buffered_errors_and_413():
+    st_ = state(max_body=50_000)
+    out = run(Exchange(st_), [buffered_headers(), whole_body(b"{not json")])
+    assert out[0] == pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+    code, _, _ = immediate(out[1:])
+    assert code == 400
+    code, _, body = immediate(run(Exchange(st_), [buffered_headers(content_length="60000")]))  # before the body
+    assert code == 413
+    ex = Exchange(st_)
+    assert ex.handle(buffered_headers())[0].WhichOneof("response") == "request_headers"
+    code, _, body = immediate(ex.handle(whole_body(chat("y" * 80_000))))  # chunked: Envoy buffered it all
+    assert code == 413 and "limit is 50,000 bytes" in body["error"]["message"]
+    assert st_.fleet.default.variant().total_in_flight() == 0
+
+
+def test_event_stream_answer_asks_for_its_body_for_the_ttft_and_holds_the_lease_to_its_end():
+    st_ = state()
+    ex = Exchange(st_)
+    run(ex, [buffered_headers(), whole_body(chat())])
+    (resp_h,) = ex.handle(response_headers(content_type=b"text/event-stream"))
+    assert resp_h.mode_override.response_body_mode == STREAMED  # only this stream's body
+    assert resp_h.mode_override.request_body_mode == BUFFERED
+    assert metric(st_, "prefixroute_ttft_seconds_count") == 0
+    for chunk in (b"data: 1\n\n", b"data: [DONE]\n\n"):
+        (out,) = ex.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=chunk)))
+        assert out == pb.ProcessingResponse(response_body=pb.BodyResponse())  # CONTINUE: Envoy sends its own copy
+        assert st_.fleet.default.variant().total_in_flight() == 1
+    assert metric(st_, "prefixroute_ttft_seconds_count") == 1
+    ex.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
+    assert st_.fleet.default.variant().total_in_flight() == 0
+    assert metric(st_, 'prefixroute_responses_total{code="200"') == 1
+
+
+def test_event_stream_cut_before_its_end_is_499():
+    st_ = state()
+    ex = Exchange(st_)
+    run(ex, [buffered_headers(), whole_body(chat()), response_headers(content_type=b"text/event-stream"),
+             pb.ProcessingRequest(response_body=pb.HttpBody(body=b"data: 1\n\n"))])
+    ex.close()
+    assert st_.fleet.default.variant().total_in_flight() == 0
+    assert metric(st_, 'prefixroute_responses_total{code="499"') == 1
+
+
+def test_native_response_stream_reframed_chunk_by_chunk():
+    from prefixroute.server import eventstream
+
+    ex = Exchange(state())
+    body = b'{"inputs": "' + b"z" * 3000 + b'"}'
+    run(ex, [buffered_headers("/endpoints/default/invocations-response-stream"), whole_body(body)])
+    (resp_h,) = ex.handle(response_headers(content_type=b"text/plain"))
+    assert resp_h.mode_override.response_body_mode == STREAMED
+    set_h = {o.header.key: o.header.raw_value.decode() for o in resp_h.response_headers.response.header_mutation
+             .set_headers}
+    assert set_h["content-type"] == eventstream.CONTENT_TYPE and set_h["x-amzn-sagemaker-content-type"] == "text/plain"
+    (out,) = ex.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"part")))
+    assert out.response_body.response.body_mutation.body == eventstream.payload_part(b"part")
+    (out,) = ex.handle(pb.ProcessingRequest(response_body=pb.HttpBody(body=b"", end_of_stream=True)))
+    assert not out.response_body.response.HasField("body_mutation") and ex.lease.released
+
+
+def test_passthrough_with_a_body_asks_envoy_not_to_send_it():
+    st_ = state()
+    ex = Exchange(st_)
+    (out,) = ex.handle(buffered_headers("/custom/upload"))
+    assert destination(out) in {endpoint_address(u) for u in URLS}
+    assert out.mode_override.request_body_mode == NONE and out.mode_override.response_body_mode == NONE
+    # an Envoy that does not allow the override sends it all the same: let through
+    assert ex.handle(whole_body(b"{}")) == [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+    ex.handle(response_headers())
+    ex.close()
+    assert st_.fleet.default.variant().total_in_flight() == 0
+
+
+def test_a_request_body_mode_the_picker_cannot_route_on_is_a_500():
+    msg = headers_msg()
+    msg.protocol_config.request_body_mode = STREAMED
+    code, _, body = immediate(Exchange(state()).handle(msg))
+    assert code == 500 and body["error"]["code"] == "epp_misconfigured"
+
+
+@settings(max_examples=60, deadline=None)
+@given(cut=st.integers(0, 7), status=st.sampled_from([b"200", b"500"]),
+       content_type=st.sampled_from([b"application/json", b"text/event-stream"]))
+def test_buffered_in_flight_returns_to_zero_wherever_the_stream_ends(cut: int, status: bytes, content_type: bytes):
+    st_ = state()
+    msgs = [buffered_headers(), whole_body(chat()), response_headers(status, content_type),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"x")),
+            pb.ProcessingRequest(response_body=pb.HttpBody(body=b"y", end_of_stream=True)),
+            pb.ProcessingRequest(response_trailers=pb.HttpTrailers())]
+    ex = Exchange(st_)
+    run(ex, msgs[:cut])
+    ex.close()
+    assert st_.fleet.default.variant().total_in_flight() == 0
+    text = st_.metrics.render().decode()
+    assert text.count("prefixroute_responses_total{") == (cut >= 2)  # counted once, once routed

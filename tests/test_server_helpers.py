@@ -28,7 +28,8 @@ class FakeInstance:
 
     Attributes:
         mode: ``echo`` (JSON with the request's path, headers and body), ``stream``
-            (``chunks`` written one by one, each waiting for its event in ``gates``),
+            (``chunks`` written one by one, each waiting for its event in ``gates``, as
+            ``stream_content_type``),
             ``hold`` (wait for ``gate`` then echo), ``status`` (``status`` + ``body``).
         received: ``(path, headers, body)`` of every request.
         active: handlers running now. cancelled: handlers cancelled (client went away).
@@ -42,6 +43,7 @@ class FakeInstance:
         self.gates: list[asyncio.Event] = []
         self.gate = asyncio.Event()
         self.sent: list[float] = []  # perf_counter of each streamed chunk write
+        self.stream_content_type = "text/event-stream"  # of the ``stream`` mode's answer
         self.health_status = 200
         self.extra_headers: dict[str, str] = {}  # more response headers in echo mode
         # What GET /v1/models lists (the router routes a body's model among the instances
@@ -70,7 +72,7 @@ class FakeInstance:
                                                               **self.extra_headers})
             if self.mode == "status":
                 return web.Response(status=self.status, body=self.body, content_type="application/json")
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            resp = web.StreamResponse(headers={"Content-Type": self.stream_content_type})
             await resp.prepare(request)
             for i, chunk in enumerate(self.chunks):
                 if i < len(self.gates):

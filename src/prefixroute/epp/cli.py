@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             instances.append((u.hostname or "", u.port or 80))
         print(to_yaml(picker_bootstrap(args.print_envoy_config, (args.host if args.host != "0.0.0.0" else
                                                                   "127.0.0.1", args.port), instances,
-                                       fail_open=args.envoy_fail_open)), end="")
+                                       fail_open=args.envoy_fail_open, max_body_bytes=args.max_body_size)), end="")
         return 0
     from prefixroute.epp.exchange import EppOptions
 

@@ -6,23 +6,36 @@ an Endpoint Picker (FIELD.md §2), static so that a plain ``envoy -c`` runs it:
 1. ``envoy.filters.http.header_mutation`` strips any client-sent
    ``x-gateway-destination-endpoint`` (a client must not pick an arbitrary address);
 2. ``envoy.filters.http.ext_proc`` calls the picker over gRPC (HTTP/2 cluster
-   ``prefixroute_epp``): request and response headers SEND, bodies
-   ``FULL_DUPLEX_STREAMED``, trailers SEND; ``failure_mode_allow`` is the fail-open
-   (``True``) / fail-closed (``False``) setting for when the picker cannot be reached;
-   the ``envoy.lb`` namespace of the picker's dynamic metadata is accepted;
+   ``prefixroute_epp``) with the fewest messages that route on the body: request
+   headers SEND, request body ``BUFFERED`` (Envoy holds the body and sends it whole in
+   one message; the picker's answer to it sets the destination header), response
+   headers SEND, response body ``NONE``, response trailers SEND (so that Envoy keeps
+   the stream open until the HTTP stream ends: the picker's end of the in-flight
+   lease), and ``allow_mode_override`` (the picker asks for the response body of the
+   answers it reframes or times: :mod:`prefixroute.epp.exchange`); three messages each
+   way for a whole answer. Envoy buffers up to ``max_body_bytes`` +
+   :data:`BODY_BUFFER_MARGIN` of a body (``request_body_buffer_limit``), so that the
+   picker answers 413 itself. ``failure_mode_allow`` is the fail-open (``True``) /
+   fail-closed (``False``) setting for when the picker cannot be reached or fails; the
+   ``envoy.lb`` namespace of the picker's dynamic metadata is accepted;
 3. the route with the picker's header goes to an ``ORIGINAL_DST`` cluster keyed on
    that header (``original_dst_lb_config.use_http_header``); a request without it (the
    picker was skipped: fail-open) goes to ``fleet_round_robin``, the pool's instances
    in round robin, so fail-open still serves (without prefix affinity);
 4. the picker's cluster is health-checked with the standard gRPC health protocol every
    second (service ``envoy.service.ext_proc.v3.ExternalProcessor``: SERVING only while
-   the picker has a healthy instance) with no panic routing. That is what makes
-   fail-open work with bodies ``FULL_DUPLEX_STREAMED``: Envoy streams the body to the
-   picker as it arrives and keeps no copy, so a stream that fails after that cannot
-   go on without the picker (500 even with ``failure_mode_allow``); a picker known to
-   be down is not tried, and the request goes on at once (fail-open) or gets 500 at
-   once (fail-closed). Only requests already streamed to a picker that dies, or sent
-   in the second before the health check notices, get 500 in both modes.
+   the picker has a healthy instance) with no panic routing: a picker known to be down
+   is not tried, and the request goes on at once (fail-open) or gets 500 at once
+   (fail-closed), instead of after a failed connection. As Envoy holds the request
+   body, a picker that fails before its answer to the body does not lose the request:
+   fail-open sends it on in round robin (with the body ``FULL_DUPLEX_STREAMED``, as
+   before, Envoy kept no copy and answered 500 in both modes). An answer under way when
+   the picker dies goes on with fail-open; with fail-closed Envoy cuts it (its ext_proc
+   stream stays open until it ends).
+
+Request body ``BUFFERED_PARTIAL`` would not do: Envoy 1.40 sends such a body on to the
+router before it clears the route cache, so a body that arrives after the headers'
+answer goes to the route chosen without the picker's header.
 
 :func:`round_robin_bootstrap` is Envoy alone over the same instances (the baseline of
 ``bench/gateway.py``).
@@ -38,16 +51,21 @@ from typing import Any, Sequence
 
 import yaml
 
-__all__ = ["picker_bootstrap", "round_robin_bootstrap", "to_yaml", "DESTINATION_HEADER", "METADATA_NAMESPACE"]
+from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES
+
+__all__ = ["picker_bootstrap", "round_robin_bootstrap", "to_yaml", "DESTINATION_HEADER", "METADATA_NAMESPACE",
+           "BODY_BUFFER_MARGIN"]
 
 #: The header (and ``envoy.lb`` metadata key) naming the picked ``ip:port``.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 #: The dynamic metadata namespace Envoy's load balancing reads.
 METADATA_NAMESPACE = "envoy.lb"
+#: Bytes Envoy buffers of a request body beyond the picker's ``--max-body-size``.
+BODY_BUFFER_MARGIN = 1 << 20
 
 
 def _hcm(http_filters: list[dict[str, Any]], routes: list[dict[str, Any]], access_log_path: str | None,
-         max_request_bytes: int | None = None) -> dict[str, Any]:
+         body_buffer_bytes: int | None = None) -> dict[str, Any]:
     hcm: dict[str, Any] = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3."
                  "HttpConnectionManager",
@@ -61,6 +79,8 @@ def _hcm(http_filters: list[dict[str, Any]], routes: list[dict[str, Any]], acces
             "name": "envoy.filters.http.router",
             "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}}],
     }
+    if body_buffer_bytes is not None:
+        hcm["route_config"]["virtual_hosts"][0]["request_body_buffer_limit"] = body_buffer_bytes
     if access_log_path:
         hcm["access_log"] = [{
             "name": "envoy.access_loggers.file",
@@ -103,7 +123,8 @@ def _admin(admin_port: int) -> dict[str, Any]:
 
 def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Sequence[tuple[str, int]], *,
                      fail_open: bool = False, admin_port: int = 9901, listen_host: str = "0.0.0.0",
-                     access_log_path: str | None = None, message_timeout_s: float = 30.0) -> dict[str, Any]:
+                     access_log_path: str | None = None, message_timeout_s: float = 30.0,
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
     """Envoy in front of ``instances`` with prefixroute's picker at ``picker``.
 
     Args:
@@ -116,8 +137,12 @@ def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Seque
         admin_port: Envoy's admin listener (loopback).
         access_log_path: a JSON access log (status, upstream, the header and the
             ``envoy.lb`` metadata Envoy saw), or ``None``.
-        message_timeout_s: how long Envoy waits for each picker answer (the body is
-            answered once whole: it bounds a slow upload too).
+        message_timeout_s: how long Envoy waits for each picker answer.
+        max_body_bytes: the picker's ``--max-body-size``: Envoy buffers request bodies
+            up to :data:`BODY_BUFFER_MARGIN` more (``request_body_buffer_limit``), so
+            that the picker sees every body it accepts, and answers 413 to the larger
+            ones itself (only a body without Content-Length over the buffer gets Envoy's
+            own 413).
     """
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
@@ -128,8 +153,11 @@ def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Seque
             "message_timeout": f"{message_timeout_s:g}s",
             "processing_mode": {
                 "request_header_mode": "SEND", "response_header_mode": "SEND",
-                "request_body_mode": "FULL_DUPLEX_STREAMED", "response_body_mode": "FULL_DUPLEX_STREAMED",
-                "request_trailer_mode": "SEND", "response_trailer_mode": "SEND"},
+                "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
+                "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"},
+            # the picker asks for the response body (STREAMED) when it reframes it or times
+            # its first event, and skips the request body of a request it passes through
+            "allow_mode_override": True,
             "metadata_options": {"receiving_namespaces": {"untyped": [METADATA_NAMESPACE]}},
         }}
     strip = {
@@ -156,7 +184,8 @@ def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Seque
     return {
         "admin": _admin(admin_port),
         "static_resources": {
-            "listeners": [_listener(listen_port, _hcm([strip, ext_proc], routes, access_log_path), listen_host)],
+            "listeners": [_listener(listen_port, _hcm([strip, ext_proc], routes, access_log_path,
+                                                      max_body_bytes + BODY_BUFFER_MARGIN), listen_host)],
             "clusters": [picked, _static_cluster("fleet_round_robin", instances), epp],
         },
     }

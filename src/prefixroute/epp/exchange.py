@@ -1,36 +1,56 @@
 """One ext_proc stream (one HTTP request through Envoy) as a state machine, no I/O.
 
-Envoy's ``ext_proc`` filter opens one bidirectional gRPC stream per request and, with
-the processing mode of :mod:`prefixroute.epp.envoy_config` (headers SEND, bodies
-``FULL_DUPLEX_STREAMED``, trailers SEND), sends ``ProcessingRequest`` messages in
-order; :meth:`Exchange.handle` takes each one and returns the ``ProcessingResponse``
-messages to send back, in order. The gRPC driver (:mod:`prefixroute.epp.server`)
-only moves messages and calls :meth:`Exchange.close` when the stream ends.
+Envoy's ``ext_proc`` filter opens one bidirectional gRPC stream per request and sends
+``ProcessingRequest`` messages in order; :meth:`Exchange.handle` takes each one and
+returns the ``ProcessingResponse`` messages to send back, in order. The gRPC driver
+(:mod:`prefixroute.epp.server`) only moves messages and calls :meth:`Exchange.close`
+when the stream ends.
 
-What it does (FIELD.md §2; the Inference Extension's EPP protocol):
+Envoy's body modes come in the first message (``protocol_config``). With the picker's
+own bootstrap (:mod:`prefixroute.epp.envoy_config`: request body ``BUFFERED``, response
+body ``NONE``, ``allow_mode_override``) a whole (non-streamed) answer costs three
+messages each way:
 
-- request headers without end of stream: the answer waits until the body is whole
-  (the routing key is in the body); the body is buffered up to ``--max-body-size``;
-- body complete: the same steps as ``prefixroute serve``
-  (:func:`prefixroute.server.app.prepare_inference`: endpoint and variant, size,
-  Content-Encoding, validation, the routing key), then ``VariantPool.acquire`` (the
-  strategy, ConcurrencyThreshold overflow, one in-flight slot). Answer: the headers
-  response setting ``x-gateway-destination-endpoint: ip:port`` with
-  ``clear_route_cache``, the same value as dynamic metadata ``envoy.lb``, then the
-  body re-sent as ``streamed_response`` chunks of at most :data:`MAX_CHUNK_BYTES`
-  (in this mode Envoy forwards only what the processor sends back);
-- an error ``serve`` would answer itself (400, 404, 413, 415, 503) becomes an
-  ``ImmediateResponse`` with the same status and body; every instance at its
-  ConcurrencyThreshold with ``saturated="reject"`` is a 429;
-- response headers and body chunks are echoed (body chunks unchanged, with their
-  end of stream); the response headers get ``X-Prefixroute-Instance`` and
-  ``X-Prefixroute-Decision`` as ``serve`` adds them;
-- the lease (the in-flight slot) is released at the response's end of stream, or
-  when the stream ends for any other reason (:meth:`close`: client gone, Envoy
-  reset, picker shutting down), exactly once.
+1. request headers: checked at once (route, Content-Length over ``--max-body-size``,
+   endpoint and variant); answered ``CONTINUE``, or with an immediate response;
+2. the request body, whole, in one message (Envoy holds it): the same steps as
+   ``prefixroute serve`` (:func:`prefixroute.server.app.prepare_inference`: size,
+   Content-Encoding, validation, the routing key), then ``VariantPool.acquire`` (the
+   strategy, ConcurrencyThreshold overflow, one in-flight slot). Answer: the header
+   mutation ``x-gateway-destination-endpoint: ip:port`` with ``clear_route_cache``
+   (Envoy changes headers in a ``BUFFERED`` body's answer), the same value as dynamic
+   metadata ``envoy.lb``, and nothing of the body, unless it came compressed (then it
+   is replaced, decoded, as ``serve`` sends it);
+3. response headers: ``X-Prefixroute-Instance``, ``X-Prefixroute-Decision`` and the
+   invoked variant added, as ``serve`` adds them. The body then goes from the instance
+   to the client without the picker (its first byte follows the headers: the TTFT is
+   taken here), except when the picker must see it: an event stream
+   (``text/event-stream``: the TTFT is its first event) and
+   InvokeEndpointWithResponseStream (each chunk reframed as an event-stream
+   PayloadPart, the model's content type moved to X-Amzn-SageMaker-Content-Type). For
+   those the answer asks for the body (``mode_override``: response body ``STREAMED``),
+   each chunk is answered (``CONTINUE``, or replaced) and the lease ends with the last.
 
-A request that is not an inference route (``GET /v1/models``, ``/health``) goes to an
-instance of the default endpoint's variant chosen without a key, at once.
+Otherwise the lease (the in-flight slot) is released when the stream ends: Envoy ends
+it when the HTTP stream ends (the last byte sent to the client, the client gone, a
+reset), as response trailers are to be sent here and a response body is not: the
+answer's status is counted then. Any other end before the answer was complete (picker
+shutting down, Envoy reset before the response headers, an event stream cut) counts as
+499. Released exactly once in every case.
+
+With request body ``FULL_DUPLEX_STREAMED`` (an Inference Extension gateway's usual
+setting, the picker's own before) the body comes in chunks and is sent back in
+``streamed_response`` chunks of at most :data:`MAX_CHUNK_BYTES` after the headers'
+answer (in that mode Envoy forwards only what the processor sends back); with response
+body ``FULL_DUPLEX_STREAMED`` every response chunk is echoed. Request body ``STREAMED``
+or ``NONE`` cannot be routed on: 500.
+
+An error ``serve`` would answer itself (400, 404, 413, 415, 503) becomes an
+``ImmediateResponse`` with the same status and body; every instance at its
+ConcurrencyThreshold with ``saturated="reject"`` is a 429. A request that is not an
+inference route (``GET /v1/models``, ``/health``) goes to an instance of the default
+endpoint's variant chosen without a key, at once (with a body, Envoy is asked not to
+send it: ``mode_override`` request body ``NONE``).
 """
 
 from __future__ import annotations
@@ -42,6 +62,7 @@ from typing import Literal
 
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
@@ -67,6 +88,17 @@ __all__ = ["Exchange", "EppOptions", "MAX_CHUNK_BYTES", "endpoint_address"]
 MAX_CHUNK_BYTES = 62_000
 
 _OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+_Mode = processing_mode_pb2.ProcessingMode
+NONE, STREAMED, BUFFERED, BUFFERED_PARTIAL, FULL_DUPLEX = (_Mode.NONE, _Mode.STREAMED, _Mode.BUFFERED,
+                                                            _Mode.BUFFERED_PARTIAL, _Mode.FULL_DUPLEX_STREAMED)
+_WHOLE = (BUFFERED, BUFFERED_PARTIAL)  # the request body comes in one message, answered with the headers' mutation
+
+# Answers that never change (the gRPC driver serializes each one it sends: no copies)
+_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+_CONTINUE_REQUEST_TRAILERS = pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+_CONTINUE_RESPONSE_TRAILERS = pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +139,10 @@ class Exchange:
         lease: the in-flight slot while the request is at its instance, else ``None``.
         status: the response status seen (``0`` before the response headers).
         immediate: the status of the immediate response sent, if any.
+        request_body_mode, response_body_mode: Envoy's body modes for this stream
+            (``ProcessingMode.BodySendMode`` values), from the first message's
+            ``protocol_config``; ``FULL_DUPLEX_STREAMED`` both ways when Envoy sends
+            none.
     """
 
     def __init__(self, state: RouterState, options: EppOptions = EppOptions()) -> None:
@@ -116,6 +152,8 @@ class Exchange:
         self.lease: Lease | None = None
         self.status = 0
         self.immediate = 0
+        self.request_body_mode = FULL_DUPLEX
+        self.response_body_mode = FULL_DUPLEX
         self._t0 = time.perf_counter()
         self._headers: CIMultiDict[str] = CIMultiDict()
         self._raw: list[tuple[bytes, bytes]] = []
@@ -124,6 +162,7 @@ class Exchange:
         self._rid = ""
         self._endpoint = "unknown"
         self._variant = ""
+        self._first_message = True
         self._first_byte = False
         self._decoded = False
         self._framed = False  # InvokeEndpointWithResponseStream: the answer goes out as event-stream PayloadParts
@@ -132,15 +171,20 @@ class Exchange:
 
     def handle(self, msg: pb.ProcessingRequest) -> list[pb.ProcessingResponse]:
         """The responses to one message from Envoy (possibly none yet)."""
+        if self._first_message:
+            self._first_message = False
+            if msg.HasField("protocol_config"):
+                self.request_body_mode = msg.protocol_config.request_body_mode
+                self.response_body_mode = msg.protocol_config.response_body_mode
         kind = msg.WhichOneof("request")
         if kind == "request_headers":
             return self._request_headers(msg.request_headers)
         if kind == "request_body":
             return self._request_body(msg.request_body)
         if kind == "request_trailers":  # the request's end when it has trailers
-            out = self._end_of_body() if self.phase is _Phase.BODY else []
+            out = self._end_of_body("streamed") if self.phase is _Phase.BODY else []
             if not self.immediate:  # (after an immediate response Envoy expects nothing more)
-                out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+                out.append(_CONTINUE_REQUEST_TRAILERS)
             return out
         if kind == "response_headers":
             return self._response_headers(msg.response_headers)
@@ -148,15 +192,20 @@ class Exchange:
             return self._response_body(msg.response_body)
         if kind == "response_trailers":
             self._finish()
-            return [pb.ProcessingResponse(response_trailers=pb.TrailersResponse())]
+            return [_CONTINUE_RESPONSE_TRAILERS]
         return []
 
     def close(self) -> None:
         """The stream ended (any reason): release the lease if still held, and count
-        a request that got no complete answer as 499 (client or gateway went away)."""
+        it. The end of a stream whose response body was not Envoy's to send here
+        (``response_body_mode`` ``NONE``) after the response headers is the end of the
+        answer: Envoy closes the stream when the HTTP stream ends; its status is
+        counted. Otherwise a request that got no complete answer counts as 499 (client
+        or gateway went away)."""
         if self.lease is not None and not self.lease.released:
             self.lease.release()
-            self._count(self.status if self.status and self.phase is _Phase.DONE else 499)
+            done = self.status and (self.phase is _Phase.DONE or self.response_body_mode == NONE)
+            self._count(self.status if done else 499)
         self.phase = _Phase.DONE
 
     # -- request --------------------------------------------------------------------
@@ -184,17 +233,29 @@ class Exchange:
             self._endpoint, self._variant = first.endpoint, first.pool.name
         self.phase = _Phase.BODY
         if msg.end_of_stream:
-            return self._end_of_body()
-        return []
+            return self._end_of_body("headers")
+        if self.request_body_mode in _WHOLE:
+            return [_CONTINUE_REQUEST_HEADERS]  # the body comes next, whole: answered with the destination
+        if self.request_body_mode != FULL_DUPLEX:  # STREAMED or NONE: Envoy would hold or skip the body
+            return [self._immediate(openai_error(
+                500, "prefixroute epp needs the request body: request_body_mode BUFFERED, BUFFERED_PARTIAL or "
+                     f"FULL_DUPLEX_STREAMED (this stream: {_Mode.BodySendMode.Name(self.request_body_mode)})",
+                type_="server_error", code="epp_misconfigured", headers={H.REQUEST_ID: self._rid}))]
+        return []  # FULL_DUPLEX_STREAMED: answered once the body is whole
 
     def _request_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
-        if self.phase is _Phase.UPSTREAM and self._route is None:  # passthrough: echo as it comes
+        if self.phase is _Phase.UPSTREAM and self._route is None:  # passthrough: as it comes
+            if self.request_body_mode != FULL_DUPLEX:
+                return [_CONTINUE_REQUEST_BODY]
             return [pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
                 body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
                     body=msg.body, end_of_stream=msg.end_of_stream)))))]
         if self.phase is not _Phase.BODY:
             return []  # after an immediate response: Envoy is closing the stream
-        self._body += msg.body
+        if self._body:
+            self._body += msg.body
+        else:
+            self._body = msg.body  # type: ignore[assignment]  # (bytes: the usual one message, no copy)
         limit = self.state.settings.max_body_bytes
         if len(self._body) > limit and request_coding(self._headers) in (None, "", "identity"):
             assert self._route is not None
@@ -203,11 +264,21 @@ class Exchange:
             self._body = bytearray()
             assert isinstance(resp, web.Response)
             return [self._immediate(resp)]
+        if self.request_body_mode in _WHOLE:
+            # the whole body (its end of stream is unset only when request trailers follow),
+            # answered now: the headers can change only until this answer
+            return self._end_of_body("body")
         if msg.end_of_stream:
-            return self._end_of_body()
+            return self._end_of_body("streamed")
+        if isinstance(self._body, bytes):
+            self._body = bytearray(self._body)
         return []
 
-    def _end_of_body(self) -> list[pb.ProcessingResponse]:
+    def _end_of_body(self, answer: Literal["headers", "body", "streamed"]) -> list[pb.ProcessingResponse]:
+        """The decision, answered in the message Envoy waits for: the request headers
+        (no body), the whole body (``BUFFERED``, ``BUFFERED_PARTIAL``), or the last
+        body chunk or the trailers (``FULL_DUPLEX_STREAMED``: then the body is sent
+        back too)."""
         assert self._route is not None
         api = self._route.api
         limit = self.state.settings.max_body_bytes
@@ -247,12 +318,17 @@ class Exchange:
         m = self.state.metrics
         count_routed(self.state, rr, decision)
         m.decision_seconds.labels(rr.endpoint, rr.pool.name).observe(decision.decision_s)
+        if answer == "body":
+            return [self._destination(decision.instance.instance_id, rr.upstream_path,
+                                      body=rr.body if self._decoded else None)]
         out = [self._destination(decision.instance.instance_id, rr.upstream_path)]
-        out.extend(_body_chunks(rr.body))
+        if answer == "streamed":
+            out.extend(_body_chunks(rr.body))
         return out
 
     def _passthrough(self, end_of_stream: bool) -> list[pb.ProcessingResponse]:
-        """Not an inference route: any healthy instance of the default variant, now."""
+        """Not an inference route: any healthy instance of the default variant, now
+        (with a body, Envoy is asked not to send it here, when it may: ``mode_override``)."""
         try:
             pool = self.state.fleet.default.variant(self._headers.get(H.TARGET_VARIANT))
             self.lease = pool.acquire(None)
@@ -262,25 +338,30 @@ class Exchange:
             return [self._immediate(resp)]
         self._endpoint, self._variant = self.state.fleet.default.name, pool.name
         self.phase = _Phase.UPSTREAM
-        out = [self._destination(self.lease.instance.instance_id)]
-        return out
+        out = self._destination(self.lease.instance.instance_id)
+        if not end_of_stream and self.request_body_mode not in (FULL_DUPLEX, NONE):
+            out.mode_override.request_body_mode = NONE
+            out.mode_override.response_body_mode = self.response_body_mode
+        return [out]
 
     # -- response -------------------------------------------------------------------
 
     def _response_headers(self, msg: pb.HttpHeaders) -> list[pb.ProcessingResponse]:
+        content_type = None
         for h in msg.headers.headers:
-            if h.key == ":status":
+            key = h.key
+            if key == ":status":
                 value = h.raw_value.decode("latin-1") if h.raw_value else h.value
                 self.status = int(value) if value.isdigit() else 0
+            elif key == "content-type":
+                content_type = h.raw_value.decode("latin-1") if h.raw_value else h.value
         mutation = pb.HeaderMutation()
         if self._route is not None and self._route.api is Api.NATIVE_STREAM and 200 <= self.status < 300:
             # as serve answers InvokeEndpointWithResponseStream: the model's content type moves to
             # X-Amzn-SageMaker-Content-Type and each body chunk becomes a PayloadPart event
             self._framed = True
-            model_type = next((h.raw_value.decode("latin-1") or h.value for h in msg.headers.headers
-                               if h.key == "content-type"), None)
-            if model_type:
-                mutation.set_headers.append(_header(H.SAGEMAKER_CONTENT_TYPE.lower(), model_type))
+            if content_type:
+                mutation.set_headers.append(_header(H.SAGEMAKER_CONTENT_TYPE.lower(), content_type))
             mutation.set_headers.append(_header("content-type", eventstream.CONTENT_TYPE))
             mutation.remove_headers.append("content-length")
         if self.lease is not None:
@@ -288,25 +369,46 @@ class Exchange:
             for name, value in ((H.INSTANCE, d.instance.instance_id), (H.DECISION, d.kind.value),
                                 (H.INVOKED_VARIANT, d.variant)):
                 mutation.set_headers.append(_header(name.lower(), value))
-        out = [pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=mutation)))]
+        out = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
+            header_mutation=mutation)))
         if msg.end_of_stream:
             self._finish()
-        return out
+        elif self.response_body_mode == NONE:
+            # The body goes from the instance to the client without the picker, unless it
+            # must be reframed, or it is an event stream (its first event is the TTFT): then
+            # it comes here chunk by chunk (STREAMED: each chunk answered, changed or not).
+            if self._framed or (content_type or "").startswith("text/event-stream"):
+                out.mode_override.request_body_mode = self.request_body_mode
+                out.mode_override.response_body_mode = STREAMED
+                self.response_body_mode = STREAMED
+            else:  # a whole answer: its first byte follows its headers at once
+                self._first_body_byte()
+        return [out]
 
     def _response_body(self, msg: pb.HttpBody) -> list[pb.ProcessingResponse]:
         if not self._first_byte and msg.body:
-            self._first_byte = True
-            if self._variant:
-                self.state.metrics.ttft_seconds.labels(self._endpoint, self._variant).observe(
-                    time.perf_counter() - self._t0)
-        body = eventstream.payload_part(msg.body) if self._framed and msg.body else msg.body
-        out = [pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
-            body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
-                body=body, end_of_stream=msg.end_of_stream)))))]
+            self._first_body_byte()
+        if self.response_body_mode == FULL_DUPLEX:  # Envoy sends on only what comes back
+            body = eventstream.payload_part(msg.body) if self._framed and msg.body else msg.body
+            out = pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                    body=body, end_of_stream=msg.end_of_stream)))))
+        elif self._framed and msg.body:  # STREAMED (or BUFFERED): the chunk replaced
+            out = pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                body_mutation=pb.BodyMutation(body=eventstream.payload_part(msg.body)))))
+        else:
+            out = _CONTINUE_RESPONSE_BODY
         if msg.end_of_stream:
             self._finish()
-        return out
+        return [out]
+
+    def _first_body_byte(self) -> None:
+        self._first_byte = True
+        if self.lease is not None:
+            self.lease.first_token()
+        if self._variant:
+            self.state.metrics.ttft_seconds.labels(self._endpoint, self._variant).observe(
+                time.perf_counter() - self._t0)
 
     def _finish(self) -> None:
         if self.lease is not None and not self.lease.released:
@@ -316,10 +418,12 @@ class Exchange:
 
     # -- building messages ----------------------------------------------------------
 
-    def _destination(self, instance_id: str, upstream_path: str | None = None) -> pb.ProcessingResponse:
-        """The request headers answer: where to send it (header, ``envoy.lb``
-        metadata), and the path on the instance when it differs from the client's
-        (``/endpoints/NAME/invocations`` -> ``/invocations``, as ``serve`` sends it)."""
+    def _destination(self, instance_id: str, upstream_path: str | None = None, *,
+                     body: bytes | None | Literal[False] = False) -> pb.ProcessingResponse:
+        """Where to send it (header, ``envoy.lb`` metadata), and the path on the
+        instance when it differs from the client's (``/endpoints/NAME/invocations`` ->
+        ``/invocations``, as ``serve`` sends it): the request headers' answer, or with
+        ``body`` (``None``: unchanged, bytes: replaced) the whole body's."""
         address = endpoint_address(instance_id)
         mutation = pb.HeaderMutation(set_headers=[_header(DESTINATION_HEADER, address)])
         if upstream_path and upstream_path != self._headers.get(":path"):
@@ -328,10 +432,13 @@ class Exchange:
             mutation.remove_headers.extend(["content-encoding", "content-length"])
         metadata = struct_pb2.Struct()
         metadata.update({METADATA_NAMESPACE: {DESTINATION_HEADER: address}})
-        return pb.ProcessingResponse(
-            request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                header_mutation=mutation, clear_route_cache=True)),
-            dynamic_metadata=metadata)
+        common = pb.CommonResponse(header_mutation=mutation, clear_route_cache=True)
+        if body is False:
+            return pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common),
+                                         dynamic_metadata=metadata)
+        if body is not None:
+            common.body_mutation.body = body
+        return pb.ProcessingResponse(request_body=pb.BodyResponse(response=common), dynamic_metadata=metadata)
 
     def _immediate(self, resp: web.Response) -> pb.ProcessingResponse:
         """An answer of the picker's own (already counted by ``prepare_inference`` or

@@ -191,8 +191,10 @@ async def start_epp(config: FleetConfig, settings: ServerSettings, options: EppO
     """
     state = RouterState(config, settings)
     handle = EppHandle("", None, state, options)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", 8 << 20),
-                                      ("grpc.max_send_message_length", 8 << 20)])
+    # a request body comes in one message (BUFFERED), a decoded one goes back in one
+    max_message = max(8 << 20, settings.max_body_bytes + (1 << 20))
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message),
+                                      ("grpc.max_send_message_length", max_message)])
     pb_grpc.add_ExternalProcessorServicer_to_server(_ExternalProcessor(handle), server)
     servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
