@@ -34,7 +34,7 @@ the replicas' gateways.
 
 Usage::
 
-    python bench/gateway.py                      # the full run (about 12-15 minutes on 2 cores)
+    python bench/gateway.py                      # the full run (about 6 minutes on 2 cores)
     python bench/gateway.py --quick --json out.json
 
 ``--json PATH`` writes SPEC §7's shape (``runs``, one per target and phase) plus the

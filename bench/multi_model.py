@@ -38,7 +38,7 @@ buckets), the same for streaming and non-streaming runs; cache-hit rate is the e
 shape, each run with ``endpoint_kind``, ``api`` and ``stream``. Recorded results and the
 command: docs/BENCHMARKS.md.
 
-    python bench/multi_model.py --json multi-model.json          # the full run, ~15 minutes on 2 cores
+    python bench/multi_model.py --json multi-model.json          # the full run, about 7 minutes on 2 cores
     python bench/multi_model.py --quick                          # a short check of every part
 """
 
