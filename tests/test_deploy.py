@@ -180,6 +180,17 @@ def test_envoy_example_is_what_the_picker_prints_and_envoy_accepts_it():
     out = subprocess.run([envoy_binary(), "--mode", "validate", "-c", str(DEPLOY / "envoy" / "envoy.yaml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "OK" in out.stdout + out.stderr, out.stderr[-500:]
+    # the Inference Extension's body mode, on request
+    duplex = yaml.safe_load(subprocess.run([*argv, "--envoy-body-mode", "full-duplex"], capture_output=True,
+                                           text=True, timeout=60, check=True).stdout)
+    mode = duplex["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"][
+        "http_filters"][1]["typed_config"]["processing_mode"]
+    assert (mode["request_body_mode"], mode["response_body_mode"], mode["request_trailer_mode"]) == \
+        ("FULL_DUPLEX_STREAMED", "FULL_DUPLEX_STREAMED", "SEND")
+    from prefixroute.epp.envoy_config import picker_bootstrap
+
+    with pytest.raises(ValueError, match="body_mode must be one of buffered, full-duplex"):
+        picker_bootstrap(8080, ("127.0.0.1", 9002), [("10.0.0.11", 8000)], body_mode="streamed")
 
 
 # -- the Grafana dashboard -------------------------------------------------------------

@@ -74,7 +74,7 @@ def _settings(**kw) -> ServerSettings:
 
 @contextlib.asynccontextmanager
 async def gateway(urls, port, *, fail_open: bool = False, picker_port: int | None = None, max_body: int = 1 << 22,
-                  access_log: str | None = None):
+                  access_log: str | None = None, body_mode: str = "buffered"):
     """Envoy + an in-process picker (or, with ``picker_port``, a picker started elsewhere)."""
     epp = None
     if picker_port is None:
@@ -83,7 +83,7 @@ async def gateway(urls, port, *, fail_open: bool = False, picker_port: int | Non
     gw, admin = free_port(), free_port()
     envoy = EnvoyProcess(picker_bootstrap(gw, ("127.0.0.1", picker_port), [(h, port) for h in HOSTS],
                                           fail_open=fail_open, admin_port=admin, listen_host="127.0.0.1",
-                                          access_log_path=access_log))
+                                          access_log_path=access_log, body_mode=body_mode))
     await asyncio.to_thread(envoy.start)
     await asyncio.to_thread(envoy.wait_cluster_healthy, "prefixroute_epp")
     try:
@@ -103,9 +103,12 @@ def _sagemaker(url: str):
                         aws_secret_access_key="x", config=Config(retries={"max_attempts": 1, "mode": "standard"}))
 
 
-async def test_openai_and_sagemaker_clients_through_envoy_and_the_picker(tmp_path):
+@pytest.mark.parametrize("body_mode", ["buffered", "full-duplex"])
+async def test_openai_and_sagemaker_clients_through_envoy_and_the_picker(tmp_path, body_mode):
+    # Both body modes of the bootstrap: the picker's own (buffered) and the Inference
+    # Extension's (FULL_DUPLEX_STREAMED both ways, every chunk re-sent by the picker).
     log = str(tmp_path / "access.log")
-    async with engines() as (urls, port), gateway(urls, port, access_log=log) as (gw, epp, envoy):
+    async with engines() as (urls, port), gateway(urls, port, access_log=log, body_mode=body_mode) as (gw, epp, envoy):
         client, sm = _openai(gw), _sagemaker(gw)
         messages = [{"role": "system", "content": DOC}, {"role": "user", "content": "What is in it?"}]
 
@@ -143,6 +146,10 @@ async def test_openai_and_sagemaker_clients_through_envoy_and_the_picker(tmp_pat
         assert out["native_stream"].count(b"data: ") >= 3
         assert await eventually(lambda: epp.in_flight() == 0)
         assert epp.streams >= 7
+        sent, received = _ext_proc_messages(envoy)
+        # 7 routed requests (+ /v1/models): whole answers take 3 messages each way when
+        # buffered; full-duplex re-sends every body chunk and its end
+        assert (sent > 4 * 7) if body_mode == "full-duplex" else (3 * 7 <= sent <= 4 * 8), (sent, received)
     # Envoy (its access log is complete once it stopped) saw the header and the envoy.lb
     # metadata agree, and sent each request there
     routed = [x for x in map(json.loads, open(log)) if x["path"] != "/v1/models"]

@@ -76,6 +76,11 @@ def configure_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--envoy-fail-open", action="store_true",
                    help="with --print-envoy-config: failure_mode_allow: true (the picker unreachable, requests go "
                         "round robin) instead of fail-closed (Envoy answers 500)")
+    g.add_argument("--envoy-body-mode", choices=("buffered", "full-duplex"), default="buffered",
+                   help="with --print-envoy-config: how Envoy sends bodies to the picker: buffered (the request "
+                        "body whole, the response body only when the picker reframes it; the fewest messages) or "
+                        "full-duplex (FULL_DUPLEX_STREAMED both ways, the Gateway API Inference Extension's "
+                        "setting; the picker takes either) (default: buffered)")
 
 
 def _settings(args: argparse.Namespace) -> ServerSettings:
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             instances.append((u.hostname or "", u.port or 80))
         print(to_yaml(picker_bootstrap(args.print_envoy_config, (args.host if args.host != "0.0.0.0" else
                                                                   "127.0.0.1", args.port), instances,
-                                       fail_open=args.envoy_fail_open, max_body_bytes=args.max_body_size)), end="")
+                                       fail_open=args.envoy_fail_open, max_body_bytes=args.max_body_size,
+                                       body_mode=args.envoy_body_mode)), end="")
         return 0
     from prefixroute.epp.exchange import EppOptions
 

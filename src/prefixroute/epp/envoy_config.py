@@ -56,6 +56,8 @@ from prefixroute.server.settings import DEFAULT_MAX_BODY_BYTES
 __all__ = ["picker_bootstrap", "round_robin_bootstrap", "to_yaml", "DESTINATION_HEADER", "METADATA_NAMESPACE",
            "BODY_BUFFER_MARGIN"]
 
+#: ``picker_bootstrap``'s body modes (``--envoy-body-mode``).
+BODY_MODES = ("buffered", "full-duplex")
 #: The header (and ``envoy.lb`` metadata key) naming the picked ``ip:port``.
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
 #: The dynamic metadata namespace Envoy's load balancing reads.
@@ -124,7 +126,8 @@ def _admin(admin_port: int) -> dict[str, Any]:
 def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Sequence[tuple[str, int]], *,
                      fail_open: bool = False, admin_port: int = 9901, listen_host: str = "0.0.0.0",
                      access_log_path: str | None = None, message_timeout_s: float = 30.0,
-                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> dict[str, Any]:
+                     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                     body_mode: str = "buffered") -> dict[str, Any]:
     """Envoy in front of ``instances`` with prefixroute's picker at ``picker``.
 
     Args:
@@ -143,7 +146,18 @@ def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Seque
             that the picker sees every body it accepts, and answers 413 to the larger
             ones itself (only a body without Content-Length over the buffer gets Envoy's
             own 413).
+        body_mode: ``"buffered"`` (the request body ``BUFFERED``, the response body only
+            when the picker asks for it: three messages each way for a whole answer) or
+            ``"full-duplex"`` (both bodies ``FULL_DUPLEX_STREAMED`` with trailers SEND,
+            the Inference Extension's own setting: the picker re-sends every chunk; about
+            twice the messages).
+
+    Raises:
+        ValueError: an unknown ``body_mode``.
     """
+    if body_mode not in BODY_MODES:
+        raise ValueError(f"body_mode must be one of {', '.join(BODY_MODES)}, got {body_mode!r}")
+    duplex = body_mode == "full-duplex"
     ext_proc = {
         "name": "envoy.filters.http.ext_proc",
         "typed_config": {
@@ -153,8 +167,9 @@ def picker_bootstrap(listen_port: int, picker: tuple[str, int], instances: Seque
             "message_timeout": f"{message_timeout_s:g}s",
             "processing_mode": {
                 "request_header_mode": "SEND", "response_header_mode": "SEND",
-                "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
-                "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"},
+                "request_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "BUFFERED",
+                "response_body_mode": "FULL_DUPLEX_STREAMED" if duplex else "NONE",
+                "request_trailer_mode": "SEND" if duplex else "SKIP", "response_trailer_mode": "SEND"},
             # the picker asks for the response body (STREAMED) when it reframes it or times
             # its first event, and skips the request body of a request it passes through
             "allow_mode_override": True,
