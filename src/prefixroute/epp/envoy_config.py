@@ -23,8 +23,9 @@ an Endpoint Picker (FIELD.md §2), static so that a plain ``envoy -c`` runs it:
    picker was skipped: fail-open) goes to ``fleet_round_robin``, the pool's instances
    in round robin, so fail-open still serves (without prefix affinity);
 4. the picker's cluster is health-checked with the standard gRPC health protocol every
-   second (service ``envoy.service.ext_proc.v3.ExternalProcessor``: SERVING only while
-   the picker has a healthy instance) with no panic routing: a picker known to be down
+   second (service ``envoy.service.ext_proc.v3.ExternalProcessor``: SERVING while the
+   picker runs; with no healthy instance it answers 503 itself, as ``serve`` does)
+   with no panic routing: a picker known to be down
    is not tried, and the request goes on at once (fail-open) or gets 500 at once
    (fail-closed), instead of after a failed connection. As Envoy holds the request
    body, a picker that fails before its answer to the body does not lose the request:

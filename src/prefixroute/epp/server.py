@@ -3,8 +3,10 @@
 - gRPC (``grpc.aio``): ``envoy.service.ext_proc.v3.ExternalProcessor/Process``, one
   :class:`prefixroute.epp.exchange.Exchange` per stream; the standard health service
   (``grpc.health.v1.Health``) with the services ``""``, ``liveness``, ``readiness``
-  and ``envoy.service.ext_proc.v3.ExternalProcessor`` (readiness and the ext_proc
-  service are SERVING only while some variant has a healthy instance);
+  and ``envoy.service.ext_proc.v3.ExternalProcessor``: readiness (Kubernetes') is
+  SERVING only while some variant has a healthy instance; the ext_proc service (what
+  Envoy checks) while the picker runs, since with no healthy instance it answers the
+  request itself (503, as ``serve``), and goes NOT_SERVING when it stops;
 - HTTP (aiohttp): ``GET /metrics`` (the router's Prometheus families, the picker's
   decisions included) and ``GET /health``; the background work of ``serve`` runs here
   too: active health checks of the instances, engine ``/metrics`` scrapes, discovery.
@@ -167,8 +169,7 @@ async def _readiness(handle: EppHandle, servicer: health.aio.HealthServicer) -> 
         healthy, _ = handle.state.healthy_counts()
         status = health_pb2.HealthCheckResponse.SERVING if healthy else health_pb2.HealthCheckResponse.NOT_SERVING
         if status != last:
-            for name in ("readiness", EXT_PROC_SERVICE):
-                await servicer.set(name, status)
+            await servicer.set("readiness", status)
             last = status
         await asyncio.sleep(READINESS_INTERVAL_S)
 
@@ -204,7 +205,7 @@ async def start_epp(config: FleetConfig, settings: ServerSettings, options: EppO
     if port == 0:
         raise OSError(f"cannot listen on {bind}")
     await server.start()
-    for name in ("", "liveness"):
+    for name in ("", "liveness", EXT_PROC_SERVICE):
         await servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     handle._server, handle._health = server, servicer
     handle.address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
