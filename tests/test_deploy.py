@@ -81,7 +81,8 @@ def test_router_deployment_is_production_shaped(rendered):
     (c,) = pod["containers"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     assert c["securityContext"]["allowPrivilegeEscalation"] is False
-    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["livenessProbe"]["httpGet"]["path"] == "/health"
+    # readiness follows the fleet; liveness only the process (a down fleet must not restart the routers)
+    assert c["readinessProbe"]["httpGet"]["path"] == "/health" and c["livenessProbe"]["httpGet"]["path"] == "/metrics"
     assert {"cpu", "memory"} <= set(c["resources"]["requests"])
     assert "/tmp" in {m["mountPath"] for m in c["volumeMounts"]}  # the only writable place
     args = c["args"]
