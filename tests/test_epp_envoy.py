@@ -485,3 +485,25 @@ async def test_no_healthy_instance_is_the_pickers_503_through_envoy():
             await r.cleanup()
         await router.close()
         await epp.close(0)
+
+
+def test_the_picker_refuses_host_names_and_lora_autoload(capsys, tmp_path):
+    # Envoy's ORIGINAL_DST takes an IP address from the header, and loading adapters is
+    # serve's: both are refused at start with what to do instead, not left to fail later.
+    from prefixroute.cli import build_parser
+    from prefixroute.epp.cli import run
+
+    args = build_parser().parse_args(["epp", "--backend", "http://localhost:8701", "--port", "0"])
+    assert run(args) == 2
+    assert "instance http://localhost:8701: Envoy's ORIGINAL_DST cluster routes to an IP address" in \
+        capsys.readouterr().err
+    path = tmp_path / "fleet.yaml"
+    path.write_text(json.dumps({"Endpoints": [{
+        "EndpointName": "llm", "ProductionVariants": [{"VariantName": "AllTraffic", "Instances": ["http://10.0.0.1:8000"],
+                                                      "RoutingConfig": {"RoutingStrategy": "RANDOM"}}],
+        "LoraAdapters": {"Autoload": True}}]}))
+    args = build_parser().parse_args(["epp", "--config", str(path), "--port", "0"])
+    assert run(args) == 2
+    assert "LoraAdapters.Autoload is acted on by `prefixroute serve` only" in capsys.readouterr().err
+    args = build_parser().parse_args(["epp", "--backend", "http://10.0.0.1:8701", "--print-envoy-config", "8080"])
+    assert run(args) == 0 and "10.0.0.1" in capsys.readouterr().out

@@ -439,3 +439,20 @@ def test_buffered_in_flight_returns_to_zero_wherever_the_stream_ends(cut: int, s
     assert st_.fleet.default.variant().total_in_flight() == 0
     text = st_.metrics.render().decode()
     assert text.count("prefixroute_responses_total{") == (cut >= 2)  # counted once, once routed
+
+
+def test_the_answer_names_the_inference_component_as_serve_does():
+    cfg = FleetConfig.from_mapping({"Endpoints": [{
+        "EndpointName": "llm", "ProductionVariants": [{"VariantName": "AllTraffic", "Instances": URLS[:2],
+                                                      "RoutingConfig": PA.to_api()}],
+        "InferenceComponents": [{"InferenceComponentName": "llama-ic", "ModelName": "llama",
+                                 "Instances": [URLS[1]]}]}]})
+    st_ = RouterState(cfg, ServerSettings(port=0, admin_port=0, health_check_interval_s=0))
+    ex = Exchange(st_)
+    ex.handle(headers_msg("/endpoints/llm/invocations", x_amzn_sagemaker_inference_component="llama-ic"))
+    first, *_ = run(ex, body_msgs(orjson.dumps({"model": "llama", "prompt": "hi", "max_tokens": 1})))
+    assert destination(first) == endpoint_address(URLS[1])  # the component's copy
+    answer = ex.handle(response_headers())[0]
+    names = {h.header.key: h.header.raw_value.decode()
+             for h in answer.response_headers.response.header_mutation.set_headers}
+    assert names["x-prefixroute-inference-component"] == "llama-ic" and names["x-prefixroute-instance"] == URLS[1]

@@ -90,12 +90,41 @@ def _settings(args: argparse.Namespace) -> ServerSettings:
                           shutdown_timeout_s=args.shutdown_timeout, seed=args.seed, config_path=args.config)
 
 
+def check_picker_config(config: "FleetConfig") -> None:
+    """What a fleet configuration needs that only the picker asks: instances by IP
+    address (Envoy's ``ORIGINAL_DST`` cluster takes ``ip:port`` from the header; DNS
+    discovery resolves names to addresses) and no ``LoraAdapters.Autoload`` (loading
+    adapters on the engines is ``serve``'s; the picker routes within the loaded sets).
+
+    Raises:
+        ConfigError: naming the instance or endpoint and what to do instead.
+    """
+    import ipaddress
+
+    for e in config.endpoints:
+        if e.lora.autoload:
+            raise ConfigError(f"endpoint {e.name!r}: LoraAdapters.Autoload is acted on by `prefixroute serve` only "
+                              "(it loads adapters on the engines); the picker routes within the sets already "
+                              "loaded: set Autoload to false")
+        urls = [u for v in e.variants for u in v.instances]
+        urls += [u for c in e.components if not isinstance(c.instances, str) for u in c.instances]
+        for url in urls:
+            host = urlsplit(url).hostname or ""
+            try:
+                ipaddress.ip_address(host)
+            except ValueError:
+                raise ConfigError(f"instance {url}: Envoy's ORIGINAL_DST cluster routes to an IP address, not a "
+                                  "host name: give the instance by its address (or use DNS discovery, which "
+                                  "resolves names to addresses)") from None
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the picker until SIGTERM/SIGINT; returns the exit status."""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = build_config(args)
+        check_picker_config(config)
         settings = _settings(args)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

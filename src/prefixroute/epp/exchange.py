@@ -162,6 +162,7 @@ class Exchange:
         self._rid = ""
         self._endpoint = "unknown"
         self._variant = ""
+        self._component: str | None = None  # the inference component served, named in the answer as serve does
         self._first_message = True
         self._first_byte = False
         self._decoded = False
@@ -295,7 +296,7 @@ class Exchange:
                                self._rid, self._t0, query=self._headers.get(":path", "").partition("?")[2])
         if isinstance(rr, web.Response):
             return [self._immediate(rr)]
-        self._endpoint, self._variant = rr.endpoint, rr.pool.name
+        self._endpoint, self._variant, self._component = rr.endpoint, rr.pool.name, rr.pool.component
         hdrs = our_headers(rr)
         try:
             lease = acquire(self.state, rr)
@@ -369,6 +370,8 @@ class Exchange:
             for name, value in ((H.INSTANCE, d.instance.instance_id), (H.DECISION, d.kind.value),
                                 (H.INVOKED_VARIANT, d.variant)):
                 mutation.set_headers.append(_header(name.lower(), value))
+            if self._component is not None:
+                mutation.set_headers.append(_header(H.INVOKED_COMPONENT.lower(), self._component))
         out = pb.ProcessingResponse(response_headers=pb.HeadersResponse(response=pb.CommonResponse(
             header_mutation=mutation)))
         if msg.end_of_stream:
