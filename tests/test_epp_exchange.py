@@ -172,8 +172,8 @@ def test_no_healthy_instance_503_and_saturated_429():
     held = [Exchange(st_, EppOptions("reject")) for _ in range(2)]
     for ex in held:
         run(ex, [headers_msg(), *body_msgs(chat())])
-    code, _, body = immediate(run(Exchange(st_, EppOptions("reject")), [headers_msg(), *body_msgs(chat())]))
-    assert code == 429 and body["error"]["code"] == "saturated"
+    code, hdrs, body = immediate(run(Exchange(st_, EppOptions("reject")), [headers_msg(), *body_msgs(chat())]))
+    assert code == 429 and body["error"]["code"] == "saturated" and hdrs["retry-after"] == "1"
     out = run(Exchange(st_, EppOptions("send")), [headers_msg(), *body_msgs(chat())])
     assert destination(out[0]) == "10.0.0.1:8000"  # serve's behaviour: the least busy, over the threshold
     assert st_.fleet.default.variant().total_in_flight() == 3

@@ -311,6 +311,7 @@ class Exchange:
             lease.release()
             msg = (f"every instance of production variant {rr.pool.name!r} is at its ConcurrencyThreshold; "
                    "retry later")
+            hdrs = {**hdrs, H.RETRY_AFTER: "1"}  # (a request in flight lasts about that long)
             resp = openai_error(429, msg, type_="server_error", code="saturated", headers=hdrs) \
                 if api is Api.OPENAI else sagemaker_error("ThrottlingException", msg, status=429, headers=hdrs)
             return [self._immediate(self._counted(resp))]
