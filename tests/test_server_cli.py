@@ -208,10 +208,12 @@ def _serving(cfg, workers: int, group: bool = False):
 def _signal_once_held(proc: subprocess.Popen, sig: int) -> None:
     """Send ``sig`` as soon as the process holds signals: while it is still importing and
     starting (``prefixroute.signals.hold`` is the first thing ``serve`` does; the
-    server's own handlers come a few hundred milliseconds later). SIGTERM is the mark:
-    Python catches SIGINT from the start (KeyboardInterrupt)."""
+    server's own handlers come a few hundred milliseconds later). SIGTERM and SIGHUP are
+    the marks (Python catches SIGINT from the start: KeyboardInterrupt): ``hold`` installs
+    SIGTERM's handler first and SIGHUP's last, and a SIGHUP sent in between would get
+    the default action (the process ends)."""
     deadline = time.monotonic() + 10
-    while not _caught(proc.pid, signal.SIGTERM):
+    while not (_caught(proc.pid, signal.SIGTERM) and _caught(proc.pid, signal.SIGHUP)):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.001)
     proc.send_signal(sig)
