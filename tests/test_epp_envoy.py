@@ -465,20 +465,20 @@ async def test_no_healthy_instance_is_the_pickers_503_through_envoy():
     router = await start_router(FleetConfig.single(urls, PA), settings)
     body = json.dumps({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
     try:
-        for fail_open in (False,):  # (fail-closed, Envoy's default: a skipped picker is a bare 500)
-            async with gateway(urls, port, picker_port=epp.port, fail_open=fail_open) as (gw, _, envoy):
-                async with aiohttp.ClientSession() as http:
-                    assert (await _post(http, gw + "/v1/chat/completions", body))[0] == 200
-                    for r in runners:  # every engine goes away
-                        await r.cleanup()
-                    runners = []
-                    assert await eventually(lambda: epp.state.healthy_counts()[0] == 0, 10)
-                    assert await eventually(lambda: router.state.healthy_counts()[0] == 0, 10)
-                    await asyncio.sleep(2.5)  # Envoy's health checks of the picker (every second) have run
-                    got = await _post(http, gw + "/v1/chat/completions", body)
-                    want = await _post(http, router.url + "/v1/chat/completions", body)
-                assert got[0] == want[0] == 503, (fail_open, got, want)
-                assert got[1]["error"].get("code") == want[1]["error"].get("code") == "no_healthy_instance", got
+        # fail-closed, Envoy's default: a picker it skipped was a bare 500
+        async with gateway(urls, port, picker_port=epp.port) as (gw, _, envoy):
+            async with aiohttp.ClientSession() as http:
+                assert (await _post(http, gw + "/v1/chat/completions", body))[0] == 200
+                for r in runners:  # every engine goes away
+                    await r.cleanup()
+                runners = []
+                assert await eventually(lambda: epp.state.healthy_counts()[0] == 0, 10)
+                assert await eventually(lambda: router.state.healthy_counts()[0] == 0, 10)
+                await asyncio.sleep(2.5)  # Envoy's health checks of the picker (every second) have run
+                got = await _post(http, gw + "/v1/chat/completions", body)
+                want = await _post(http, router.url + "/v1/chat/completions", body)
+            assert got[0] == want[0] == 503, (got, want)
+            assert got[1]["error"].get("code") == want[1]["error"].get("code") == "no_healthy_instance", got
         assert epp.in_flight() == 0
     finally:
         for r in runners:

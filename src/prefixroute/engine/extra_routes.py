@@ -53,7 +53,7 @@ import itertools
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -147,6 +147,7 @@ class ExtraRoutes:
         def _resolve_model(self, model: Any) -> str | None: ...
         def _submit(self, request_id: str, job: Job) -> InFlight: ...
         def _release(self, request_id: str) -> None: ...
+        async def _released(self, rid: str, answer: Awaitable[web.StreamResponse]) -> web.StreamResponse: ...
         def _count(self, job: Job) -> None: ...
         async def _next(self, entry: InFlight) -> RequestOutput: ...
         async def _until_finished(self, entry: InFlight) -> RequestOutput: ...
@@ -286,12 +287,8 @@ class ExtraRoutes:
             self._count(job)
         except ClientError as exc:
             return error_response(exc.status, str(exc), exc.type)
-        try:
-            if job.stream:
-                return await self._responses_stream(request, rid, job, entry, payload)
-            return await self._responses_json(rid, job, entry, payload)
-        finally:  # success, error, client disconnect (cancellation): never leak
-            self._release(rid)
+        return await self._released(rid, self._responses_stream(request, rid, job, entry, payload) if job.stream
+                                    else self._responses_json(rid, job, entry, payload))
 
     def _responses_job(self, payload: dict[str, Any], lora: str | None, model: str) -> Job:
         """Check a Responses request as vLLM does and make its job. Raises ClientError."""
@@ -430,8 +427,7 @@ class ExtraRoutes:
             if first is None or second is None:
                 raise ClientError(400, "'text_1' and 'text_2' are required")
             pairs = _pairs(_texts(first, "'text_1'"), _texts(second, "'text_2'"))
-            outs = await self._prefill([self._text_prompt(a + PAIR_SEPARATOR + b) for a, b in pairs],
-                                       lora, model, "score")
+            outs = await self._prefill_pairs(pairs, lora, model, "score")
         except ClientError as exc:
             return error_response(exc.status, str(exc), exc.type)
         except ValueError as exc:
@@ -443,6 +439,11 @@ class ExtraRoutes:
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
                           "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+    async def _prefill_pairs(self, pairs: list[tuple[str, str]], lora: str | None, model: str,
+                             kind: str) -> list[Any]:
+        """Each (query, document) pair prefilled as one prompt, ``a + PAIR_SEPARATOR + b``."""
+        return await self._prefill([self._text_prompt(a + PAIR_SEPARATOR + b) for a, b in pairs], lora, model, kind)
 
     async def _rerank(self, request: web.Request) -> web.Response:
         try:
@@ -461,8 +462,7 @@ class ExtraRoutes:
             if not isinstance(top_n, int) or isinstance(top_n, bool):
                 raise ClientError(400, f"'top_n' must be an integer, got {top_n!r}")
             pairs = _pairs([query], texts)
-            outs = await self._prefill([self._text_prompt(a + PAIR_SEPARATOR + b) for a, b in pairs],
-                                       lora, model, "rerank")
+            outs = await self._prefill_pairs(pairs, lora, model, "rerank")
         except ClientError as exc:
             return error_response(exc.status, str(exc), exc.type)
         except ValueError as exc:

@@ -42,7 +42,7 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Awaitable, Iterator, Sequence
 from typing import Any, Mapping
 
 import orjson
@@ -445,11 +445,15 @@ class EngineServer(ExtraRoutes):
             self._count(job)
         except ClientError as exc:
             return error_response(exc.status, str(exc), exc.type)
+        return await self._released(rid, self._answer_stream(request, rid, chat, job, entry) if job.stream
+                                    else self._answer_json(rid, chat, entry, job.model))
+
+    async def _released(self, rid: str, answer: Awaitable[web.StreamResponse]) -> web.StreamResponse:
+        """``answer``, then the request's engine state released whatever happened
+        (success, error, client disconnect: cancellation): never leaked."""
         try:
-            if job.stream:
-                return await self._answer_stream(request, rid, chat, job, entry)
-            return await self._answer_json(rid, chat, entry, job.model)
-        finally:  # success, error, client disconnect (cancellation): never leak
+            return await answer
+        finally:
             self._release(rid)
 
     def _decode(self, token_ids: tuple[int, ...] | list[int]) -> str:
