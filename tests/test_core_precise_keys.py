@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from prefixroute.core.keys import InvalidRequest
 from prefixroute.core.kvevents.chain import block_keys, chain_root
 from prefixroute.core.model_tokenizer import ModelTokenizer
-from prefixroute.core.precise_keys import RequestKeyer
+from prefixroute.core.precise_keys import _PROBE, RequestKeyer, TokenizeLater
 from prefixroute.workloads.catalog import bench_workload
 
 TOK = dataclasses.replace(ModelTokenizer.load("tiny"), media_tokens=576)  # images as stand-in text
@@ -64,3 +64,86 @@ def test_token_id_prompts_and_errors():
     uncached = RequestKeyer(TOK, 16, cache_pieces=0)
     body = {"messages": [{"role": "user", "content": "hello " * 50}]}
     assert uncached.keys(body, True) == whole(body, True) and uncached.stats()["pieces"] == 0
+
+
+class _Counting:
+    """A tokenizer that counts the characters it was asked to tokenize."""
+
+    def __init__(self, tok: ModelTokenizer) -> None:
+        self.tok, self.chars = tok, 0
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        self.chars += len(text)
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+
+_PROBE_CHARS = _PROBE + "box yes"
+_WORDS = ["route", "cache,", "token.", "é", "12345", "naïve", "(x)", "it's", "日本語", "\n", "a  b", "\t"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from(_WORDS) | st.text(max_size=6), min_size=0, max_size=120),
+       st.sampled_from([1, 2, 5, 40]))
+def test_long_pieces_cut_in_chunks_key_as_their_whole_token_ids(words, chunk):
+    keyer = RequestKeyer(TOK, 16, chunk_chars=chunk)
+    assert keyer.chunk_chars == chunk  # the tiny tokenizer starts a word at such a cut
+    text = " ".join(words)
+    for body, chat in (({"messages": [{"role": "system", "content": text}]}, True), ({"prompt": text}, False)):
+        assert keyer.keys(body, chat) == whole(body, chat)
+        assert keyer.keys(body, chat) == whole(body, chat)
+
+
+def test_a_new_question_after_a_known_document_tokenizes_one_chunk():
+    counting = _Counting(TOK)
+    keyer = RequestKeyer(counting, 16)  # type: ignore[arg-type]
+    rng = random.Random(2)
+    doc = " ".join(rng.choice(["alpha", "beta,", "gamma.", "delta", "words\n", "12345"]) for _ in range(5000))
+    assert len(doc) > 30_000
+    for i in range(3):
+        before = counting.chars
+        body = {"prompt": doc + f" Question {i}: what does it say?"}  # one piece: no special token in it
+        assert keyer.keys(body, False) == whole(body, False)
+        tokenized = counting.chars - before
+        if i == 0:
+            assert tokenized >= len(doc)
+        else:  # the chunk holding the end of the document, and the question
+            assert tokenized < 2 * keyer.chunk_chars + 40, tokenized
+
+
+def test_much_uncached_text_is_handed_back_to_tokenize_off_the_request_path():
+    keyer = RequestKeyer(TOK, 16)
+    rng = random.Random(3)
+    doc = "The router " + " ".join(rng.choice(["keys", "every", "block.", "of", "the", "document,"]) for _ in range(3000))
+    body = {"messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 1?"}]}
+    with pytest.raises(TokenizeLater) as later:
+        keyer.keys(body, True, inline_chars=8192)
+    pieces = later.value.pieces
+    assert later.value.chars > len(doc) and len(pieces) > 10 and len(set(pieces)) == len(pieces)
+    assert any(doc[:50] in p for p in pieces) and any(doc[-50:] in p for p in pieces)
+    assert keyer.deferred == 1 and keyer.stats()["deferred"] == 1
+    keyer.learn(pieces, keyer.tokenize_pieces(pieces))
+    assert keyer.keys(body, True, inline_chars=8192) == whole(body, True)
+    follow_up = {"messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 2, longer?"}]}
+    assert keyer.keys(follow_up, True, inline_chars=100) == whole(follow_up, True)  # only the question is new
+    assert keyer.deferred == 1
+    assert keyer.keys(body, True, inline_chars=None) == whole(body, True)
+    fresh = RequestKeyer(TOK, 16)
+    assert fresh.keys(body, True) == whole(body, True)  # no limit: tokenized on the spot
+
+
+def test_a_tokenizer_that_joins_words_across_a_space_is_not_chunked():
+    from tokenizers import AddedToken, Tokenizer, models
+
+    chars = sorted(set(_PROBE_CHARS))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab["x "] = len(vocab)  # a token across the space before a word: a cut there splits it
+    tok = Tokenizer(models.BPE(vocab, [("x", " ")]))
+    tok.add_special_tokens([AddedToken("<|eot_id|>", special=True, normalized=False)])
+    model = ModelTokenizer("joins", tok, "", "", "", ())
+    keyer = RequestKeyer(model, 4)
+    assert keyer._split is not None and keyer.chunk_chars == 0
+    text = "box yes " * 300
+    assert keyer.keys({"prompt": text}, False)[0] == block_keys(model.encode(text), 4, chain_root(None))

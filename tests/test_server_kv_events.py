@@ -417,6 +417,12 @@ def test_serve_flags_build_the_kv_events_configuration() -> None:
             build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", *bad]))
     with pytest.raises(ConfigError, match="KvEvents section"):
         build_config(p.parse_args(["--config", "x.yaml", "--kv-events-from-info"]))
+    from prefixroute.core.kvevents.config import KvEventsConfig
+
+    assert KvEventsConfig().inline_tokenize_chars == 8192
+    assert KvEventsConfig.model_validate({"InlineTokenizeChars": None}).inline_tokenize_chars is None
+    with pytest.raises(ValueError, match="InlineTokenizeChars"):
+        KvEventsConfig.model_validate({"InlineTokenizeChars": -1})
 
 
 # -- CACHE_AWARE routes on the events (precise mode) ---------------------------------
@@ -474,6 +480,61 @@ async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: s
             assert await send_decided(router.url, completion, chat_api=False) == (e.url, "affinity")
         keyer = router.state.kv_keyer
         assert keyer is not None and keyer.stats()["hits"] > 0
+    finally:
+        await router.close()
+        for e in engines:
+            await e.stop()
+
+
+@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
+async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane: str) -> None:
+    # The first request naming a 20 KB document the router never tokenized is not held up
+    # by tokenizing it (InlineTokenizeChars, 8,192 by default): it goes where the learned
+    # view sends it while a thread tokenizes the document, and the next questions about
+    # it are keyed from those pieces (precise again), tokenizing only their new text.
+    engines = [await Engine().start() for _ in range(2)]
+    router = await cache_aware_router([e.url for e in engines], data_plane)
+    try:
+        for e in engines:
+            await connected(router, e.url)
+        pool = router.state.fleet.endpoint(None).variant(None)
+
+        def learned_choice(body: dict[str, Any]) -> str:
+            _, blocks = openai_route(body, True, pool.routing)
+            return pool.choose(None, blocks=blocks).instance.instance_id
+
+        words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
+        holder = engines[0].url
+        for j in range(100):  # a document the learned view would place on the other engine
+            doc = f"Document {j}: " + " ".join(words[(i * 7 + j) % 6] + str(i % 97) for i in range(2500))
+            first = {"model": DEFAULT_MODEL, "max_tokens": 2,
+                     "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 1?"}]}
+            if learned_choice(first) != holder:
+                break
+        assert len(doc) > 20_000
+        await send(holder, first)  # straight to the engine: only its events know
+        await eventually(lambda: held(router, holder, first) == full_blocks(first), what="the document's blocks")
+        keyer, off_path = router.state.kv_keyer, router.state.kv_tokenize
+        assert keyer is not None
+        # Precise mode would send it to the holder; deferred, it goes where the learned view says.
+        assert (await send_decided(router.url, first))[0] == learned_choice(first) != holder
+        assert keyer.stats()["deferred"] == 1
+        await eventually(lambda: off_path.learned > 10, what="the document tokenized on the thread")
+        misses = []
+        for q in range(2, 5):
+            follow = {**first, "messages": [first["messages"][0], {"role": "user", "content": f"Question {q}?"}]}
+            assert (await send_decided(router.url, follow))[1] == "affinity"
+            misses.append(keyer.stats()["misses"])
+        st = keyer.stats()
+        assert st["deferred"] == 1 and st["hits"] > 0
+        # The first follow-up keys the document's chunks from their token ids (no tokenizing);
+        # each later one misses only the pieces from its question on (the template's few after it).
+        assert misses[1] - misses[0] <= 8 and misses[2] - misses[1] <= 8, misses
+        async with aiohttp.ClientSession() as session:
+            async with session.get(router.admin_url + "/admin/kv-events") as r:
+                doc_status = await r.json()
+        assert doc_status["Tokenizer"]["DeferredRequests"] == 1
+        assert doc_status["Tokenizer"]["OffPathPieces"] == off_path.learned > 10
     finally:
         await router.close()
         for e in engines:

@@ -13,10 +13,22 @@ piece and remembers the pieces:
   text between them on its own, so the ids of the whole are the ids of the pieces, in
   order (checked on a probe when the keyer is made; a tokenizer for which it does not
   hold is used whole, without the cache);
+* a text piece longer than :data:`CHUNK_CHARS` is cut again into chunks of about that
+  length, each ending just before a single space between two other characters (a place
+  where the pre-tokenizers of byte-level BPE and SentencePiece models start a new word,
+  checked on a probe as above; a tokenizer for which it does not hold is not chunked).
+  A cut depends only on the text before it, so two prompts that begin with the same
+  document share its chunks, and a new question after a known document costs one chunk;
 * each piece's token ids and the keys of the blocks it completes are cached under the
   chain state it starts from (the key of the last full block and the tokens after it)
   and the piece's xxh3 digest: a document, a system prompt or a conversation's history,
-  repeated by later requests, is tokenized and hashed once.
+  repeated by later requests, is tokenized and hashed once;
+* with ``inline_chars``, a request whose uncached text is longer than that is not
+  tokenized at all: :class:`TokenizeLater` names its pieces, which the caller tokenizes
+  off the request path (:meth:`RequestKeyer.tokenize_pieces`, safe on another thread:
+  the ``tokenizers`` library releases the GIL) and hands back (:meth:`RequestKeyer.learn`);
+  the request is routed on the learned view meanwhile. The first request naming a new
+  24 KB document then costs no 5-10 ms tokenization on the event loop.
 
 Sans-I/O: a computation over a loaded tokenizer. Not thread-safe (one keyer per event
 loop or process).
@@ -34,11 +46,32 @@ import xxhash
 from prefixroute.core.kvevents.chain import block_keys, chain_root
 from prefixroute.core.model_tokenizer import ModelTokenizer
 
-__all__ = ["RequestKeyer", "DEFAULT_CACHE_PIECES"]
+__all__ = ["RequestKeyer", "TokenizeLater", "DEFAULT_CACHE_PIECES", "CHUNK_CHARS"]
 
 #: Pieces (chain state + text) whose ids and keys a keyer remembers, least recently used
 #: forgotten first. A piece costs its token ids and keys: about 10 bytes a token.
 DEFAULT_CACHE_PIECES = 4096
+#: Characters after which a long text piece is cut at the next safe place (a single space
+#: between two non-space characters): about 250 tokens of English, 0.1-0.2 ms to tokenize.
+CHUNK_CHARS = 1024
+_PROBE = ("Hello world. It's 12,345 apples; naïve café — \"quoted\" (x) a  b\tc\n\nNext line: "
+          "don't stop-gap 3.14 ünïcödé 日本語 テキスト 🙂 end.  Two  spaces,\r\nthen  more: x y z 1 2 3 ")
+
+
+class TokenizeLater(Exception):
+    """A request's uncached text is longer than ``inline_chars``
+    (:meth:`RequestKeyer.keys`): tokenize ``pieces`` off the request path
+    (:meth:`RequestKeyer.tokenize_pieces`), then :meth:`RequestKeyer.learn` them.
+
+    Attributes:
+        pieces: the uncached text pieces, each once, in prompt order.
+        chars: their length, characters.
+    """
+
+    def __init__(self, pieces: tuple[str, ...], chars: int) -> None:
+        super().__init__(f"{len(pieces)} prompt pieces ({chars} characters) to tokenize")
+        self.pieces = pieces
+        self.chars = chars
 
 
 class RequestKeyer:
@@ -48,16 +81,22 @@ class RequestKeyer:
         tokenizer: the model's tokenizer and chat template (the engines').
         block_size: the engines' KV block size, tokens (>= 1).
         cache_pieces: pieces remembered (0: none; every request tokenized whole).
+        chunk_chars: a text piece is cut into chunks of about this many characters
+            (0: not cut; see the module docstring).
 
     Raises:
         ValueError: ``block_size`` < 1 or ``cache_pieces`` < 0.
     """
 
-    def __init__(self, tokenizer: ModelTokenizer, block_size: int, cache_pieces: int = DEFAULT_CACHE_PIECES) -> None:
+    def __init__(self, tokenizer: ModelTokenizer, block_size: int, cache_pieces: int = DEFAULT_CACHE_PIECES,
+                 chunk_chars: int = CHUNK_CHARS) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         if cache_pieces < 0:
             raise ValueError(f"cache_pieces must be >= 0, got {cache_pieces}")
+        if chunk_chars < 0:
+            raise ValueError(f"chunk_chars must be >= 0, got {chunk_chars}")
+        self.chunk_chars = chunk_chars
         self.tokenizer = tokenizer
         self.block_size = block_size
         self.cache_pieces = cache_pieces
@@ -71,6 +110,8 @@ class RequestKeyer:
         self._prefix: list[int] = []  # what the post-processor puts before a completions prompt
         self.hits = 0
         self.misses = 0
+        #: Requests whose pieces were handed to the caller to tokenize (:class:`TokenizeLater`).
+        self.deferred = 0
         if cache_pieces:
             self._prepare()
 
@@ -91,6 +132,13 @@ class RequestKeyer:
         with_bos = tok.encode(probe_text, add_special_tokens=True)
         if whole != pieces or with_bos != prefix + pieces:
             self._split = None  # the pieces would not add up to the whole: tokenize whole
+            return
+        if self.chunk_chars:
+            probe = _PROBE * 3
+            chunks = _chunks(probe, 1)  # a cut at every place one may fall
+            ids = [i for c in chunks for i in tok.encode(c, add_special_tokens=False)]
+            if len(chunks) < 20 or ids != tok.encode(probe, add_special_tokens=False):
+                self.chunk_chars = 0  # this tokenizer joins words across such a cut: pieces whole
 
     def _pieces_ids(self, text: str) -> list[int]:
         out: list[int] = []
@@ -101,16 +149,34 @@ class RequestKeyer:
             out.extend([sid] if sid is not None else self.tokenizer.encode(piece, add_special_tokens=False))
         return out
 
+    def _pieces(self, text: str) -> list[str]:
+        """``text`` cut at the special tokens, and long pieces cut into chunks."""
+        cs = self.chunk_chars
+        out: list[str] = []
+        for piece in self._split.split(text):  # type: ignore[union-attr]
+            if not piece:
+                continue
+            if cs and len(piece) > cs and piece not in self._ids:
+                out.extend(_chunks(piece, cs))
+            else:
+                out.append(piece)
+        return out
+
     # -- requests ------------------------------------------------------------------------
 
-    def keys(self, payload: Mapping[str, Any], chat: bool, lora_name: str | None = None) -> tuple[list[int], int]:
+    def keys(self, payload: Mapping[str, Any], chat: bool, lora_name: str | None = None, *,
+             inline_chars: int | None = None) -> tuple[list[int], int]:
         """The keys of a request's full KV blocks and its prompt's token count.
 
         Args:
             payload: the OpenAI request (chat or completions).
             chat: ``/v1/chat/completions`` (the template applied), else completions.
             lora_name: the LoRA adapter the request runs on (``None``: the base model).
+            inline_chars: most characters of not yet tokenized text this call may
+                tokenize (``None``: no limit). Applies to a tokenizer whose prompts are
+                cut into pieces (the module docstring); others are tokenized whole.
         Raises:
+            TokenizeLater: the request has more uncached text than ``inline_chars``.
             prefixroute.core.keys.InvalidRequest: a request the tokenizer cannot render
                 (no chat template, a malformed prompt).
         """
@@ -131,9 +197,26 @@ class RequestKeyer:
         if self._split is None:
             ids = tok.encode(text, add_special_tokens=not chat)
             return block_keys(ids, self.block_size, root), len(ids)
-        return self._keys_of(text, prefix, root)
+        return self._keys_of(text, prefix, root, inline_chars)
 
-    def _keys_of(self, text: str, prefix: list[int], root: int) -> tuple[list[int], int]:
+    def tokenize_pieces(self, pieces: Sequence[str]) -> list[list[int]]:
+        """The token ids of each piece of a :class:`TokenizeLater`. Reads no cache:
+        safe to call on another thread while the keyer serves requests."""
+        encode = self.tokenizer.encode
+        return [encode(p, add_special_tokens=False) for p in pieces]
+
+    def learn(self, pieces: Sequence[str], ids: Sequence[list[int]]) -> None:
+        """Remember the token ids of ``pieces`` (:meth:`tokenize_pieces`' answer); on the
+        thread that calls :meth:`keys`."""
+        digest = xxhash.xxh3_64_intdigest
+        piece_ids = self._piece_ids
+        for piece, piece_ids_of in zip(pieces, ids):
+            piece_ids[(digest(piece.encode("utf-8", "surrogatepass")), len(piece))] = piece_ids_of
+            if len(piece_ids) > self.cache_pieces:
+                piece_ids.popitem(last=False)
+
+    def _keys_of(self, text: str, prefix: list[int], root: int,
+                 inline_chars: int | None = None) -> tuple[list[int], int]:
         bs = self.block_size
         cache = self._cache
         parent, carry = root, tuple(prefix)
@@ -145,14 +228,21 @@ class RequestKeyer:
             parent, carry = keys[-1], carry[full * bs:]
         digest = xxhash.xxh3_64_intdigest
         piece_ids = self._piece_ids
-        for piece in self._split.split(text):  # type: ignore[union-attr]
-            if not piece:
-                continue
-            pk = (digest(piece.encode("utf-8", "surrogatepass")), len(piece))
+        specials = self._ids
+        pieces = [(p, (digest(p.encode("utf-8", "surrogatepass")), len(p))) for p in self._pieces(text)]
+        if inline_chars is not None:
+            missing = {p: None for p, pk in pieces if p not in specials and pk not in piece_ids}
+            chars = sum(map(len, missing))
+            if chars > inline_chars:
+                self.deferred += 1
+                raise TokenizeLater(tuple(missing), chars)
+        for piece, pk in pieces:
             ck = (parent, carry, *pk)
             hit = cache.get(ck)
             if hit is not None:
                 cache.move_to_end(ck)
+                if pk in piece_ids:  # (its ids stay as long as its keys: see inline_chars)
+                    piece_ids.move_to_end(pk)
                 self.hits += 1
                 new, parent, carry, n = hit
             else:
@@ -185,5 +275,28 @@ class RequestKeyer:
         return keys, total
 
     def stats(self) -> dict[str, int]:
-        """Pieces cached, and cache hits and misses since start."""
-        return {"pieces": len(self._cache), "hits": self.hits, "misses": self.misses}
+        """Pieces cached, cache hits and misses, and requests deferred since start."""
+        return {"pieces": len(self._cache), "hits": self.hits, "misses": self.misses, "deferred": self.deferred}
+
+
+def _chunks(piece: str, size: int) -> list[str]:
+    """``piece`` cut after every ``size`` characters at the next single space between two
+    non-space characters (the cut goes before the space, which starts the next word).
+    Where a cut falls depends only on the text up to the character after it."""
+    out: list[str] = []
+    n = len(piece)
+    start = 0
+    pos = size
+    find = piece.find
+    while pos < n - 1:
+        c = find(" ", pos, n - 1)
+        if c < 0:
+            break
+        if piece[c - 1].isspace() or piece[c + 1].isspace():
+            pos = c + 1
+            continue
+        out.append(piece[start:c])
+        start = c
+        pos = c + size
+    out.append(piece[start:])
+    return out

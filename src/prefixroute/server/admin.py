@@ -99,7 +99,10 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
     Shape: ``{"Enabled": bool, "BlockSize": int | None, "SharedTierBlocks": int,
     "Instances": [{"Instance", "Mode", "Reason", "Connected", "Blocks", "NextSeq",
     "Messages", "Gaps", "Replays", "ReplaysFailed", "Resets", "Restarts", "Orphaned",
-    "MalformedMessages", "MalformedEvents", "UnknownEvents", "LastMessageAgeS"}, ...]}``.
+    "MalformedMessages", "MalformedEvents", "UnknownEvents", "LastMessageAgeS"}, ...],
+    "Tokenizer": {"CachedPieces", "Hits", "Misses", "DeferredRequests", "OffPathPieces"} | None}``
+    (``DeferredRequests``: routed on the learned view while their new text was tokenized
+    off the request path, ``InlineTokenizeChars``).
     """
     view = state.kv_view
     if view is None:
@@ -112,7 +115,14 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
                      "Restarts": st.restarts, "Orphaned": st.orphaned, "MalformedMessages": st.malformed_messages,
                      "MalformedEvents": st.malformed_events, "UnknownEvents": st.unknown_events,
                      "LastMessageAgeS": None if st.last_message_age_s is None else round(st.last_message_age_s, 3)})
-    return {"Enabled": True, "BlockSize": view.block_size, "SharedTierBlocks": len(view.shared), "Instances": rows}
+    keyer = state.kv_keyer
+    tokenizer = None
+    if keyer is not None:
+        st = keyer.stats()
+        tokenizer = {"CachedPieces": st["pieces"], "Hits": st["hits"], "Misses": st["misses"],
+                     "DeferredRequests": st["deferred"], "OffPathPieces": state.kv_tokenize.learned}
+    return {"Enabled": True, "BlockSize": view.block_size, "SharedTierBlocks": len(view.shared), "Instances": rows,
+            "Tokenizer": tokenizer}
 
 
 def _error(status: int, message: str) -> web.Response:

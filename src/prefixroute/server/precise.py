@@ -5,17 +5,20 @@ Envoy endpoint picker, which share it, route alike) and carried on its routing c
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping
 
 from prefixroute.core.keys import BlockChain, InvalidRequest
+from prefixroute.core.precise_keys import RequestKeyer, TokenizeLater
 from prefixroute.core.precise_policy import PreciseRequest
 
 if TYPE_CHECKING:
     from prefixroute.server.state import RouterState
 
-__all__ = ["attach_precise"]
+__all__ = ["attach_precise", "OffPathTokenizer", "MAX_PENDING_PIECES"]
 
 log = logging.getLogger("prefixroute.kv_events")
 _WARN_INTERVAL_S = 10.0
@@ -41,8 +44,15 @@ def attach_precise(state: "RouterState", payload: Mapping[str, Any], chat: bool,
         return False
     if chat and _has_media(payload):
         return False
+    off_path = state.kv_tokenize
+    kv = state.config.kv_events
+    inline = kv.inline_tokenize_chars if kv is not None and off_path is not None and off_path.usable() else None
     try:
-        keys, tokens = keyer.keys(payload, chat, view.lora_name(payload.get("model")))
+        keys, tokens = keyer.keys(payload, chat, view.lora_name(payload.get("model")), inline_chars=inline)
+    except TokenizeLater as later:  # a new document: on the learned view while a thread tokenizes it
+        assert off_path is not None
+        off_path.submit(keyer, later.pieces)
+        return False
     except (InvalidRequest, ValueError, TypeError) as exc:
         global _last_warning
         now = time.monotonic()
@@ -53,6 +63,82 @@ def attach_precise(state: "RouterState", payload: Mapping[str, Any], chat: bool,
         return False
     blocks.precise = PreciseRequest(view, keys, tokens, view.block_size)
     return True
+
+
+#: Most prompt pieces waiting for the tokenizing thread; past it a request's pieces are
+#: not queued (it is routed on the learned view, and a later request queues them).
+MAX_PENDING_PIECES = 4096
+
+
+class OffPathTokenizer:
+    """Tokenizes prompt pieces on one thread, off the event loop (the ``tokenizers``
+    library releases the GIL), and hands their token ids to the keyer on the loop
+    (:meth:`~prefixroute.core.precise_keys.RequestKeyer.learn`). A piece already queued is
+    not queued again, so a burst of requests naming one new document tokenizes it once.
+
+    Attributes:
+        submitted: pieces queued since start; ``dropped``: pieces not queued (the queue
+        was full); ``learned``: pieces whose ids reached a keyer.
+    """
+
+    def __init__(self, max_pending: int = MAX_PENDING_PIECES) -> None:
+        self.max_pending = max_pending
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: set[str] = set()
+        self.submitted = self.dropped = self.learned = 0
+
+    @staticmethod
+    def usable() -> bool:
+        """Whether pieces can be handed over: only from within a running event loop."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return False
+        return True
+
+    def submit(self, keyer: RequestKeyer, pieces: tuple[str, ...]) -> None:
+        """Queue ``pieces`` (of a :class:`~prefixroute.core.precise_keys.TokenizeLater`)
+        for ``keyer``; from the event loop's thread."""
+        new = [p for p in pieces if p not in self._pending]
+        if not new:
+            return
+        if len(self._pending) + len(new) > self.max_pending:
+            self.dropped += len(new)
+            return
+        loop = asyncio.get_running_loop()
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="prefixroute-tokenize")
+        self._pending.update(new)
+        self.submitted += len(new)
+        future = self._executor.submit(keyer.tokenize_pieces, new)
+        future.add_done_callback(lambda f: _call_soon(loop, self._done, keyer, new, f))
+
+    def _done(self, keyer: RequestKeyer, pieces: list[str], future: "Future[list[list[int]]]") -> None:
+        self._pending.difference_update(pieces)
+        if future.cancelled():
+            return
+        exc = future.exception()
+        if exc is not None:
+            log.warning("precise mode: tokenizing %d prompt pieces failed: %s: %s", len(pieces),
+                        type(exc).__name__, str(exc)[:120])
+            return
+        keyer.learn(pieces, future.result())
+        self.learned += len(pieces)
+
+    def close(self) -> None:
+        """Stop the thread (pieces still queued are dropped)."""
+        executor, self._executor = self._executor, None
+        self._pending.clear()
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """``fn(*args)`` on ``loop``, from another thread; nothing once the loop is closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # the loop closed while the thread worked
+        pass
 
 
 def _has_media(payload: Mapping[str, Any]) -> bool:

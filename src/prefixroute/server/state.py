@@ -30,6 +30,7 @@ from prefixroute.core.selection import Selection, Selector
 from prefixroute.server.health import HealthTracker
 from prefixroute.server.metrics import RouterMetrics
 from prefixroute.server.observe import Observers
+from prefixroute.server.precise import OffPathTokenizer
 from prefixroute.server.scrape import BackendStats
 from prefixroute.server.settings import ServerSettings
 
@@ -123,6 +124,8 @@ class RouterState:
         self.lora: LoraManager | None = None
         self._models_tasks: set[asyncio.Task[int]] = set()
         self.kv_keyer: Any = None
+        #: Tokenizes new prompt text off the event loop for ``kv_keyer`` (``InlineTokenizeChars``).
+        self.kv_tokenize = OffPathTokenizer()
         self._kv_keyer_spec: tuple[Any, ...] | None = None
         self._kv_serving = False
         self._kv_tasks: set[asyncio.Task[None]] = set()
@@ -299,6 +302,7 @@ class RouterState:
         """Stop precise mode's subscriptions (the app's cleanup)."""
         self._kv_serving = False
         sub, self.kv_subscriber = self.kv_subscriber, None
+        self.kv_tokenize.close()
         if sub is not None:
             await sub.close()
         for task in list(self._kv_tasks):

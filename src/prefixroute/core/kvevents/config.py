@@ -142,6 +142,10 @@ class KvEventsConfig(BaseModel):
             tokenizer's (as vLLM's ``--chat-template``), or ``None``.
         tokenizer_cache_pieces: ``TokenizerCachePieces``: prompt pieces whose token ids
             and keys are remembered (:class:`prefixroute.core.precise_keys.RequestKeyer`).
+        inline_tokenize_chars: ``InlineTokenizeChars``: most characters of new prompt
+            text tokenized on a request's path (about 1 ms at 8,192); a request with more
+            (the first to name a new document) is routed on the learned view while a
+            thread tokenizes it for the next ones. ``null``: no limit.
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -158,6 +162,7 @@ class KvEventsConfig(BaseModel):
     tokenizer: str | None = Field(default=None, alias="Tokenizer", min_length=1)
     chat_template: str | None = Field(default=None, alias="ChatTemplate", min_length=1)
     tokenizer_cache_pieces: int = Field(default=4096, alias="TokenizerCachePieces", ge=0, le=10_000_000)
+    inline_tokenize_chars: int | None = Field(default=8192, alias="InlineTokenizeChars", ge=0)
 
     @field_validator("tokenizer")
     @classmethod
