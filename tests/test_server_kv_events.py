@@ -280,6 +280,34 @@ async def test_unknown_and_malformed_events_are_logged_counted_and_ignored(
         await router.close()
 
 
+async def test_messages_from_every_instance_are_applied_in_a_few_cycles(zctx: zmq.asyncio.Context) -> None:
+    # A fleet's batches are applied in cycles (one timer callback each) shortly after the
+    # first signals, not with an event-loop wakeup per message: 4 publishers x 50 batches
+    # sent at once cost a handful of cycles, and every block is applied in order.
+    pubs = [zctx.socket(zmq.PUB) for _ in range(4)]
+    ports = [p.bind_to_random_port("tcp://127.0.0.1") for p in pubs]
+    instances = [f"http://127.0.0.{i + 1}:9" for i in range(4)]
+    router = await router_for(instances, {"Instances": {
+        inst: {"Endpoint": f"tcp://127.0.0.1:{port}"} for inst, port in zip(instances, ports)}})
+    try:
+        for inst in instances:
+            await connected(router, inst)
+        sub = router.state.kv_subscriber
+        assert sub is not None
+        cycles, messages = sub.cycles, sub.messages
+        for seq in range(50):
+            for i, pub in enumerate(pubs):
+                stored = BlockStored([1000 * i + seq], None if seq == 0 else 1000 * i + seq - 1, list(range(BS)), BS,
+                                     None, "GPU", None)
+                await pub.send_multipart([b"", seq.to_bytes(8, "big"), encode_batch(EventBatch(1.0, [stored]))])
+        await eventually(lambda: all(status(router, inst).blocks == 50 for inst in instances), what="every batch")
+        assert sub.messages - messages == 200
+        assert sub.cycles - cycles <= 20, sub.cycles - cycles
+        assert all(status(router, inst).gaps == 0 and status(router, inst).mode == "precise" for inst in instances)
+    finally:
+        await router.close()
+
+
 FLOOD = textwrap.dedent("""
     import sys, time, zmq
     from prefixroute.core.kvevents.codec import encode_batch

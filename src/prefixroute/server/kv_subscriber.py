@@ -8,18 +8,26 @@ bytes and time. Per instance, one task:
 2. connects a SUB socket (subscribed to the configured topic) and a socket monitor,
    whose connect and disconnect events tell the stream
    (:meth:`~prefixroute.core.kvevents.stream.InstanceStream.on_connected`);
-3. reads messages and hands them to the stream, and carries out the replays the stream
-   asks for on a DEALER socket (vLLM's protocol, :mod:`prefixroute.engine.kv_publisher`),
-   with ``ReplayTimeoutS`` as the longest wait for each of its frames.
+3. hands the socket to the ingest cycle, which reads its messages and gives them to the
+   stream, and carries out the replays the stream asks for on a DEALER socket (vLLM's
+   protocol, :mod:`prefixroute.engine.kv_publisher`), with ``ReplayTimeoutS`` as the
+   longest wait for each of its frames.
 
-**Off the request path, never blocking the event loop.** Every socket is asynchronous;
-messages are applied in slices of at most :data:`SLICE_S` seconds, and every instance's
-ingest together takes at most :data:`INGEST_DUTY` of the loop's time: after a slice,
-the next one (of any instance) waits three times as long as it took, and requests are
-served in between. What a flood adds beyond that stays in ZeroMQ's queue
+**One ingest cycle for every instance.** A socket with a message waiting signals on its
+file descriptor; the first signal schedules a cycle :data:`COALESCE_S` later, which reads
+every signalled socket to the end (non-blocking) and applies what it read. At a fleet's
+few hundred event batches a second this is one timer callback per few batches, where a
+coroutine awaiting each socket cost an event-loop wakeup and pyzmq's futures per batch
+(the router CPU that precise mode added at 8 router replicas).
+
+**Off the request path, never blocking the event loop.** Every socket is non-blocking;
+a cycle applies messages for at most :data:`SLICE_S` seconds, and every instance's
+ingest together takes at most :data:`INGEST_DUTY` of the loop's time: after a cycle,
+the next one waits three times as long as it took, and requests are served in between;
+sockets a cycle could not finish go first in the next. What a flood adds beyond that stays in ZeroMQ's queue
 (``ReceiveHwm``) and is then dropped by it: the stream sees a gap and repairs or resets
-(:mod:`~prefixroute.core.kvevents.stream`). A publisher that keeps every slice full for
-:data:`FLOOD_S` seconds is shed: its subscription is closed for a backoff
+(:mod:`~prefixroute.core.kvevents.stream`). A publisher that leaves messages after every
+cycle for :data:`FLOOD_S` seconds is shed: its subscription is closed for a backoff
 (:data:`FLOOD_BACKOFF_S`, doubling while it floods), during which the instance is
 approximate and its publisher's messages cost the router nothing, then taken up again
 (a reconnection: the stream resumes or resets and catches up through replay). A stream
@@ -34,6 +42,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -42,12 +51,16 @@ from prefixroute.core.kvevents.config import KvEventsConfig, KvEventsEndpoint, c
 from prefixroute.core.kvevents.stream import InstanceStream, Mode, RequestReplay
 from prefixroute.core.kvevents.view import PreciseCacheView
 
-__all__ = ["KvEventSubscriber", "SLICE_S", "INGEST_DUTY", "FLOOD_S", "FLOOD_BACKOFF_S", "INFO_RETRY_S"]
+__all__ = ["KvEventSubscriber", "SLICE_S", "COALESCE_S", "INGEST_DUTY", "FLOOD_S", "FLOOD_BACKOFF_S", "INFO_RETRY_S"]
 
 log = logging.getLogger("prefixroute.kv_events")
 
 #: Longest run of message handling before the task yields to the event loop, seconds.
 SLICE_S = 0.001
+#: After a socket signals a message, the ingest waits this long (seconds) for more, from
+#: it and the other instances, and applies them in one go: at a few hundred messages a
+#: second from a fleet, a few cycles instead of one event-loop wakeup per message.
+COALESCE_S = 0.010
 #: Most of the event loop's time all instances' ingest takes together.
 INGEST_DUTY = 0.25
 #: Seconds of back-to-back full slices after which a publisher is a flood and is shed.
@@ -61,12 +74,19 @@ INFO_RETRY_S = (0.5, 10.0)
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
+_ZMQ: Any = None
+
+
 def _zmq() -> Any:
+    global _ZMQ
+    if _ZMQ is not None:
+        return _ZMQ
     try:
         import zmq
         import zmq.asyncio
     except ImportError as exc:  # the precise extra
         raise ImportError("precise mode needs pyzmq and msgpack: pip install 'prefixroute[precise]'") from exc
+    _ZMQ = zmq
     return zmq
 
 
@@ -98,8 +118,14 @@ class KvEventSubscriber:
         self.busy_s: dict[str, float] = {}
         #: Times each instance's flooding publisher was shed (its subscription closed for a while).
         self.sheds: dict[str, int] = {}
+        #: Ingest cycles run, and messages they applied (every instance's).
+        self.cycles = 0
+        self.messages = 0
         # time.perf_counter() before which no ingest slice starts (INGEST_DUTY, all instances)
         self._next_ingest = 0.0
+        self._subs: dict[str, _Subscription] = {}
+        self._ready: dict[str, _Subscription] = {}  # sockets that signalled, in turn order
+        self._timer: asyncio.TimerHandle | None = None
 
     # -- membership ---------------------------------------------------------------------
 
@@ -140,6 +166,9 @@ class KvEventSubscriber:
         """Cancel every subscription and close the sockets."""
         tasks = list(self._tasks.values())
         self._tasks.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -252,50 +281,108 @@ class KvEventSubscriber:
 
     async def _receive(self, sub: Any, stream: InstanceStream, ep: KvEventsEndpoint, instance: str,
                        replays: set[asyncio.Task[None]]) -> None:
+        """Hand the socket to the ingest cycle (:meth:`_cycle`) until its publisher floods."""
         zmq = _zmq()
-        raw = zmq.Socket.shadow(sub.underlying)  # non-blocking reads within a slice
-        clock, perf = self._clock, time.perf_counter
-        busy = self.busy_s
-        busy.setdefault(instance, 0.0)
-        loop_time = perf
-        streak_since: float | None = None  # back-to-back full slices since then
-        while True:
-            frames = await sub.recv_multipart()
-            wait = self._next_ingest - loop_time()
-            if wait > 0:  # every instance's ingest together within INGEST_DUTY of the loop
-                await asyncio.sleep(wait)
-            t0 = perf()
-            now = clock()
-            full = False
-            while True:
-                before = stream.mode
-                for action in stream.on_message(frames, now):
-                    if isinstance(action, RequestReplay) and ep.replay_endpoint is not None:
-                        task = asyncio.create_task(self._replay(stream, ep.replay_endpoint, action.start_seq,
-                                                                instance), name=f"kv-events-replay {instance}")
-                        replays.add(task)
-                        task.add_done_callback(replays.discard)
-                if stream.mode is not before:
-                    log.info("kv events %s: %s (%s)", instance, stream.mode.value, stream.reason)
-                if perf() - t0 >= SLICE_S:
-                    full = True
-                    break
-                try:
-                    frames = raw.recv_multipart(flags=zmq.NOBLOCK)
-                except zmq.Again:
-                    break
+        loop = asyncio.get_running_loop()
+        raw = zmq.Socket.shadow(sub.underlying)  # non-blocking reads, its file descriptor
+        self.busy_s.setdefault(instance, 0.0)
+        s = _Subscription(instance, stream, ep, raw, raw.getsockopt(zmq.FD), replays, loop.create_future())
+        self._subs[instance] = s
+        self._arm(s)
+        try:
+            await s.shed  # set by _cycle when the publisher floods
+        finally:
+            self._disarm(s)
+            if self._subs.get(instance) is s:
+                del self._subs[instance]
+
+    # The socket's file descriptor is ZeroMQ's signal that messages may be waiting: readable
+    # until the socket is read. _readable stops watching it and schedules one ingest cycle
+    # COALESCE_S later for every socket that signalled meanwhile; a socket read to the end is
+    # watched again. One timer callback per cycle for every instance's messages, instead of a
+    # task wakeup (and pyzmq's futures) per message.
+
+    def _arm(self, s: "_Subscription") -> None:
+        zmq = _zmq()
+        s.loop.add_reader(s.fd, self._readable, s)
+        s.armed = True
+        if s.raw.getsockopt(zmq.EVENTS) & zmq.POLLIN:  # (a message came before the watch)
+            self._readable(s)
+
+    def _disarm(self, s: "_Subscription") -> None:
+        if s.armed:
+            s.loop.remove_reader(s.fd)
+            s.armed = False
+        self._ready.pop(s.instance, None)
+
+    def _readable(self, s: "_Subscription") -> None:
+        if s.armed:
+            s.loop.remove_reader(s.fd)
+            s.armed = False
+        self._ready[s.instance] = s
+        self._schedule(s.loop, COALESCE_S)
+
+    def _schedule(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        if self._timer is None:
+            wait = max(delay, self._next_ingest - time.perf_counter())
+            self._timer = loop.call_later(wait, self._cycle)
+
+    def _cycle(self) -> None:
+        """Read and apply every ready socket's messages, within :data:`SLICE_S` in all."""
+        self._timer = None
+        self.cycles += 1
+        zmq = _zmq()
+        perf = time.perf_counter
+        now = self._clock()
+        t0 = perf()
+        deadline = t0 + SLICE_S
+        ready, self._ready = self._ready, {}
+        left: list[_Subscription] = []
+        for s in ready.values():
+            if s.shed.done():
+                continue
+            if perf() >= deadline:
+                left.append(s)  # its turn comes first next cycle
+                continue
+            start = perf()
+            more = self._drain(s, now, deadline, zmq)
             end = perf()
-            took = end - t0
-            busy[instance] += took
-            self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
-            if full:  # the publisher outpaces us
-                if streak_since is None:
-                    streak_since = t0
-                elif end - streak_since >= FLOOD_S:
-                    return  # shed (see _run)
+            self.busy_s[s.instance] += end - start
+            if more:
+                left.append(s)
+                if s.streak_since is None:
+                    s.streak_since = start
+                elif end - s.streak_since >= FLOOD_S:
+                    s.shed.set_result(None)  # _run sheds it
             else:
-                streak_since = None
-            await asyncio.sleep(0)
+                s.streak_since = None
+                self._arm(s)
+        end = perf()
+        took = end - t0
+        self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
+        if left:
+            self._ready = {**{s.instance: s for s in left}, **self._ready}
+            self._schedule(left[0].loop, 0.0)
+
+    def _drain(self, s: "_Subscription", now: float, deadline: float, zmq: Any) -> bool:
+        """Apply ``s``'s waiting messages until none is left (False) or ``deadline`` (True)."""
+        stream, recv, perf = s.stream, s.raw.recv_multipart, time.perf_counter
+        while perf() < deadline:
+            try:
+                frames = recv(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return False
+            self.messages += 1
+            before = stream.mode
+            for action in stream.on_message(frames, now):
+                if isinstance(action, RequestReplay) and s.ep.replay_endpoint is not None:
+                    task = asyncio.create_task(self._replay(stream, s.ep.replay_endpoint, action.start_seq,
+                                                            s.instance), name=f"kv-events-replay {s.instance}")
+                    s.replays.add(task)
+                    task.add_done_callback(s.replays.discard)
+            if stream.mode is not before:
+                log.info("kv events %s: %s (%s)", s.instance, stream.mode.value, stream.reason)
+        return True
 
     async def _replay(self, stream: InstanceStream, endpoint: str, start: int, instance: str) -> None:
         zmq = _zmq()
@@ -349,6 +436,25 @@ class KvEventSubscriber:
     def modes(self) -> dict[str, Mode]:
         """Each subscribed instance's mode."""
         return {i: self.view.mode(i) for i in self._tasks}
+
+
+@dataclass(slots=True, eq=False)
+class _Subscription:
+    """One instance's socket as the ingest cycle sees it."""
+
+    instance: str
+    stream: InstanceStream
+    ep: KvEventsEndpoint
+    raw: Any  # the zmq.Socket (a shadow of the asyncio one)
+    fd: int
+    replays: set[asyncio.Task[None]]
+    shed: asyncio.Future[None]  # set when the publisher floods
+    armed: bool = False  # its file descriptor is watched
+    streak_since: float | None = None  # back-to-back cycles that left messages, since then
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        return self.shed.get_loop()
 
 
 def _reachable(endpoint: str, instance: str) -> str:

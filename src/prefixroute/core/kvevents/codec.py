@@ -153,8 +153,16 @@ def _is_hash(h: Any) -> bool:
     return (type(h) is int and h >= 0) or type(h) is bytes
 
 
+_INT_ONLY = frozenset((int,))
+
+
 def _check_hashes(hashes: Any) -> bool:
-    return isinstance(hashes, list) and bool(hashes) and all(_is_hash(h) for h in hashes)
+    if not isinstance(hashes, list) or not hashes:
+        return False
+    kinds = set(map(type, hashes))  # (one pass in C: this runs for every event of every batch)
+    if kinds == _INT_ONLY:
+        return min(hashes) >= 0
+    return all(_is_hash(h) for h in hashes)
 
 
 def _optional(value: Any, kind: type) -> bool:

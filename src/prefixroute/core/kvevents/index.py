@@ -192,7 +192,8 @@ class InstanceIndex:
         own = self.keys
         known = self.shared.keys if tier is Tier.SHARED else own
         keys: list[int] | None = None
-        if any(h not in own and h not in known for h in hashes):
+        if not all(map(own.__contains__, hashes)) and (known is own or any(h not in own and h not in known
+                                                                           for h in hashes)):
             try:
                 extras = None
                 if e.extra_keys is not None:
