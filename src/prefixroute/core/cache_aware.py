@@ -12,7 +12,7 @@ disagree when several router replicas run (SPEC §5). This strategy:
    (:class:`prefixroute.core.keys.BlockChain`), up to ``MaxPrefixLength``: a block
    matches only if everything before it matches too. Blocks are ``BlockSize`` units for
    the first 16 and then double every 16 blocks. An image, audio or file part weighs
-   ``MediaTokens`` tokens of text (:func:`prefixroute.core.keys.render_chat_text`), as
+   ``MediaTokens`` tokens of text (:func:`prefixroute.core.routing_text.render_chat_text`), as
    it does in the engine's prefill.
 2. **A bounded view per instance** (:class:`prefixroute.core.approx_cache.ApproxPrefixCache`):
    the blocks routed there, least recently used forgotten first, within

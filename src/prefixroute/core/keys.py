@@ -8,19 +8,22 @@ Two APIs, two rules (SPEC §2, as in SageMaker's ``PREFIX_AWARE`` routing):
   request body (the whole body if shorter). The body is never parsed, so callers
   must serialise consistently (whitespace and JSON key order change the bytes).
 * **OpenAI-compatible API**: the first ``PrefixLength`` **characters** of the text
-  extracted from the request by :func:`render_chat_text` (chat) or
-  :func:`completion_prompt` (completions).
+  extracted from the request by :func:`~prefixroute.core.routing_text.render_chat_text`
+  (chat) or :func:`~prefixroute.core.routing_text.completion_prompt` (completions).
 
 The model name and the tenant id are always part of the key, so identical prompts
 for different models or tenants are routed independently. The key is
 derived from ``model``, ``tenant`` and ``prefix`` only — deterministic across
 processes, machines and restarts (never Python's randomised ``hash()``): the prefix's
 ``xxh3_64`` seeded with ``xxh3_64(scope NUL tenant NUL, seed=KEY_SEED)``.
+
+The names this module re-exports from :mod:`~prefixroute.core.routing_text`
+(``InvalidRequest``, ``render_chat_text``, ``completion_prompt``) import from here as
+before.
 """
 
 from __future__ import annotations
 
-import base64
 from bisect import bisect_right
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -34,6 +37,7 @@ except ImportError:  # (not installed where it has no wheel: orjson parses every
     simdjson = None
 
 from prefixroute.core.config import RoutingStrategy
+from prefixroute.core.routing_text import InvalidRequest, chat_pieces, completion_prompt, render_chat_text
 
 if TYPE_CHECKING:
     from prefixroute.core.config import RoutingConfig
@@ -80,10 +84,6 @@ KEY_SEED = 0x7072_6566_6978  # "prefix"
 _xxh3 = xxhash.xxh3_64_intdigest
 
 _TENANT_MAX = 64
-
-
-class InvalidRequest(ValueError):
-    """A request the router cannot route; the HTTP drivers answer it with 400."""
 
 
 #: Bodies up to this size are parsed by simdjson (:func:`loads_body`), larger ones by
@@ -149,171 +149,6 @@ def validate_tenant_id(tenant: str | None) -> str:
                 f"prefix-aware id must be printable ASCII (0x20-0x7E); found character U+{ord(ch):04X}"
             )
     return tenant
-
-
-# ----------------------------------------------------------------------------------
-# Text extraction (the "chat template" shared by the router and the emulated engine)
-# ----------------------------------------------------------------------------------
-
-
-def _digest(data: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def _media_stand_in(kind: str, ref: str, media_chars: int = 0) -> str:
-    """A stable stand-in for a non-text part: URLs verbatim, inline data digested.
-
-    With ``media_chars`` > 0 the stand-in is repeated and cut to exactly that many
-    characters (at least the stand-in itself), so that a part an engine turns into
-    hundreds of prompt tokens (an image: 576 for LLaVA-1.5's 24 x 24 patches) weighs
-    as much in the routing text as it does in the engine's prefill."""
-    if ref.startswith("data:"):
-        header, _, payload = ref.partition(",")
-        try:
-            raw = base64.b64decode(payload, validate=False) if ";base64" in header else payload.encode()
-        except (ValueError, TypeError):
-            raw = payload.encode()
-        out = f"<{kind}:xxh3-{_digest(raw)}>"
-    else:
-        out = f"<{kind}:{ref}>"
-    if media_chars > len(out):
-        out = (out * (media_chars // len(out) + 1))[:media_chars]
-    return out
-
-
-def _canonical_json(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-
-
-def _content_text(content: Any, media_chars: int = 0) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-                continue
-            if not isinstance(part, Mapping):
-                raise InvalidRequest("each content part must be an object")
-            ptype = part.get("type")
-            if ptype == "text" or (ptype is None and "text" in part):
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise InvalidRequest("content part 'text' must be a string")
-                out.append(text)
-            elif ptype == "image_url":
-                image = part.get("image_url")
-                url = image.get("url", "") if isinstance(image, Mapping) else image
-                out.append(_media_stand_in("image", str(url or ""), media_chars))
-            elif ptype == "input_audio":
-                audio = part.get("input_audio") or {}
-                data = audio.get("data", "") if isinstance(audio, Mapping) else ""
-                out.append(_media_stand_in("audio", f"xxh3-{_digest(str(data).encode())}", media_chars))
-            elif ptype == "file":
-                f = part.get("file") or {}
-                ref = (f.get("file_id") or f.get("file_data") or "") if isinstance(f, Mapping) else ""
-                out.append(_media_stand_in("file", str(ref), media_chars))
-            else:
-                out.append(f"<{ptype}:xxh3-{_digest(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))}>")
-        return "".join(out)
-    raise InvalidRequest("message 'content' must be a string, a list of parts or null")
-
-
-def render_chat_text(payload: Mapping[str, Any], limit: int | None = None, media_chars: int = 0) -> str:
-    """Render an OpenAI chat request into the text whose prefix is routed on.
-
-    The rule (documented in docs/ROUTING_KEYS.md), chosen so that two requests whose
-    engine prompts share a beginning also share a beginning here:
-
-    1. Tool definitions first, as most chat templates put them in the system block:
-       ``<|tools|>\\n`` + canonical JSON of ``tools`` (sorted keys, no spaces) + ``\\n``.
-       Absent or empty ``tools`` renders nothing.
-    2. Then each message in order: ``<|role|>\\n`` (plus ``name=NAME\\n`` when the
-       message has a name) + its content + tool calls as canonical JSON + ``\\n``.
-       Content that is a list of parts renders text parts verbatim, an image URL as
-       ``<image:URL>``, inline (``data:``) media as ``<image:xxh3-DIGEST>`` of the decoded
-       bytes, audio as ``<audio:xxh3-DIGEST>``.
-
-    Fields that do not reach the prompt (``temperature``, ``max_tokens``, ``stream``...)
-    never take part, so they cannot split requests that share a cache.
-
-    Args:
-        payload: the parsed JSON body of ``POST /v1/chat/completions``.
-        limit: stop rendering once at least this many characters are out (the
-            result's first ``limit`` characters are the same as without a limit). The
-            router passes PrefixLength, so a huge conversation costs no more than its
-            first messages; messages after that point are not validated.
-        media_chars: characters each image, audio or file part stands for (0: its
-            short stand-in only, as ``PREFIX_AWARE`` keys it; ``CACHE_AWARE`` passes
-            ``MediaTokens x 4`` and the emulated engine its image tokens x 4, see
-            :func:`_media_stand_in`).
-
-    Returns:
-        The rendered text (``str``; PrefixLength counts its characters).
-
-    Raises:
-        InvalidRequest: ``messages`` is missing, not a list, or holds a malformed message.
-    """
-    return "".join(_chat_pieces(payload, limit, media_chars))
-
-
-def _chat_pieces(payload: Mapping[str, Any], limit: int | None, media_chars: int = 0) -> list[str]:
-    """The pieces of :func:`render_chat_text`'s text, in order, not joined: a long message
-    content is its own piece (the very string of the payload), so the key can be hashed
-    without copying it into a joined text. Same validation and ``limit`` rule."""
-    messages = payload.get("messages")
-    if not isinstance(messages, list):
-        raise InvalidRequest("'messages' must be a list of message objects")
-    out: list[str] = []
-    size = 0
-    tools = payload.get("tools")
-    if tools:
-        out.append(f"<|tools|>\n{_canonical_json(tools)}\n")
-        size = len(out[0])
-    for msg in messages:
-        if limit is not None and size >= limit:
-            break
-        if type(msg) is not dict and not isinstance(msg, Mapping):
-            raise InvalidRequest("each message must be an object with 'role' and 'content'")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise InvalidRequest("each message must have a string 'role'")
-        content = msg.get("content")
-        text = content if type(content) is str else _content_text(content, media_chars)
-        name = msg.get("name")
-        calls = msg.get("tool_calls")
-        head = f"<|{role}|>\nname={name}\n" if isinstance(name, str) and name else f"<|{role}|>\n"
-        tail = _canonical_json(calls) + "\n" if calls else "\n"
-        out += (head, text, tail)
-        size += len(head) + len(text) + len(tail)
-    return out
-
-
-def completion_prompt(payload: Mapping[str, Any]) -> str | list[int]:
-    """The prompt of an OpenAI completions request: a string or a list of token ids.
-
-    A batch (a list of strings or of token lists) is keyed on its first prompt.
-
-    Raises:
-        InvalidRequest: ``prompt`` is missing or has a type the API does not allow.
-    """
-    prompt = payload.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int) and not isinstance(first, bool):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise InvalidRequest("'prompt' token list must hold only integers")
-            return prompt
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in first):
-            return first
-    raise InvalidRequest("'prompt' must be a string, a list of strings, or a list of token ids")
 
 
 # ----------------------------------------------------------------------------------
@@ -487,7 +322,7 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
     """
     model, tenant = _model_and_tenant(payload, header_tenant)
     if chat:  # text_routing_key of the rendered text, hashed piece by piece
-        return _pieces_key(_chat_pieces(payload, prefix_length), prefix_length, _root(model, tenant))
+        return _pieces_key(chat_pieces(payload, prefix_length), prefix_length, _root(model, tenant))
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
         return text_routing_key(prompt, prefix_length, model, tenant)
@@ -737,7 +572,7 @@ def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int,
     """
     model, tenant = _model_and_tenant(payload, header_tenant)
     if chat:
-        return text_block_hashes("".join(_chat_pieces(payload, max_length, media_chars)), block_size, max_length,
+        return text_block_hashes("".join(chat_pieces(payload, max_length, media_chars)), block_size, max_length,
                                  model, tenant)
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
@@ -765,13 +600,13 @@ def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig
     if routing.strategy is _LLMD:
         model, tenant = _model_and_tenant(payload, header_tenant)
         cap = LLMD_BLOCK_CHARS * LLMD_MAX_BLOCKS
-        prompt = "".join(_chat_pieces(payload, cap)) if chat else completion_prompt(payload)
+        prompt = "".join(chat_pieces(payload, cap)) if chat else completion_prompt(payload)
         if not isinstance(prompt, str):
             prompt = " ".join(map(str, prompt[: cap // 4]))
         return None, fixed_blocks(_utf8_head(prompt, cap), _root(model, tenant), LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS)
     _model_and_tenant(payload, header_tenant)  # validation only, as for a key (at most one message rendered)
     if chat:
-        _chat_pieces(payload, 1)
+        chat_pieces(payload, 1)
     else:
         completion_prompt(payload)
     return None, []

@@ -52,7 +52,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from prefixroute.core.keys import InvalidRequest, completion_prompt
+from prefixroute.core.routing_text import InvalidRequest, completion_prompt
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
 from prefixroute.engine.extra_routes import ExtraRoutes
@@ -155,7 +155,7 @@ class EngineServer(ExtraRoutes):
             its token ids (chat: the template applied, as vLLM does) and the model
             generates tokens of its vocabulary. ``None`` (default): the 4-byte rule of
             :mod:`prefixroute.engine.tokenizer` and the chat rendering of
-            :func:`~prefixroute.core.keys.render_chat_text`.
+            :func:`~prefixroute.core.routing_text.render_chat_text`.
         kv_events: publish the engine's KV events (ZeroMQ) with these settings;
             ``None`` (default): no events.
         shared_tier: a KV tier shared with other instances

@@ -9,8 +9,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
-from prefixroute.core.keys import BlockChain, InvalidRequest
+from prefixroute.core.keys import BlockChain
 from prefixroute.core.precise_policy import PreciseRequest
+from prefixroute.core.routing_text import InvalidRequest
 
 if TYPE_CHECKING:
     from prefixroute.server.state import RouterState
