@@ -9,7 +9,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Mapping
 
-from prefixroute.core.keys import BlockChain
+from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.precise_policy import PreciseRequest
 from prefixroute.core.routing_text import InvalidRequest
 
