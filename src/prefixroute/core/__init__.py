@@ -15,7 +15,7 @@ from prefixroute.core.config import (
     VariantConfig,
 )
 from prefixroute.core.endpoint import Endpoint, Fleet, UnknownEndpoint, UnknownVariant
-from prefixroute.core.keys import InvalidRequest
+from prefixroute.core.routing_text import InvalidRequest
 from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, VariantPool
 from prefixroute.core.strategies import DecisionKind, InstanceState
 

@@ -1,9 +1,10 @@
 """The router's approximate view of one instance's prefix cache, bounded in memory.
 
-:class:`ApproxPrefixCache` remembers the chained blocks (:class:`prefixroute.core.keys.BlockChain`)
-of the requests routed to one instance, least recently used forgotten first, as the
-engine's own prefix cache forgets them. :class:`ViewBudget` puts one ceiling on the
-memory of every view of a router process, whatever the number of variants and instances.
+:class:`ApproxPrefixCache` remembers the chained blocks
+(:class:`prefixroute.core.block_chain.BlockChain`) of the requests routed to one
+instance, least recently used forgotten first, as the engine's own prefix cache forgets
+them. :class:`ViewBudget` puts one ceiling on the memory of every view of a router
+process, whatever the number of variants and instances.
 
 Memory: every remembered block costs about :data:`BYTES_PER_BLOCK_ENTRY` bytes (its dict
 entry and node tuple, its hash and size, its share of the leaves' heap and of the
@@ -19,7 +20,7 @@ from heapq import heapify, heappop, heappush
 from itertools import repeat
 from typing import Callable, Sequence
 
-from prefixroute.core.keys import BlockChain
+from prefixroute.core.block_chain import BlockChain
 
 __all__ = ["ApproxPrefixCache", "ViewBudget", "BYTES_PER_BLOCK_ENTRY", "DEFAULT_ROUTER_VIEW_BYTES"]
 

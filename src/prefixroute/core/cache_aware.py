@@ -9,10 +9,10 @@ coarse thresholds, grow without bound, send every miss to the same instance, and
 disagree when several router replicas run (SPEC §5). This strategy:
 
 1. **Chained blocks.** The routing text is cut into blocks whose hashes chain
-   (:class:`prefixroute.core.keys.BlockChain`), up to ``MaxPrefixLength``: a block
+   (:class:`prefixroute.core.block_chain.BlockChain`), up to ``MaxPrefixLength``: a block
    matches only if everything before it matches too. Blocks are ``BlockSize`` units for
    the first 16 and then double every 16 blocks. An image, audio or file part weighs
-   ``MediaTokens`` tokens of text (:func:`prefixroute.core.keys.render_chat_text`), as
+   ``MediaTokens`` tokens of text (:func:`prefixroute.core.routing_text.render_chat_text`), as
    it does in the engine's prefill.
 2. **A bounded view per instance** (:class:`prefixroute.core.approx_cache.ApproxPrefixCache`):
    the blocks routed there, least recently used forgotten first, within
@@ -84,7 +84,7 @@ from typing import Callable, Sequence
 from prefixroute.core.approx_cache import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, ViewBudget
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.hashing import rendezvous_best, rendezvous_order
-from prefixroute.core.keys import BlockChain
+from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.precise_policy import choose_precise
 from prefixroute.core.placement_rules import (
     ANCHOR_MIN_BLOCKS,

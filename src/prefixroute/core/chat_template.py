@@ -29,7 +29,7 @@ import json
 from functools import lru_cache
 from typing import Any, Mapping
 
-from prefixroute.core.keys import InvalidRequest
+from prefixroute.core.routing_text import InvalidRequest, media_part_text, part_texts
 
 __all__ = ["compile_chat_template", "chat_messages", "render_chat_prompt"]
 
@@ -76,26 +76,14 @@ def _content(content: Any, media_chars: int = 0) -> Any:
         return content
     if not isinstance(content, list):
         raise InvalidRequest("message 'content' must be a string, a list of parts or null")
-    texts = []
-    for part in content:
-        if isinstance(part, str):
-            texts.append(part)
-            continue
-        if not isinstance(part, Mapping):
-            raise InvalidRequest("each content part must be an object")
-        kind = part.get("type")
-        if kind == "text" or (kind is None and "text" in part):
-            text = part.get("text", "")
-            if not isinstance(text, str):
-                raise InvalidRequest("content part 'text' must be a string")
-            texts.append(text)
-        elif media_chars and kind in ("image_url", "input_audio", "file"):
-            from prefixroute.core.keys import _content_text
 
-            texts.append(_content_text([part], media_chars))  # its stand-in text (the routing rule's)
-        else:
-            raise InvalidRequest(f"content parts of type {kind!r} are not supported: this model takes text only")
-    return "\n".join(texts)
+    def other(part: Mapping[str, Any]) -> str:
+        kind = part.get("type")
+        if media_chars and kind in ("image_url", "input_audio", "file"):
+            return media_part_text(part, media_chars)  # its stand-in text (the routing rule's)
+        raise InvalidRequest(f"content parts of type {kind!r} are not supported: this model takes text only")
+
+    return "\n".join(part_texts(content, other))
 
 
 def chat_messages(payload: Mapping[str, Any], media_chars: int = 0) -> list[dict[str, Any]]:
@@ -105,7 +93,7 @@ def chat_messages(payload: Mapping[str, Any], media_chars: int = 0) -> list[dict
     ``tool_call_id``...); ``content`` given as parts becomes their texts joined by
     ``"\\n"``. An image, audio or file part is refused (a text-only model), or, with
     ``media_chars`` > 0, becomes its stand-in text of that many characters
-    (:func:`prefixroute.core.keys.render_chat_text`'s: the same media, the same text).
+    (:func:`prefixroute.core.routing_text.render_chat_text`'s: the same media, the same text).
 
     Raises:
         InvalidRequest: ``messages`` is missing or not a list, a message is not an

@@ -8,20 +8,24 @@ Two APIs, two rules (SPEC §2, as in SageMaker's ``PREFIX_AWARE`` routing):
   request body (the whole body if shorter). The body is never parsed, so callers
   must serialise consistently (whitespace and JSON key order change the bytes).
 * **OpenAI-compatible API**: the first ``PrefixLength`` **characters** of the text
-  extracted from the request by :func:`render_chat_text` (chat) or
-  :func:`completion_prompt` (completions).
+  extracted from the request by :func:`~prefixroute.core.routing_text.render_chat_text`
+  (chat) or :func:`~prefixroute.core.routing_text.completion_prompt` (completions).
 
 The model name and the tenant id are always part of the key, so identical prompts
 for different models or tenants are routed independently. The key is
 derived from ``model``, ``tenant`` and ``prefix`` only — deterministic across
 processes, machines and restarts (never Python's randomised ``hash()``): the prefix's
 ``xxh3_64`` seeded with ``xxh3_64(scope NUL tenant NUL, seed=KEY_SEED)``.
+
+``CACHE_AWARE`` and ``LLMD_REFERENCE`` get chained block hashes instead
+(:mod:`prefixroute.core.block_chain`), rooted the same way. The names this module
+re-exports from :mod:`~prefixroute.core.routing_text` and
+:mod:`~prefixroute.core.block_chain` (``InvalidRequest``, ``render_chat_text``,
+``completion_prompt``, ``BlockChain``, ``block_ends``...) import from here as before.
 """
 
 from __future__ import annotations
 
-import base64
-from bisect import bisect_right
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
@@ -33,7 +37,10 @@ try:
 except ImportError:  # (not installed where it has no wheel: orjson parses every body)
     simdjson = None
 
+from prefixroute.core.block_chain import (BLOCKS_PER_DOUBLING, BlockChain, block_ends, fixed_blocks,
+                                         scheduled_blocks)
 from prefixroute.core.config import RoutingStrategy
+from prefixroute.core.routing_text import InvalidRequest, chat_pieces, completion_prompt, render_chat_text
 
 if TYPE_CHECKING:
     from prefixroute.core.config import RoutingConfig
@@ -80,10 +87,6 @@ KEY_SEED = 0x7072_6566_6978  # "prefix"
 _xxh3 = xxhash.xxh3_64_intdigest
 
 _TENANT_MAX = 64
-
-
-class InvalidRequest(ValueError):
-    """A request the router cannot route; the HTTP drivers answer it with 400."""
 
 
 #: Bodies up to this size are parsed by simdjson (:func:`loads_body`), larger ones by
@@ -149,171 +152,6 @@ def validate_tenant_id(tenant: str | None) -> str:
                 f"prefix-aware id must be printable ASCII (0x20-0x7E); found character U+{ord(ch):04X}"
             )
     return tenant
-
-
-# ----------------------------------------------------------------------------------
-# Text extraction (the "chat template" shared by the router and the emulated engine)
-# ----------------------------------------------------------------------------------
-
-
-def _digest(data: bytes) -> str:
-    return xxhash.xxh3_128_hexdigest(data)
-
-
-def _media_stand_in(kind: str, ref: str, media_chars: int = 0) -> str:
-    """A stable stand-in for a non-text part: URLs verbatim, inline data digested.
-
-    With ``media_chars`` > 0 the stand-in is repeated and cut to exactly that many
-    characters (at least the stand-in itself), so that a part an engine turns into
-    hundreds of prompt tokens (an image: 576 for LLaVA-1.5's 24 x 24 patches) weighs
-    as much in the routing text as it does in the engine's prefill."""
-    if ref.startswith("data:"):
-        header, _, payload = ref.partition(",")
-        try:
-            raw = base64.b64decode(payload, validate=False) if ";base64" in header else payload.encode()
-        except (ValueError, TypeError):
-            raw = payload.encode()
-        out = f"<{kind}:xxh3-{_digest(raw)}>"
-    else:
-        out = f"<{kind}:{ref}>"
-    if media_chars > len(out):
-        out = (out * (media_chars // len(out) + 1))[:media_chars]
-    return out
-
-
-def _canonical_json(value: Any) -> str:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
-
-
-def _content_text(content: Any, media_chars: int = 0) -> str:
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        out: list[str] = []
-        for part in content:
-            if isinstance(part, str):
-                out.append(part)
-                continue
-            if not isinstance(part, Mapping):
-                raise InvalidRequest("each content part must be an object")
-            ptype = part.get("type")
-            if ptype == "text" or (ptype is None and "text" in part):
-                text = part.get("text", "")
-                if not isinstance(text, str):
-                    raise InvalidRequest("content part 'text' must be a string")
-                out.append(text)
-            elif ptype == "image_url":
-                image = part.get("image_url")
-                url = image.get("url", "") if isinstance(image, Mapping) else image
-                out.append(_media_stand_in("image", str(url or ""), media_chars))
-            elif ptype == "input_audio":
-                audio = part.get("input_audio") or {}
-                data = audio.get("data", "") if isinstance(audio, Mapping) else ""
-                out.append(_media_stand_in("audio", f"xxh3-{_digest(str(data).encode())}", media_chars))
-            elif ptype == "file":
-                f = part.get("file") or {}
-                ref = (f.get("file_id") or f.get("file_data") or "") if isinstance(f, Mapping) else ""
-                out.append(_media_stand_in("file", str(ref), media_chars))
-            else:
-                out.append(f"<{ptype}:xxh3-{_digest(orjson.dumps(part, option=orjson.OPT_SORT_KEYS))}>")
-        return "".join(out)
-    raise InvalidRequest("message 'content' must be a string, a list of parts or null")
-
-
-def render_chat_text(payload: Mapping[str, Any], limit: int | None = None, media_chars: int = 0) -> str:
-    """Render an OpenAI chat request into the text whose prefix is routed on.
-
-    The rule (documented in docs/ROUTING_KEYS.md), chosen so that two requests whose
-    engine prompts share a beginning also share a beginning here:
-
-    1. Tool definitions first, as most chat templates put them in the system block:
-       ``<|tools|>\\n`` + canonical JSON of ``tools`` (sorted keys, no spaces) + ``\\n``.
-       Absent or empty ``tools`` renders nothing.
-    2. Then each message in order: ``<|role|>\\n`` (plus ``name=NAME\\n`` when the
-       message has a name) + its content + tool calls as canonical JSON + ``\\n``.
-       Content that is a list of parts renders text parts verbatim, an image URL as
-       ``<image:URL>``, inline (``data:``) media as ``<image:xxh3-DIGEST>`` of the decoded
-       bytes, audio as ``<audio:xxh3-DIGEST>``.
-
-    Fields that do not reach the prompt (``temperature``, ``max_tokens``, ``stream``...)
-    never take part, so they cannot split requests that share a cache.
-
-    Args:
-        payload: the parsed JSON body of ``POST /v1/chat/completions``.
-        limit: stop rendering once at least this many characters are out (the
-            result's first ``limit`` characters are the same as without a limit). The
-            router passes PrefixLength, so a huge conversation costs no more than its
-            first messages; messages after that point are not validated.
-        media_chars: characters each image, audio or file part stands for (0: its
-            short stand-in only, as ``PREFIX_AWARE`` keys it; ``CACHE_AWARE`` passes
-            ``MediaTokens x 4`` and the emulated engine its image tokens x 4, see
-            :func:`_media_stand_in`).
-
-    Returns:
-        The rendered text (``str``; PrefixLength counts its characters).
-
-    Raises:
-        InvalidRequest: ``messages`` is missing, not a list, or holds a malformed message.
-    """
-    return "".join(_chat_pieces(payload, limit, media_chars))
-
-
-def _chat_pieces(payload: Mapping[str, Any], limit: int | None, media_chars: int = 0) -> list[str]:
-    """The pieces of :func:`render_chat_text`'s text, in order, not joined: a long message
-    content is its own piece (the very string of the payload), so the key can be hashed
-    without copying it into a joined text. Same validation and ``limit`` rule."""
-    messages = payload.get("messages")
-    if not isinstance(messages, list):
-        raise InvalidRequest("'messages' must be a list of message objects")
-    out: list[str] = []
-    size = 0
-    tools = payload.get("tools")
-    if tools:
-        out.append(f"<|tools|>\n{_canonical_json(tools)}\n")
-        size = len(out[0])
-    for msg in messages:
-        if limit is not None and size >= limit:
-            break
-        if type(msg) is not dict and not isinstance(msg, Mapping):
-            raise InvalidRequest("each message must be an object with 'role' and 'content'")
-        role = msg.get("role")
-        if not isinstance(role, str):
-            raise InvalidRequest("each message must have a string 'role'")
-        content = msg.get("content")
-        text = content if type(content) is str else _content_text(content, media_chars)
-        name = msg.get("name")
-        calls = msg.get("tool_calls")
-        head = f"<|{role}|>\nname={name}\n" if isinstance(name, str) and name else f"<|{role}|>\n"
-        tail = _canonical_json(calls) + "\n" if calls else "\n"
-        out += (head, text, tail)
-        size += len(head) + len(text) + len(tail)
-    return out
-
-
-def completion_prompt(payload: Mapping[str, Any]) -> str | list[int]:
-    """The prompt of an OpenAI completions request: a string or a list of token ids.
-
-    A batch (a list of strings or of token lists) is keyed on its first prompt.
-
-    Raises:
-        InvalidRequest: ``prompt`` is missing or has a type the API does not allow.
-    """
-    prompt = payload.get("prompt")
-    if isinstance(prompt, str):
-        return prompt
-    if isinstance(prompt, list) and prompt:
-        first = prompt[0]
-        if isinstance(first, int) and not isinstance(first, bool):
-            if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                raise InvalidRequest("'prompt' token list must hold only integers")
-            return prompt
-        if isinstance(first, str):
-            return first
-        if isinstance(first, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in first):
-            return first
-    raise InvalidRequest("'prompt' must be a string, a list of strings, or a list of token ids")
 
 
 # ----------------------------------------------------------------------------------
@@ -487,7 +325,7 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
     """
     model, tenant = _model_and_tenant(payload, header_tenant)
     if chat:  # text_routing_key of the rendered text, hashed piece by piece
-        return _pieces_key(_chat_pieces(payload, prefix_length), prefix_length, _root(model, tenant))
+        return _pieces_key(chat_pieces(payload, prefix_length), prefix_length, _root(model, tenant))
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
         return text_routing_key(prompt, prefix_length, model, tenant)
@@ -495,206 +333,8 @@ def openai_routing_key(payload: Mapping[str, Any], chat: bool, prefix_length: in
 
 
 # ----------------------------------------------------------------------------------
-# Chained block hashes (CACHE_AWARE)
+# Chained block hashes of a request (CACHE_AWARE; LLMD_REFERENCE in openai_route)
 # ----------------------------------------------------------------------------------
-
-#: Blocks keep ``BlockSize`` for this many blocks, then double, and double again after as
-#: many more: block ends fall at ``BlockSize x 16 x (2**g - 1)`` after ``g`` groups. A
-#: long prompt then costs a few dozen blocks (64 KB of text: 97 with BlockSize 64, not
-#: 1,024), and a match is still known to within 1/8 of its length (a block is at most
-#: 1/8 of the text before it), finer than any prefill-time difference a routing choice
-#: can act on.
-BLOCKS_PER_DOUBLING = 16
-
-
-@lru_cache(maxsize=64)
-def block_ends(block_size: int, max_length: int) -> tuple[int, ...]:
-    """Where the full blocks of a routing text end, in units (characters/bytes), up to
-    ``max_length``: ``block_size`` each for :data:`BLOCKS_PER_DOUBLING` blocks, then
-    twice that for as many, and so on.
-
-    Raises:
-        ValueError: ``block_size`` < 1.
-    """
-    if block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-    ends: list[int] = []
-    pos, size = 0, block_size
-    while pos + size <= max_length:
-        pos += size
-        ends.append(pos)
-        if len(ends) % BLOCKS_PER_DOUBLING == 0:
-            size *= 2
-    return tuple(ends)
-
-
-class BlockChain(Sequence[int]):
-    """The chained block hashes of one routing text, computed when first read.
-
-    Block ``k``'s hash is ``xxh3_64(data[:ends[k]], seed=root)``: the hash of the whole
-    text up to the end of the block, so equal hashes at position ``k`` mean equal text
-    up to there (a match is always a true prefix match; the same chaining idea as vLLM's
-    block hashes, where each block's hash includes its parent's). ``root`` folds in the
-    model (or endpoint) and the tenant.
-
-    Reading one hash costs one xxh3 pass over the prefix (about 1.5 µs for 64 KB), so a
-    strategy that binary-searches a chain reads a handful of them. The pass that reads
-    block ``k`` also records block ``k - 1``'s hash on the way (xxh3's streaming state
-    digested at ``ends[k - 1]``, then continued): a search that gallops down from the end
-    of the chain reads ``k - 1`` right after ``k``. :meth:`hashes` computes all of them in
-    one streaming pass (what learning needs).
-
-    Args:
-        data: the routing text's bytes (UTF-8 text, a raw body, or token ids).
-        root: the 64-bit seed of every hash of this chain.
-        ends: increasing block end offsets into ``data`` (the last may be ``len(data)``:
-            a final partial block).
-        unit_shift: block sizes in routing-text units are byte counts ``>> unit_shift``
-            (0 for text and raw bodies; 1 for token ids: 8 bytes = 4 characters' worth).
-        full: how many of the blocks are full (on the schedule of :func:`block_ends`);
-            default all. The rest (at most one) is the final partial block.
-
-    Attributes:
-        precise: the request's precise-mode data
-            (:class:`prefixroute.core.precise_policy.PreciseRequest`: its KV block keys
-            from its token ids), set by the driver that computed them, else ``None``.
-            ``CACHE_AWARE`` then weighs what the engines report holding.
-    """
-
-    __slots__ = ("_mv", "root", "ends", "_memo", "_all", "unit_shift", "full", "precise")
-
-    def __init__(self, data: bytes | memoryview, root: int, ends: Sequence[int], unit_shift: int = 0,
-                 full: int | None = None) -> None:
-        self._mv = memoryview(data)
-        self.root = root
-        self.ends = ends
-        self._memo: dict[int, int] = {}
-        self._all: list[int] | None = None
-        self.unit_shift = unit_shift
-        self.full = len(ends) if full is None else full
-        self.precise: object = None
-
-    def __len__(self) -> int:
-        return len(self.ends)
-
-    def __getitem__(self, k):  # type: ignore[override]
-        if isinstance(k, slice):
-            return self.hashes()[k]
-        if self._all is not None:
-            return self._all[k]
-        n = len(self.ends)
-        if k < 0:
-            k += n
-        if not 0 <= k < n:
-            raise IndexError("block index out of range")
-        h = self._memo.get(k)
-        if h is None:
-            h = self._read(k)
-        return h
-
-    def __iter__(self):  # type: ignore[override]
-        return iter(self.hashes())
-
-    def __eq__(self, other: object) -> bool:
-        if isinstance(other, (BlockChain, list, tuple)):
-            return self.hashes() == list(other)
-        return NotImplemented
-
-    def __repr__(self) -> str:
-        return f"BlockChain({len(self.ends)} blocks, {self.ends[-1] if self.ends else 0} bytes)"
-
-    def prefix_hash(self, end: int, k: int) -> int:
-        """The hash a block ``k`` ending ``end`` units into the routing text has (the
-        hash of the text up to there, as :meth:`hash` gives for a block ending there):
-        a partial block another chain ended with, compared with this chain's text.
-        ``end`` must not pass the chain's last end."""
-        return _xxh3(self._mv[: end << self.unit_shift], self.root)
-
-    def hash(self, k: int) -> int:
-        """Block ``k``'s hash, ``0 <= k < len(self)`` (``self[k]`` without the checks)."""
-        if self._all is not None:
-            return self._all[k]
-        h = self._memo.get(k)
-        if h is None:
-            h = self._read(k)
-        return h
-
-    def _read(self, k: int) -> int:
-        """Hash block ``k`` (and block ``k - 1`` on the way, unless known) and memoise."""
-        memo, ends, mv = self._memo, self.ends, self._mv
-        if k == 0 or k - 1 in memo:
-            h = memo[k] = _xxh3(mv[: ends[k]], self.root)
-            return h
-        state = xxhash.xxh3_64(mv[: ends[k - 1]], self.root)
-        memo[k - 1] = state.intdigest()
-        state.update(mv[ends[k - 1] : ends[k]])
-        h = memo[k] = state.intdigest()
-        return h
-
-    def hashes(self) -> list[int]:
-        """Every block's hash, in order (one streaming xxh3 pass; cached)."""
-        if self._all is None:
-            h = xxhash.xxh3_64(seed=self.root)
-            mv, prev, out = self._mv, 0, []
-            for e in self.ends:
-                h.update(mv[prev:e])
-                out.append(h.intdigest())
-                prev = e
-            self._all = out
-        return self._all
-
-    def hashes_from(self, start: int) -> list[int]:
-        """The hashes of blocks ``start`` to the end, in order: one streaming xxh3 pass
-        over the chain's bytes, a digest for those blocks only (the last one alone comes
-        from the memo when known)."""
-        if self._all is not None:
-            return self._all[start:]
-        ends = self.ends
-        n = len(ends)
-        if start <= 0:
-            return list(self.hashes())
-        if start >= n:
-            return []
-        if start == n - 1:
-            return [self.hash(start)]
-        mv, prev = self._mv, ends[start - 1]
-        h = xxhash.xxh3_64(mv[:prev], self.root)
-        out = []
-        for e in ends[start:]:
-            h.update(mv[prev:e])
-            out.append(h.intdigest())
-            prev = e
-        return out
-
-    def sizes(self) -> list[int]:
-        """Each block's size in routing-text units (characters; token ids count 4)."""
-        shift, prev, out = self.unit_shift, 0, []
-        for e in self.ends:
-            out.append((e - prev) >> shift)
-            prev = e
-        return out
-
-
-
-def fixed_blocks(data: bytes | memoryview, root: int, block_size: int, most: int) -> BlockChain:
-    """Chained hashes of ``data``'s full blocks of ``block_size`` bytes, at most ``most``
-    of them, no doubling and no partial block (a request shorter than one block has none):
-    the blocks of ``LLMD_REFERENCE``, as the Inference Extension's prefix plugin cuts a
-    prompt."""
-    full = min(len(data) // block_size, most)
-    return BlockChain(data, root, [block_size * (k + 1) for k in range(full)])
-
-
-def _chain(data: bytes | memoryview, root: int, block_size: int, max_length: int, unit_shift: int = 0) -> BlockChain:
-    """Chain over ``data`` (already cut to the cap): full blocks on the schedule of
-    :func:`block_ends`, plus a final partial block when text is left over."""
-    n = len(data)
-    ends_all = block_ends(block_size, max_length)
-    full = bisect_right(ends_all, n)
-    ends = list(ends_all[:full])
-    if n and (not ends or ends[-1] < n):
-        ends.append(n)
-    return BlockChain(data, root, ends, unit_shift, full)
 
 
 def text_block_hashes(text: str, block_size: int, max_length: int, model: str, tenant: str = "") -> BlockChain:
@@ -708,12 +348,12 @@ def text_block_hashes(text: str, block_size: int, max_length: int, model: str, t
         A :class:`BlockChain` (a sequence of unsigned 64-bit hashes; empty for empty text).
     """
     data = _utf8_head(text, max_length)
-    return _chain(data, _root(model, tenant), block_size, 4 * max_length)  # UTF-8: <= 4 bytes a character
+    return scheduled_blocks(data, _root(model, tenant), block_size, 4 * max_length)  # UTF-8: <= 4 bytes a character
 
 
 def byte_block_hashes(body: bytes, block_size: int, max_length: int, scope: str, tenant: str = "") -> BlockChain:
     """Chained block hashes of a raw body's first ``max_length`` bytes (native API)."""
-    return _chain(bytes(body[:max_length]), _root(scope, tenant), block_size, max_length)
+    return scheduled_blocks(bytes(body[:max_length]), _root(scope, tenant), block_size, max_length)
 
 
 def token_block_hashes(tokens: Sequence[int], block_size: int, max_length: int, model: str,
@@ -723,7 +363,8 @@ def token_block_hashes(tokens: Sequence[int], block_size: int, max_length: int, 
     per = max(1, block_size // 4)
     head = tokens[: max(1, max_length // 4)]
     data = b"".join((t & 0xFFFF_FFFF_FFFF_FFFF).to_bytes(8, "little") for t in head)
-    return _chain(data, _xxh3(b"\1", _root(model, tenant)), per * 8, max(1, max_length // 4) * 8, unit_shift=1)
+    return scheduled_blocks(data, _xxh3(b"\1", _root(model, tenant)), per * 8, max(1, max_length // 4) * 8,
+                            unit_shift=1)
 
 
 def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int, max_length: int,
@@ -737,7 +378,7 @@ def openai_block_hashes(payload: Mapping[str, Any], chat: bool, block_size: int,
     """
     model, tenant = _model_and_tenant(payload, header_tenant)
     if chat:
-        return text_block_hashes("".join(_chat_pieces(payload, max_length, media_chars)), block_size, max_length,
+        return text_block_hashes("".join(chat_pieces(payload, max_length, media_chars)), block_size, max_length,
                                  model, tenant)
     prompt = completion_prompt(payload)
     if isinstance(prompt, str):
@@ -765,13 +406,13 @@ def openai_route(payload: Mapping[str, Any], chat: bool, routing: "RoutingConfig
     if routing.strategy is _LLMD:
         model, tenant = _model_and_tenant(payload, header_tenant)
         cap = LLMD_BLOCK_CHARS * LLMD_MAX_BLOCKS
-        prompt = "".join(_chat_pieces(payload, cap)) if chat else completion_prompt(payload)
+        prompt = "".join(chat_pieces(payload, cap)) if chat else completion_prompt(payload)
         if not isinstance(prompt, str):
             prompt = " ".join(map(str, prompt[: cap // 4]))
         return None, fixed_blocks(_utf8_head(prompt, cap), _root(model, tenant), LLMD_BLOCK_CHARS, LLMD_MAX_BLOCKS)
     _model_and_tenant(payload, header_tenant)  # validation only, as for a key (at most one message rendered)
     if chat:
-        _chat_pieces(payload, 1)
+        chat_pieces(payload, 1)
     else:
         completion_prompt(payload)
     return None, []

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from prefixroute.core.chat_template import compile_chat_template, render_chat_prompt
-from prefixroute.core.keys import InvalidRequest, completion_prompt
+from prefixroute.core.routing_text import InvalidRequest, completion_prompt
 from prefixroute.core.kvevents.config import BUNDLED_TOKENIZERS
 
 __all__ = ["BUNDLED_TOKENIZERS", "OUTPUT_VOCABULARY_SIZE", "ModelTokenizer", "load_tokenizer"]

@@ -8,7 +8,7 @@ into the chat or completions body whose key is the route's.
 =================  ===================================================================
 route              routing text (its first PrefixLength characters form the key)
 =================  ===================================================================
-chat/completions   the rendered messages (:func:`prefixroute.core.keys.render_chat_text`)
+chat/completions   the rendered messages (:func:`prefixroute.core.routing_text.render_chat_text`)
 completions        the prompt (the first one of a batch)
 embeddings         the input (the first one of a batch); ``messages`` as chat
 responses          ``instructions`` as a system message, then ``input`` (a string, or
@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import orjson
 
-from prefixroute.core.keys import InvalidRequest, completion_prompt
+from prefixroute.core.routing_text import InvalidRequest, completion_prompt
 
 __all__ = ["OpenAIRoute", "keyed_view", "scoped_model", "route_for_path", "TENANT_FIELDS"]
 

@@ -3,7 +3,7 @@
 :class:`~prefixroute.core.cache_aware.CacheAwareStrategy` decides on its learned view of
 every instance's cache. When a request carries precise-mode data (:class:`PreciseRequest`:
 its KV block keys from its token ids, set by the driver on the request's
-:class:`~prefixroute.core.keys.BlockChain` as ``blocks.precise``) or the engines have KV
+:class:`~prefixroute.core.block_chain.BlockChain` as ``blocks.precise``) or the engines have KV
 tiers the router must model (``CacheAwareRoutingConfig.KvTiers``), the strategy hands the
 decision to :func:`choose_precise`, which applies **the same rule** (module docstring of
 :mod:`prefixroute.core.cache_aware`: homes, the cost of uncached prefill plus queue,
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 from prefixroute.core.hashing import rendezvous_best
-from prefixroute.core.keys import BlockChain
+from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.kvevents.stream import Mode
 from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, STICK_FRACTION
 from prefixroute.core.strategies import DecisionKind, InstanceState

@@ -26,7 +26,7 @@ from functools import lru_cache
 
 import xxhash
 
-from prefixroute.core.keys import InvalidRequest
+from prefixroute.core.routing_text import InvalidRequest
 
 __all__ = ["NEW_SESSION", "SESSION_ID_MAX", "SessionPin", "instance_tag", "parse_session_id", "pin_session_id"]
 

@@ -9,7 +9,8 @@ Sans-I/O model (no asyncio, no clock; safe to import from the simulator):
 
 I/O drivers (import them explicitly; they pull in aiohttp):
 
-* :mod:`~prefixroute.engine.server` — the OpenAI-compatible HTTP server, real time;
+* :mod:`~prefixroute.engine.server` — the OpenAI-compatible HTTP server, real time (its
+  ``/metrics``: :mod:`~prefixroute.engine.metrics`);
 * :mod:`~prefixroute.engine.cli` — ``prefixroute emulate``.
 """
 

@@ -60,7 +60,7 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from prefixroute.core.keys import InvalidRequest, render_chat_text
+from prefixroute.core.routing_text import InvalidRequest, render_chat_text
 from prefixroute.core.openai_routes import OpenAIRoute, keyed_view
 from prefixroute.engine.http_common import (DEFAULT_MAX_TOKENS, GENERATION_PROMPT, ClientError, InFlight, Job,
                                             chat_prompt_text, error_response)

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from prefixroute.core.keys import render_chat_text
+from prefixroute.core.routing_text import render_chat_text
 from prefixroute.engine.tokenizer import TokenizedPrompt
 
 __all__ = ["GENERATION_PROMPT", "DEFAULT_MAX_TOKENS", "ClientError", "InFlight", "Job", "chat_prompt_text",

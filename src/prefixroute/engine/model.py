@@ -30,7 +30,7 @@ tensor parallelism 8**, vLLM with prefix caching (the SPEC's reference benchmark
 * **Images**: each image, audio or file part of a chat request is prefilled as
   ``image_tokens`` tokens (576: LLaVA-1.5's 24 x 24 patches of a 336 px image; vLLM
   caches them like text, by the media's hash). Its text in the prompt is its stand-in
-  (:func:`prefixroute.core.keys.render_chat_text`) repeated to ``image_tokens x 4``
+  (:func:`prefixroute.core.routing_text.render_chat_text`) repeated to ``image_tokens x 4``
   characters.
 * **Scheduler limits**: ``max_num_seqs = 256`` (vLLM's long-standing default; recent
   releases raise it to 1024 on ≥70 GiB GPUs, but with 8k-token prompts the KV cache,

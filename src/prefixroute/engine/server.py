@@ -10,8 +10,8 @@ waiting handlers. With no work it sleeps until a request arrives.
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (``stream`` as
 server-sent events), ``POST /v1/embeddings``, ``/tokenize``, ``/detokenize``,
 ``/v1/responses``, ``/v1/score``, ``/v1/rerank`` (:mod:`prefixroute.engine.extra_routes`),
-``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus, vLLM metric names), ``POST /invocations`` + ``GET /ping``
+``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus, vLLM metric names:
+:mod:`prefixroute.engine.metrics`), ``POST /invocations`` + ``GET /ping``
 (SageMaker container contract), ``GET /info`` (instance id, configuration, counters,
 KV-event endpoints), ``POST /reset_prefix_cache`` (vLLM's: drops every cached block; 409
 while requests run) and, with runtime LoRA updating on (vLLM's
@@ -42,17 +42,15 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable, Iterator, Sequence
+from collections.abc import Awaitable
 from typing import Any, Mapping
 
 import orjson
 import xxhash
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from prefixroute.core.keys import InvalidRequest, completion_prompt
+from prefixroute.core.routing_text import InvalidRequest, completion_prompt
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.engine.core import EngineCore, RequestOutput, RequestRejected, StepOutput
 from prefixroute.engine.extra_routes import ExtraRoutes
@@ -60,6 +58,7 @@ from prefixroute.engine.http_common import (DEFAULT_MAX_TOKENS, GENERATION_PROMP
                                             chat_prompt_text, error_response)
 from prefixroute.engine.kv_events import KvEventRecorder
 from prefixroute.engine.kv_publisher import KvEventPublisher, KvEventsSettings
+from prefixroute.engine.metrics import engine_registry
 from prefixroute.engine.tiers import SharedTier
 from prefixroute.engine.model import EngineConfig
 from prefixroute.engine.tokenizer import decode, from_token_ids, tokenize
@@ -79,65 +78,8 @@ log = logging.getLogger(__name__)
 #: Most wall seconds the step loop may run behind its schedule before it resets to
 #: "now" instead of catching up with back-to-back steps.
 MAX_LAG_S = 0.1
-#: vLLM's buckets (seconds) for ``vllm:time_to_first_token_seconds``.
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
-                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
-               60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 _FAILED = object()  # queued to a request's handler when the engine loop crashed
-
-
-class _EngineCollector(Collector):
-    """Reads the core's counters at scrape time, under vLLM's metric names."""
-
-    def __init__(self, core: EngineCore, model: str, server: "EngineServer | None" = None) -> None:
-        self._core = core
-        self._model = model
-        self._server = server
-
-    def collect(self) -> Iterator[Metric]:
-        s = self._core.stats()
-        m = [self._model]
-        counters = (
-            ("vllm:prefix_cache_queries", "Prompt tokens of admitted requests.", s.prefix_cache_queries),
-            ("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.", s.prefix_cache_hits),
-            ("vllm:gpu_prefix_cache_queries", "Older name of vllm:prefix_cache_queries.", s.prefix_cache_queries),
-            ("vllm:gpu_prefix_cache_hits", "Older name of vllm:prefix_cache_hits.", s.prefix_cache_hits),
-            ("vllm:prompt_tokens", "Prompt tokens of prefilled requests (cached included).", s.prompt_tokens_total),
-            ("vllm:generation_tokens", "Generated tokens.", s.generation_tokens_total),
-            ("vllm:num_preemptions", "Preemptions (0: KV blocks are reserved at admission).", 0),
-            ("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the lower KV tiers (CPU, shared).",
-             s.external_prefix_cache_queries),
-            ("vllm:external_prefix_cache_hits", "Prompt tokens loaded from the lower KV tiers.",
-             s.external_prefix_cache_hits),
-        )
-        for name, doc, value in counters:
-            c = CounterMetricFamily(name, doc, labels=["model_name"])
-            c.add_metric(m, value)
-            yield c
-        success = CounterMetricFamily(
-            "vllm:request_success", "Finished requests.", labels=["model_name", "finished_reason"]
-        )
-        success.add_metric([self._model, "length"], s.requests_finished)
-        yield success
-        tiers = CounterMetricFamily("prefixroute_engine_tier_hit_tokens", "Prompt tokens loaded from a KV tier.",
-                                    labels=["model_name", "medium"])
-        tiers.add_metric([self._model, "CPU"], s.cpu_tier_hits)
-        tiers.add_metric([self._model, "SHARED"], s.shared_tier_hits)
-        yield tiers
-        gauges = (
-            ("vllm:num_requests_running", "Requests admitted and running.", s.num_running),
-            ("vllm:num_requests_waiting", "Requests waiting for admission.", s.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage, fraction 0-1 of blocks referenced.", s.kv_cache_usage),
-            ("vllm:gpu_cache_usage_perc", "Alias of vllm:kv_cache_usage_perc (older vLLM name).", s.kv_cache_usage),
-        )
-        for name, doc, value in gauges:
-            g = GaugeMetricFamily(name, doc, labels=["model_name"])
-            g.add_metric(m, value)
-            yield g
-        if self._server is not None:
-            yield from self._server.extra_metrics()
 
 
 class EngineServer(ExtraRoutes):
@@ -155,7 +97,7 @@ class EngineServer(ExtraRoutes):
             its token ids (chat: the template applied, as vLLM does) and the model
             generates tokens of its vocabulary. ``None`` (default): the 4-byte rule of
             :mod:`prefixroute.engine.tokenizer` and the chat rendering of
-            :func:`~prefixroute.core.keys.render_chat_text`.
+            :func:`~prefixroute.core.routing_text.render_chat_text`.
         kv_events: publish the engine's KV events (ZeroMQ) with these settings;
             ``None`` (default): no events.
         shared_tier: a KV tier shared with other instances
@@ -206,16 +148,7 @@ class EngineServer(ExtraRoutes):
         self.publisher = KvEventPublisher(kv_events) if kv_events is not None else None
         self.core = EngineCore(config, tokenizer.output_token_ids if tokenizer is not None else None,
                                events=self.events, shared_tier=shared_tier)
-        self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(self.core, config.model, self))
-        self._ttft = Histogram(
-            "vllm:time_to_first_token_seconds", "Time to first token, in modelled seconds.",
-            ["model_name"], registry=self.registry, buckets=TTFT_BUCKETS,
-        )
-        self._e2e = Histogram(
-            "vllm:e2e_request_latency_seconds", "End-to-end request latency, in modelled seconds.",
-            ["model_name"], registry=self.registry, buckets=E2E_BUCKETS,
-        )
+        self.registry, self._ttft, self._e2e = engine_registry(self.core, config.model, self)
         self._inflight: dict[str, InFlight] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -602,49 +535,6 @@ class EngineServer(ExtraRoutes):
             self.lora_unloads += 1
         log.info("Removed LoRA adapter: name '%s'", name)
         return web.Response(text=f"Success: LoRA adapter '{name}' removed successfully.")
-
-    def extra_metrics(self) -> Iterator[Metric]:
-        """vLLM's ``vllm:lora_requests_info`` (with LoRA on) and the emulator's own
-        counters: requests per model asked for, requests for a model not served,
-        adapter loads and unloads, prefix-cache counters per adapter."""
-        m = [self.config.model]
-        if self.config.max_loras:
-            running, waiting = self.core.lora_activity()
-            info = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
-                                     labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
-            info.add_metric([str(self.config.max_loras), ",".join(sorted(running)), ",".join(sorted(waiting))],
-                            time.time())
-            yield info
-        requests = CounterMetricFamily("prefixroute_engine_requests", "Requests accepted, per model name asked for "
-                                       "(a served name or a LoRA adapter).", labels=["model_name"])
-        for name, n in sorted(self.requests_by_model.items()):
-            requests.add_metric([name], n)
-        yield requests
-        missing = CounterMetricFamily(
-            "prefixroute_engine_model_not_served",
-            "Requests refused with 404 because the engine did not have the model or adapter asked for at that "
-            "moment (for an adapter: a request sent outside its sticky set).", labels=["model_name"])
-        for name, n in sorted(self.not_served.items()):
-            missing.add_metric([name], n)
-        yield missing
-        for metric, doc, value in (("prefixroute_engine_lora_loads", "LoRA adapters loaded at run time.",
-                                    self.lora_loads),
-                                   ("prefixroute_engine_lora_unloads", "LoRA adapters unloaded at run time.",
-                                    self.lora_unloads)):
-            c = CounterMetricFamily(metric, doc, labels=["model_name"])
-            c.add_metric(m, value)
-            yield c
-        queries = CounterMetricFamily("prefixroute_engine_lora_prefix_cache_queries",
-                                      "Prompt tokens looked up in the prefix cache, per LoRA adapter ('' = base).",
-                                      labels=["lora_name"])
-        hits = CounterMetricFamily("prefixroute_engine_lora_prefix_cache_hits",
-                                   "Prompt tokens found in the prefix cache, per LoRA adapter ('' = base).",
-                                   labels=["lora_name"])
-        for lora, (q, h) in sorted(self.core.lora_cache_stats().items(), key=lambda kv: kv[0] or ""):
-            queries.add_metric([lora or ""], q)
-            hits.add_metric([lora or ""], h)
-        yield queries
-        yield hits
 
     # -- embeddings --------------------------------------------------------------------
 

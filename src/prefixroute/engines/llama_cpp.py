@@ -280,7 +280,8 @@ class LlamaCppFleet:
 def chat_prompt(messages: Sequence[Mapping[str, Any]]) -> str:
     """The text the tiny model's chat template makes of ``messages`` (string contents):
     ``<|role|>\\n`` + content + ``\\n`` per message, then ``<|assistant|>\\n``. The same
-    rendering as the router's chat key (:func:`prefixroute.core.keys.render_chat_text`)."""
+    rendering as the router's chat key
+    (:func:`prefixroute.core.routing_text.render_chat_text`)."""
     return "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages) + "<|assistant|>\n"
 
 

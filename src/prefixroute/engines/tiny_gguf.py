@@ -23,7 +23,8 @@ The model:
   temperature never picks EOS, a control byte or half a UTF-8 sequence. Every request
   therefore generates exactly ``max_tokens`` visible characters.
 * a chat template with the router's chat rendering (``<|role|>\\n`` + content +
-  ``\\n`` per message, then ``<|assistant|>\\n``; :func:`prefixroute.core.keys.render_chat_text`),
+  ``\\n`` per message, then ``<|assistant|>\\n``;
+  :func:`prefixroute.core.routing_text.render_chat_text`),
   so ``/v1/chat/completions`` works too.
 
 This file imports only the standard library, ``numpy`` and ``gguf`` (the GGUF writer of

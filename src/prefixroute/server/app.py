@@ -45,9 +45,9 @@ from aiohttp import HttpVersion11, web
 from prefixroute.core.config import RoutingConfig
 from prefixroute.core.endpoint import Endpoint, UnknownComponent, UnknownEndpoint, UnknownVariant
 from prefixroute.core.pool import VariantPool
-from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, native_route, openai_route,
-                                   openai_tenant, validate_tenant_id)
+from prefixroute.core.keys import loads_body, native_route, openai_route, openai_tenant, validate_tenant_id
 from prefixroute.core.openai_routes import OpenAIRoute, keyed_view, scoped_model
+from prefixroute.core.routing_text import InvalidRequest, completion_prompt
 from prefixroute.core.selection import ComponentRequired, UnknownModel
 from prefixroute.core.sessions import SessionPin, parse_session_id
 from prefixroute.discovery.manager import start_discovery

@@ -11,9 +11,10 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Mapping
 
-from prefixroute.core.keys import BlockChain, InvalidRequest
+from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.precise_keys import RequestKeyer, TokenizeLater
 from prefixroute.core.precise_policy import PreciseRequest
+from prefixroute.core.routing_text import InvalidRequest
 
 if TYPE_CHECKING:
     from prefixroute.server.state import RouterState

@@ -28,9 +28,9 @@ from typing import IO, TYPE_CHECKING, Any
 
 import orjson
 
-from prefixroute.core.keys import (InvalidRequest, completion_prompt, loads_body, openai_tenant, render_chat_text,
-                                   validate_tenant_id)
+from prefixroute.core.keys import loads_body, openai_tenant, validate_tenant_id
 from prefixroute.core.openai_routes import OpenAIRoute
+from prefixroute.core.routing_text import InvalidRequest, completion_prompt, render_chat_text
 from prefixroute.server import headers as H
 from prefixroute.server.routes import Api
 from prefixroute.workloads.traces import make_trace_record

@@ -1,12 +1,13 @@
 """``CACHE_AWARE``'s chained blocks for the simulator's prompts, which have no text.
 
 The router cuts a request's routing text into blocks on the schedule of
-:func:`prefixroute.core.keys.block_ends` and hashes each block with everything before it
-(:class:`prefixroute.core.keys.BlockChain`). A simulated prompt knows only its length and
-its routing key for any prefix length (``SimPrompt.routing_key``), equal exactly when
-those first units are equal: block ``k``'s hash here is that key for the block's end,
-salted with ``k``. Two prompts then share block ``k`` exactly when they share the text up
-to its end, as with the router's hashes, and the strategy sees the same block sizes.
+:func:`prefixroute.core.block_chain.block_ends` and hashes each block with everything
+before it (:class:`prefixroute.core.block_chain.BlockChain`). A simulated prompt knows
+only its length and its routing key for any prefix length (``SimPrompt.routing_key``),
+equal exactly when those first units are equal: block ``k``'s hash here is that key for
+the block's end, salted with ``k``. Two prompts then share block ``k`` exactly when they
+share the text up to its end, as with the router's hashes, and the strategy sees the same
+block sizes.
 
 The exact (text) prompts of ``SimConfig.exact_text`` get the router's own hashes
 (:func:`prefixroute.core.keys.openai_block_hashes`).
@@ -17,7 +18,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from typing import Callable, Sequence
 
-from prefixroute.core.keys import BlockChain, block_ends, openai_block_hashes
+from prefixroute.core.block_chain import BlockChain, block_ends
+from prefixroute.core.keys import openai_block_hashes
 
 __all__ = ["PromptBlockChain", "prompt_blocks", "prompt_fixed_blocks"]
 
@@ -97,8 +99,9 @@ def prompt_blocks(prompt: object, block_size: int, max_length: int, media_chars:
 
 
 def prompt_fixed_blocks(prompt: object, block_size: int, most: int) -> BlockChain:
-    """``LLMD_REFERENCE``'s blocks for ``prompt`` (:func:`prefixroute.core.keys.fixed_blocks`):
-    full blocks of ``block_size`` units, at most ``most``, no partial block."""
+    """``LLMD_REFERENCE``'s blocks for ``prompt``
+    (:func:`prefixroute.core.block_chain.fixed_blocks`): full blocks of ``block_size``
+    units, at most ``most``, no partial block."""
     body = getattr(prompt, "body", None)
     if body is not None:
         from prefixroute.core.config import RoutingConfig

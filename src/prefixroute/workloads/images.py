@@ -16,7 +16,7 @@ Poisson process of rate ``arrival_rate`` (open loop) or, in a closed loop, back 
 
 The router weighs an image part as ``MediaTokens`` tokens of routing text and the
 emulated engine prefills it as ``image_tokens`` tokens
-(:func:`prefixroute.core.keys.render_chat_text`'s ``media_chars``); in the simulator's
+(:func:`prefixroute.core.routing_text.render_chat_text`'s ``media_chars``); in the simulator's
 fast path an image is one segment of ``image_tokens x 4`` characters, so both views agree
 when the two settings are equal (576 by default).
 """

@@ -57,7 +57,7 @@ SHAREGPT_MEAN_INPUT_TOKENS = 161.31
 #: Mean ShareGPT answer length, tokens (Kwon et al. 2023, Fig. 11).
 SHAREGPT_MEAN_OUTPUT_TOKENS = 337.99
 
-# Character lengths of the chat rendering (core.keys.render_chat_text) and of the
+# Character lengths of the chat rendering (core.routing_text.render_chat_text) and of the
 # engine's generation prompt (engine.server.GENERATION_PROMPT).
 _SYSTEM_WRAP = len("<|system|>\n") + len("\n")  # 12
 _FIRST_USER_WRAP = len("<|user|>\n") + len("\n") + len("<|assistant|>\n")  # 24

@@ -18,7 +18,7 @@ as a sequence of **segments**, each a content id and a length, without the text 
 
 Equivalence with the text path (tested in ``tests/test_workloads_prompt.py``): for the
 workloads of this package, which render chat messages into segments at the exact
-character lengths of :func:`prefixroute.core.keys.render_chat_text` plus the engine's
+character lengths of :func:`prefixroute.core.routing_text.render_chat_text` plus the engine's
 generation prompt, two prompts share a block-aligned prefix in segment form exactly when
 their texts do, so the engine sees the same cache hits. Routing keys are equal exactly
 when the first ``PrefixLength`` characters are equal; their 64-bit *values* differ from

@@ -35,7 +35,7 @@ _WORDS = (
 ).split()
 
 _HEAD = "Answer the user's question using only the document below.\n\nDocument:\n"
-# Characters the chat rendering adds around each message (core.keys.render_chat_text)
+# Characters the chat rendering adds around each message (core.routing_text.render_chat_text)
 # and the engine's generation prompt (engine.server.GENERATION_PROMPT):
 _USER_WRAP = len("<|user|>\n") + len("\n")  # 10
 _GENERATION = len("<|assistant|>\n")  # 14
