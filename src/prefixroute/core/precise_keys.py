@@ -45,6 +45,7 @@ import xxhash
 
 from prefixroute.core.kvevents.chain import block_keys, chain_root
 from prefixroute.core.model_tokenizer import ModelTokenizer
+from prefixroute.core.routing_text import completion_prompt
 
 __all__ = ["RequestKeyer", "TokenizeLater", "DEFAULT_CACHE_PIECES", "CHUNK_CHARS"]
 
@@ -186,8 +187,6 @@ class RequestKeyer:
             text = tok.render_chat(payload)
             prefix: list[int] = []
         else:
-            from prefixroute.core.keys import completion_prompt
-
             prompt = completion_prompt(payload)
             if not isinstance(prompt, str):  # token ids, used as given
                 ids = list(prompt)
