@@ -147,3 +147,55 @@ def test_a_tokenizer_that_joins_words_across_a_space_is_not_chunked():
     assert keyer._split is not None and keyer.chunk_chars == 0
     text = "box yes " * 300
     assert keyer.keys({"prompt": text}, False)[0] == block_keys(model.encode(text), 4, chain_root(None))
+
+
+def test_a_piece_that_cannot_be_cut_is_tokenized_on_the_spot_not_deferred():
+    # Japanese text has no space to cut at: the document and each question form one piece,
+    # new with every question. Deferring it would route every such request on the learned
+    # view and tokenize it for nothing: the chunk that ends a piece is not counted.
+    keyer = RequestKeyer(TOK, 16)
+    doc = "日本語のテキストで、空白のない長い文書です。" * 420
+    assert len(doc) > 9000
+    for q in ("質問一", "質問二", "質問三"):
+        body = {"messages": [{"role": "user", "content": doc + q}]}
+        assert keyer.keys(body, True, inline_chars=8192) == whole(body, True)
+    assert keyer.deferred == 0
+
+
+def test_a_request_with_more_new_pieces_than_the_cache_learns_is_keyed_on_the_spot():
+    keyer = RequestKeyer(TOK, 16, cache_pieces=64)
+    rng = random.Random(5)
+    body = {"messages": [{"role": "system", "content": " ".join(rng.choice(_WORDS[:6]) for _ in range(15_000))},
+                         {"role": "user", "content": "Question?"}]}
+    assert keyer.keys(body, True, inline_chars=8192) == whole(body, True)  # 60+ chunks: learning would evict them
+    assert keyer.deferred == 0
+
+
+def test_a_request_whose_keys_are_cached_is_not_deferred_when_its_token_ids_were_forgotten():
+    keyer = RequestKeyer(TOK, 16)
+    rng = random.Random(6)
+    doc = " ".join(rng.choice(["cache", "route", "token", "block"]) + str(rng.randrange(100)) for _ in range(3000))
+    body = {"messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Q?"}]}
+    assert keyer.keys(body, True) == whole(body, True)
+    others = [f"other document {i} " + "words " * 30 for i in range(4096)]
+    keyer.learn(others, keyer.tokenize_pieces(others))  # pushes the document's ids out of the id cache
+    assert keyer.keys(body, True, inline_chars=8192) == whole(body, True)  # its chain keys are still cached
+    assert keyer.deferred == 0
+
+
+def test_a_vocabulary_with_a_token_across_a_space_turns_chunking_off():
+    import json
+
+    from tokenizers import Tokenizer
+
+    doc = json.loads(TOK.tokenizer.to_str())
+    doc["pre_tokenizer"]["use_regex"] = False  # no pre-tokenizer split: BPE may merge across a space
+    model = doc["model"]
+    model["vocab"]["dĠo"] = max(model["vocab"].values()) + 1
+    model["merges"].insert(0, ["d", "Ġo"] if isinstance(model["merges"][0], list) else "d Ġo")
+    joined = dataclasses.replace(TOK, tokenizer=Tokenizer.from_str(json.dumps(doc)))
+    keyer = RequestKeyer(joined, 4, chunk_chars=8)
+    assert keyer._split is not None and keyer.chunk_chars == 0  # (the probe alone has no "d o")
+    body = {"prompt": "word word word and other words " * 20}
+    ids = joined.encode(body["prompt"])
+    assert keyer.keys(body, False) == (block_keys(ids, 4, chain_root(None)), len(ids))

@@ -16,15 +16,17 @@ piece and remembers the pieces:
 * a text piece longer than :data:`CHUNK_CHARS` is cut again into chunks of about that
   length, each ending just before a single space between two other characters (a place
   where the pre-tokenizers of byte-level BPE and SentencePiece models start a new word,
-  checked on a probe as above; a tokenizer for which it does not hold is not chunked).
+  checked on a probe as above and on the vocabulary, which must have no token holding a
+  space after a non-space character; a tokenizer for which it does not hold is not
+  chunked).
   A cut depends only on the text before it, so two prompts that begin with the same
   document share its chunks, and a new question after a known document costs one chunk;
 * each piece's token ids and the keys of the blocks it completes are cached under the
   chain state it starts from (the key of the last full block and the tokens after it)
   and the piece's xxh3 digest: a document, a system prompt or a conversation's history,
   repeated by later requests, is tokenized and hashed once;
-* with ``inline_chars``, a request whose uncached text is longer than that is not
-  tokenized at all: :class:`TokenizeLater` names its pieces, which the caller tokenizes
+* with ``inline_chars``, a request whose uncached text (the chunk that ends each piece
+  aside) is longer than that is not tokenized at all: :class:`TokenizeLater` names its pieces, which the caller tokenizes
   off the request path (:meth:`RequestKeyer.tokenize_pieces`, safe on another thread:
   the ``tokenizers`` library releases the GIL) and hands back (:meth:`RequestKeyer.learn`);
   the request is routed on the learned view meanwhile. The first request naming a new
@@ -138,7 +140,8 @@ class RequestKeyer:
             probe = _PROBE * 3
             chunks = _chunks(probe, 1)  # a cut at every place one may fall
             ids = [i for c in chunks for i in tok.encode(c, add_special_tokens=False)]
-            if len(chunks) < 20 or ids != tok.encode(probe, add_special_tokens=False):
+            if len(chunks) < 20 or ids != tok.encode(probe, add_special_tokens=False) or \
+                    _joins_across_space(tok.tokenizer.get_vocab()):
                 self.chunk_chars = 0  # this tokenizer joins words across such a cut: pieces whole
 
     def _pieces_ids(self, text: str) -> list[int]:
@@ -150,10 +153,12 @@ class RequestKeyer:
             out.extend([sid] if sid is not None else self.tokenizer.encode(piece, add_special_tokens=False))
         return out
 
-    def _pieces(self, text: str) -> list[str]:
-        """``text`` cut at the special tokens, and long pieces cut into chunks."""
+    def _pieces(self, text: str) -> tuple[list[str], set[int]]:
+        """``text`` cut at the special tokens, and long pieces cut into chunks; and the
+        indices of the chunks that end a piece (where a new question usually is)."""
         cs = self.chunk_chars
         out: list[str] = []
+        ends: set[int] = set()
         for piece in self._split.split(text):  # type: ignore[union-attr]
             if not piece:
                 continue
@@ -161,7 +166,8 @@ class RequestKeyer:
                 out.extend(_chunks(piece, cs))
             else:
                 out.append(piece)
-        return out
+            ends.add(len(out) - 1)
+        return out, ends
 
     # -- requests ------------------------------------------------------------------------
 
@@ -228,13 +234,10 @@ class RequestKeyer:
         digest = xxhash.xxh3_64_intdigest
         piece_ids = self._piece_ids
         specials = self._ids
-        pieces = [(p, (digest(p.encode("utf-8", "surrogatepass")), len(p))) for p in self._pieces(text)]
+        texts, ends = self._pieces(text)
+        pieces = [(p, (digest(p.encode("utf-8", "surrogatepass")), len(p))) for p in texts]
         if inline_chars is not None:
-            missing = {p: None for p, pk in pieces if p not in specials and pk not in piece_ids}
-            chars = sum(map(len, missing))
-            if chars > inline_chars:
-                self.deferred += 1
-                raise TokenizeLater(tuple(missing), chars)
+            self._maybe_defer(pieces, ends, parent, carry, inline_chars)
         for piece, pk in pieces:
             ck = (parent, carry, *pk)
             hit = cache.get(ck)
@@ -273,9 +276,49 @@ class RequestKeyer:
             total += n
         return keys, total
 
+    def _maybe_defer(self, pieces: list[tuple[str, tuple[int, int]]], ends: set[int], parent: int,
+                     carry: tuple[int, ...], inline_chars: int) -> None:
+        """Raise :class:`TokenizeLater` when the request's new text is more than
+        ``inline_chars``. New: past the chain's cached run (:attr:`_cache`), and neither a
+        special token nor a piece whose ids are known. The chunk that ends a piece is
+        not counted (in a prompt sent as one piece, it is where each request's new
+        question is: deferring it would defer every such request), nor is a request with
+        more new pieces than half the cache holds (learning them would evict them)."""
+        cache, piece_ids, specials = self._cache, self._piece_ids, self._ids
+        start = len(pieces)
+        for i, (_, pk) in enumerate(pieces):  # the cached run: nothing to tokenize
+            hit = cache.get((parent, carry, *pk))
+            if hit is None:
+                start = i
+                break
+            parent, carry = hit[1], hit[2]
+        missing: dict[str, None] = {}
+        chars = 0
+        for i in range(start, len(pieces)):
+            piece, pk = pieces[i]
+            if piece in specials or pk in piece_ids or piece in missing:
+                continue
+            missing[piece] = None
+            if i not in ends:
+                chars += len(piece)
+        if chars > inline_chars and len(missing) <= self.cache_pieces // 2:
+            self.deferred += 1
+            raise TokenizeLater(tuple(missing), sum(map(len, missing)))
+
     def stats(self) -> dict[str, int]:
         """Pieces cached, cache hits and misses, and requests deferred since start."""
         return {"pieces": len(self._cache), "hits": self.hits, "misses": self.misses, "deferred": self.deferred}
+
+
+#: A space (as a byte-level or SentencePiece vocabulary writes it: " ", "Ġ", "▁") after a
+#: character that is not whitespace (nor the separator of the joined vocabulary).
+_JOINED_SPACE = re.compile("[^\\s\x00\u0120\u0109\u010a\u010d\u010b\u010c\u2581][ \u0120\u2581]")
+
+
+def _joins_across_space(vocab: Mapping[str, int]) -> bool:
+    """Whether a token of ``vocab`` holds a space after a non-space character (a word
+    joined to the next across the space where :func:`_chunks` cuts)."""
+    return _JOINED_SPACE.search("\x00".join(vocab)) is not None
 
 
 def _chunks(piece: str, size: int) -> list[str]:

@@ -24,7 +24,8 @@ coroutine awaiting each socket cost an event-loop wakeup and pyzmq's futures per
 a cycle applies messages for at most :data:`SLICE_S` seconds, and every instance's
 ingest together takes at most :data:`INGEST_DUTY` of the loop's time: after a cycle,
 the next one waits three times as long as it took, and requests are served in between;
-sockets a cycle could not finish go first in the next. What a flood adds beyond that stays in ZeroMQ's queue
+sockets a cycle did not reach go first in the next, then those it could not finish (a
+flooding publisher does not starve the others). What a flood adds beyond that stays in ZeroMQ's queue
 (``ReceiveHwm``) and is then dropped by it: the stream sees a gap and repairs or resets
 (:mod:`~prefixroute.core.kvevents.stream`). A publisher that leaves messages after every
 cycle for :data:`FLOOD_S` seconds is shed: its subscription is closed for a backoff
@@ -69,6 +70,8 @@ FLOOD_S = 1.0
 FLOOD_BACKOFF_S = (1.0, 30.0)
 #: Batches a replay's backlog applies between two checks of the slice's time.
 _DRAIN_STEP = 16
+#: Seconds between two logged errors applying one instance's messages.
+ERROR_LOG_INTERVAL_S = 10.0
 #: Backoff between two ``GET /info`` discovery attempts, seconds (first, then doubling to the last).
 INFO_RETRY_S = (0.5, 10.0)
 _END_SEQ = (-1).to_bytes(8, "big", signed=True)
@@ -126,6 +129,7 @@ class KvEventSubscriber:
         self._subs: dict[str, _Subscription] = {}
         self._ready: dict[str, _Subscription] = {}  # sockets that signalled, in turn order
         self._timer: asyncio.TimerHandle | None = None
+        self._failed_at: dict[str, float] = {}  # instance -> when an apply error was last logged
 
     # -- membership ---------------------------------------------------------------------
 
@@ -337,19 +341,29 @@ class KvEventSubscriber:
         t0 = perf()
         deadline = t0 + SLICE_S
         ready, self._ready = self._ready, {}
-        left: list[_Subscription] = []
+        skipped: list[_Subscription] = []  # not reached in this cycle: first in the next
+        partial: list[_Subscription] = []  # read until the budget ran out: after them
         for s in ready.values():
             if s.shed.done():
                 continue
             if perf() >= deadline:
-                left.append(s)  # its turn comes first next cycle
+                skipped.append(s)
                 continue
             start = perf()
-            more = self._drain(s, now, deadline, zmq)
+            try:
+                more = self._drain(s, now, deadline, zmq)
+            except Exception:  # (a bug: one instance's must not stop the others' ingest)
+                last = self._failed_at.get(s.instance)
+                if last is None or time.monotonic() - last >= ERROR_LOG_INTERVAL_S:
+                    self._failed_at[s.instance] = time.monotonic()
+                    log.exception("kv events %s: applying a message failed; resetting its state (logged at most "
+                                  "every %.0f s)", s.instance, ERROR_LOG_INTERVAL_S)
+                s.stream.reset("an error while applying a message")
+                more = False
             end = perf()
             self.busy_s[s.instance] += end - start
             if more:
-                left.append(s)
+                partial.append(s)
                 if s.streak_since is None:
                     s.streak_since = start
                 elif end - s.streak_since >= FLOOD_S:
@@ -360,7 +374,8 @@ class KvEventSubscriber:
         end = perf()
         took = end - t0
         self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
-        if left:
+        if skipped or partial:
+            left = skipped + partial
             self._ready = {**{s.instance: s for s in left}, **self._ready}
             self._schedule(left[0].loop, 0.0)
 

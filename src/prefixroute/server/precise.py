@@ -67,7 +67,8 @@ def attach_precise(state: "RouterState", payload: Mapping[str, Any], chat: bool,
 
 
 #: Most prompt pieces waiting for the tokenizing thread; past it a request's pieces are
-#: not queued (it is routed on the learned view, and a later request queues them).
+#: not queued (it is routed on the learned view, and a later request queues them). One
+#: request's pieces are always taken when none wait.
 MAX_PENDING_PIECES = 4096
 
 
@@ -86,6 +87,7 @@ class OffPathTokenizer:
         self.max_pending = max_pending
         self._executor: ThreadPoolExecutor | None = None
         self._pending: set[str] = set()
+        self._closed = False
         self.submitted = self.dropped = self.learned = 0
 
     @staticmethod
@@ -101,10 +103,10 @@ class OffPathTokenizer:
         """Queue ``pieces`` (of a :class:`~prefixroute.core.precise_keys.TokenizeLater`)
         for ``keyer``; from the event loop's thread."""
         new = [p for p in pieces if p not in self._pending]
-        if not new:
+        if not new or self._closed:
             return
-        if len(self._pending) + len(new) > self.max_pending:
-            self.dropped += len(new)
+        if self._pending and len(self._pending) + len(new) > self.max_pending:
+            self.dropped += len(new)  # (a later request names them again)
             return
         loop = asyncio.get_running_loop()
         if self._executor is None:
@@ -127,7 +129,8 @@ class OffPathTokenizer:
         self.learned += len(pieces)
 
     def close(self) -> None:
-        """Stop the thread (pieces still queued are dropped)."""
+        """Stop the thread (pieces still queued are dropped); later pieces are not queued."""
+        self._closed = True
         executor, self._executor = self._executor, None
         self._pending.clear()
         if executor is not None:
