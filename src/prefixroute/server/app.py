@@ -27,9 +27,11 @@ Every error answer uses the API's shape: an OpenAI error object on ``/v1`` paths
 SageMaker error (``x-amzn-ErrorType`` header, ``{"message": ...}``) on native paths,
 ``{"message": ...}`` JSON elsewhere (unknown paths included).
 
-Request bodies (codings, limits, the reader) are :mod:`prefixroute.server.request_body`'s;
-the names it had here (``read_body``, ``decode_request_body``, ``BodyTooLarge``...)
-import from this module as before.
+Request bodies (codings, limits, the reader) live in :mod:`prefixroute.server.request_body`,
+the router's own refusals (:func:`count_answer`, :func:`error_for_path`, the 401 and the
+429) in :mod:`prefixroute.server.refusals`; the names they had here (``read_body``,
+``decode_request_body``, ``BodyTooLarge``, ``count_answer``...) import from this module
+as before.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ from prefixroute.server.request_body import (  # (re-exported: request bodies we
     ACCEPTED_CODINGS, DECODED_CODINGS, RECEIVING, BodyNotDecoded, BodyTimedOut, BodyTooLarge, close_receiving,
     close_receiving_on_shutdown, coding_refusal, decode_request_body, read_body, request_coding, transfer_coding,
     transfer_refused)
+from prefixroute.server.refusals import count_answer, error_for_path, throttled, unauthorized  # (re-exported)
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
@@ -155,65 +158,6 @@ def request_id(headers: Mapping[str, str]) -> str:
     digits (128 bits, as a uuid4 hex has; from ``random``: an id, not a secret)."""
     rid = headers.get(H.REQUEST_ID)
     return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
-
-
-def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float,
-                 who: Identity | None = None) -> web.Response:
-    """An answer of the router's own, before anything was sent upstream: counted in
-    ``responses_total`` and, as every answer, in ``request_duration_seconds``
-    (``t0``: ``time.perf_counter()`` at the request's arrival), and reported to the
-    observers (``who``: the API key it came with, if known). Returns ``resp``."""
-    m = state.metrics
-    t_end = time.perf_counter()
-    m.responses.labels(endpoint, variant, str(resp.status)).inc()
-    m.duration_seconds.labels(endpoint, variant).observe(t_end - t0)
-    state.observers.refused(endpoint, variant, resp.status, _message_of(resp), resp.headers.get(H.REQUEST_ID), t0,
-                            t_end, len(resp.body) if isinstance(resp.body, bytes) else 0,
-                            None if who is None else {"client": who.name, "tenant": who.tenant})
-    return resp
-
-
-def unauthorized(api: Api, why: str, rid: str) -> web.Response:
-    """The 401 for a request without a valid API key (``why``: ``missing`` or
-    ``wrong``), in its API's shape, with ``WWW-Authenticate: Bearer``."""
-    hdrs = {H.REQUEST_ID: rid, "WWW-Authenticate": "Bearer"}
-    if why == "missing":
-        msg = "missing API key: send Authorization: Bearer <key> or x-api-key: <key>"
-    else:
-        msg = "invalid API key"
-    if api is Api.OPENAI:
-        return openai_error(401, msg, code="invalid_api_key", headers=hdrs)
-    kind = "MissingAuthenticationTokenException" if why == "missing" else "UnrecognizedClientException"
-    return sagemaker_error(kind, msg, status=401, headers=hdrs)
-
-
-def throttled(api: Api, refusal: Refusal, rid: str, variant: str | None = None) -> web.Response:
-    """The 429 for a request over its key's or tenant's limit, in its API's shape
-    (OpenAI: type ``requests``, code ``rate_limit_exceeded``; SageMaker:
-    ``ThrottlingException``), with ``Retry-After`` (whole seconds)."""
-    hdrs = {H.REQUEST_ID: rid, "Retry-After": str(refusal.retry_after_s)}
-    if variant:
-        hdrs[H.INVOKED_VARIANT] = variant
-    what = "requests per second" if refusal.reason == "rate" else "concurrent requests"
-    msg = (f"{'tenant' if refusal.scope == 'tenant' else 'API key'} limit on {what} reached; "
-           f"retry after {refusal.retry_after_s} s")
-    if api is Api.OPENAI:
-        return openai_error(429, msg, type_="requests", code="rate_limit_exceeded", headers=hdrs)
-    return sagemaker_error("ThrottlingException", msg, status=429, headers=hdrs)
-
-
-def _message_of(resp: web.Response) -> str:
-    """The ``message`` of one of the router's own JSON error answers (OpenAI's or
-    SageMaker's shape), or ``""``."""
-    try:
-        doc = orjson.loads(resp.body) if isinstance(resp.body, bytes) else None
-    except orjson.JSONDecodeError:
-        return ""
-    if isinstance(doc, dict):
-        inner = doc.get("error")
-        msg = inner.get("message") if isinstance(inner, dict) else doc.get("message")
-        return msg if isinstance(msg, str) else ""
-    return ""
 
 
 def _log_prompt(rid: str, body: bytes) -> None:
@@ -592,19 +536,6 @@ async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text exposition."""
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-
-def error_for_path(path: str, status: int, message: str, code: str, *, sagemaker_type: str = "ValidationError",
-                   headers: Mapping[str, str] | None = None) -> web.Response:
-    """An error in the shape the API of ``path`` uses: OpenAI's (``code``; type
-    ``server_error`` for a 5xx, else ``invalid_request_error``), the SageMaker runtime's
-    (``sagemaker_type``), or ``{"message": ...}``; with ``headers``."""
-    if "/v1/" in path:
-        return openai_error(status, message, type_="server_error" if status >= 500 else "invalid_request_error",
-                            code=code, headers=headers)
-    if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
-        return sagemaker_error(sagemaker_type, message, status=status, headers=headers)
-    return json_response(status, {"message": message}, headers)
 
 
 def _expect() -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:

@@ -59,7 +59,7 @@ from prefixroute.core.attempts import Attempts, Next
 from prefixroute.core.pool import Lease, NoHealthyInstance, SetSaturated
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
-from prefixroute.server.app import count_answer, error_for_path, prepare_inference, request_id
+from prefixroute.server.app import prepare_inference, request_id
 from prefixroute.server.attempt import acquire, acquire_or_grow, apply_step, count_routed, retry_elsewhere
 from prefixroute.server.proxy import (
     STREAM_ABORTED,
@@ -76,6 +76,7 @@ from prefixroute.server.proxy import (
     upstream_error,
     upstream_headers,
 )
+from prefixroute.server.refusals import count_answer, error_for_path
 from prefixroute.server.request_body import (BodyNotDecoded, BodyTimedOut, BodyTooLarge, decode_request_body,
                                              request_coding, transfer_refused)
 from prefixroute.server.routes import RouteMatch, match_route
