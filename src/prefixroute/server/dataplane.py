@@ -48,8 +48,6 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import tempfile
 import time
 from typing import Any
 
@@ -69,6 +67,7 @@ from prefixroute.server.request_body import (BodyNotDecoded, BodyTimedOut, BodyT
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.state import RouterState
 from prefixroute.server.delegate import delegate
+from prefixroute.server.internal_socket import internal_socket_path  # (re-exported)
 from prefixroute.server.http11 import _field, _serialize
 from prefixroute.server.upstream import _error_kind, _Reply, _Upstream, _UpstreamLost, _UpstreamPool
 from prefixroute.server.client import _Client, _ClientGone, _Incoming, _Started
@@ -690,31 +689,3 @@ def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web
 def _expire(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
-
-
-#: Longest path a Unix socket may have (``sun_path`` is 108 bytes on Linux, with its NUL).
-_UNIX_PATH_MAX = 107
-
-
-def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-",
-                         fallback_prefix: str = "prefixroute-") -> str:
-    """A fresh path for the aiohttp app's Unix socket, in a new directory only this user
-    can enter: ``<parent>/<prefix>XXXXXXXX/app.sock`` (``parent`` ``None``: the system's
-    temporary directory), or ``<system temporary directory>/<fallback_prefix>XXXXXXXX/
-    app.sock`` if that path would be too long for a Unix socket (a long ``$TMPDIR``).
-
-    Raises:
-        OSError: even that path would be too long (nothing is created); the message
-            says to shorten ``$TMPDIR``.
-    """
-    def longest(parent: str | None, prefix: str) -> str:
-        return os.path.join(parent or tempfile.gettempdir(), prefix + "X" * 8, "app.sock")
-
-    if parent is not None and len(os.fsencode(longest(parent, prefix))) > _UNIX_PATH_MAX:
-        parent, prefix = None, fallback_prefix
-    if len(os.fsencode(path := longest(parent, prefix))) > _UNIX_PATH_MAX:
-        raise OSError(f"the internal Unix socket would be {path!r}, {len(os.fsencode(path))} bytes, over the "
-                      f"{_UNIX_PATH_MAX} a Unix socket path may have: set TMPDIR to a shorter directory")
-    directory = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    os.chmod(directory, 0o700)
-    return os.path.join(directory, "app.sock")

@@ -27,7 +27,8 @@ from prefixroute.server.admin import build_admin_app
 from prefixroute.server.app import build_app
 from prefixroute.server.request_body import close_receiving
 from prefixroute.server.client import LINGER_S
-from prefixroute.server.dataplane import FrontServer, internal_socket_path
+from prefixroute.server.dataplane import FrontServer
+from prefixroute.server.internal_socket import internal_socket_path
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
