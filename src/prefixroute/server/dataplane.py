@@ -61,7 +61,7 @@ from prefixroute.server.attempt import acquire, acquire_or_grow, apply_step, cou
 from prefixroute.server.proxy import (Api, RoutedRequest, ends_with_done, no_instance_error, our_headers,
                                       saturated_error, upstream_error, upstream_headers)
 from prefixroute.server.relay import our_lines, relay, write_whole
-from prefixroute.server.refusals import count_answer, error_for_path
+from prefixroute.server.refusals import count_answer, error_for_path, shutting_down_error
 from prefixroute.server.request_body import (BodyNotDecoded, BodyTimedOut, BodyTooLarge, decode_request_body,
                                              request_coding, transfer_refused)
 from prefixroute.server.routes import RouteMatch, match_route
@@ -676,14 +676,6 @@ class FrontServer:
     #: The answer's relay, once its head has come (:func:`prefixroute.server.relay.relay`),
     #: as a method: ``self._relay(client, rr, up, decision, router_s, keep_alive)``.
     _relay = relay
-
-
-def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The 503 for a request the router will not route because it is shutting down, in
-    the shape of the API of ``path`` (OpenAI: code ``router_shutting_down``; SageMaker
-    runtime: ``ServiceUnavailable``), with ``headers``."""
-    return error_for_path(path, 503, "the router is shutting down: the request was not sent to any instance",
-                          "router_shutting_down", sagemaker_type="ServiceUnavailable", headers=headers)
 
 
 def _expire(fut: asyncio.Future[None]) -> None:

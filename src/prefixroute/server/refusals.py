@@ -1,9 +1,9 @@
 """The router's own answers to requests it sends to no instance: a 401 without a valid
 API key, a 429 over a key's or tenant's limit, an error in the shape of the API of a
-path, and :func:`count_answer`, which counts each such answer (``responses_total``,
-``request_duration_seconds``) and reports it to the observers as refused.
-:func:`prefixroute.server.app.prepare_inference`, the aiohttp app's handlers and the
-fast data plane answer with them.
+path (the 503 of a router shutting down among them), and :func:`count_answer`, which
+counts each such answer (``responses_total``, ``request_duration_seconds``) and reports
+it to the observers as refused. :func:`prefixroute.server.app.prepare_inference`, the
+aiohttp app's handlers and the fast data plane answer with them.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from prefixroute.server.limits import Refusal
 from prefixroute.server.routes import Api
 from prefixroute.server.state import RouterState
 
-__all__ = ["count_answer", "error_for_path", "throttled", "unauthorized"]
+__all__ = ["count_answer", "error_for_path", "shutting_down_error", "throttled", "unauthorized"]
 
 
 def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float,
@@ -94,3 +94,11 @@ def error_for_path(path: str, status: int, message: str, code: str, *, sagemaker
     if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
         return sagemaker_error(sagemaker_type, message, status=status, headers=headers)
     return json_response(status, {"message": message}, headers)
+
+
+def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web.Response:
+    """The 503 for a request the router will not route because it is shutting down, in
+    the shape of the API of ``path`` (OpenAI: code ``router_shutting_down``; SageMaker
+    runtime: ``ServiceUnavailable``), with ``headers``."""
+    return error_for_path(path, 503, "the router is shutting down: the request was not sent to any instance",
+                          "router_shutting_down", sagemaker_type="ServiceUnavailable", headers=headers)
