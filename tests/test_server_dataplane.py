@@ -787,7 +787,7 @@ class _PacedBackend(_ScriptedEngine):
     """A raw engine stand-in whose JSON answer (``Content-Length`` or chunked) is
     written in one piece (``whole``) or as its head, then its body 30 ms later in two
     writes (``paced``): the first reaches the router's whole-answer path
-    (``FrontServer._whole``), the second its relay task."""
+    (``relay.write_whole``), the second its relay task."""
 
     BODY = b'{"id": "c1", "object": "chat.completion", "choices": []}'
 

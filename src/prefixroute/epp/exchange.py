@@ -73,8 +73,8 @@ from prefixroute.core.strategies import DecisionKind
 from prefixroute.epp.envoy_config import DESTINATION_HEADER, METADATA_NAMESPACE
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
-from prefixroute.server.app import (BodyTooLarge, decode_request_body, prepare_inference, request_coding,
-                                    request_id)
+from prefixroute.server.app import prepare_inference, request_id
+from prefixroute.server.request_body import BodyTooLarge, decode_request_body, request_coding
 from prefixroute.server.routes import match_route
 from prefixroute.server.errors import openai_error, sagemaker_error
 from prefixroute.server.attempt import acquire, count_routed

@@ -37,8 +37,8 @@ from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig, par
 from prefixroute.core.counters import InFlightTableFull
 from prefixroute.core.endpoint import UnknownComponent, UnknownEndpoint, UnknownVariant
 from prefixroute.core.lora_config import LoraAdaptersConfig
-from prefixroute.server.app import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedOut, BodyTooLarge,
-                                    close_receiving_on_shutdown, coding_refusal, read_body)
+from prefixroute.server.request_body import (ACCEPTED_CODINGS, BodyNotDecoded, BodyTimedOut, BodyTooLarge,
+                                             close_receiving_on_shutdown, coding_refusal, read_body)
 from prefixroute.server.errors import json_response
 from prefixroute.server.state import RouterState
 from prefixroute.server.status import STATUS_JSON_PATH, STATUS_PATH, status_document, status_page
@@ -151,7 +151,7 @@ class BodyRefused(Exception):
 
 async def read_admin_body(request: web.Request, idle_s: float | None = None) -> bytes:
     """An admin request's body, decoded as the inference routes decode theirs (strict
-    gzip or deflate: :func:`prefixroute.server.app.read_body`; the admin listeners run
+    gzip or deflate: :func:`prefixroute.server.request_body.read_body`; the admin listeners run
     with aiohttp's decompression off), waiting at most ``idle_s`` seconds for each
     part of it (``None``: for ever). Raises :class:`BodyRefused` (408 when it stops
     arriving)."""

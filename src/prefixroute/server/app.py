@@ -26,6 +26,12 @@ candidate instances (component, model, adapter), computes the routing key
 Every error answer uses the API's shape: an OpenAI error object on ``/v1`` paths, a
 SageMaker error (``x-amzn-ErrorType`` header, ``{"message": ...}``) on native paths,
 ``{"message": ...}`` JSON elsewhere (unknown paths included).
+
+Request bodies (codings, limits, the reader) live in :mod:`prefixroute.server.request_body`,
+the router's own refusals (:func:`count_answer`, :func:`error_for_path`, the 401 and the
+429) in :mod:`prefixroute.server.refusals`; the names they had here (``read_body``,
+``decode_request_body``, ``BodyTooLarge``, ``count_answer``...) import from this module
+as before.
 """
 
 from __future__ import annotations
@@ -35,7 +41,6 @@ import contextlib
 import logging
 import time
 import urllib.parse
-import zlib
 from random import getrandbits
 from typing import Any, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 
@@ -62,6 +67,11 @@ from prefixroute.server.models import refresh_models
 from prefixroute.server.precise import attach_precise
 from prefixroute.server.client_session import make_client_session
 from prefixroute.server.proxy import Api, RoutedRequest, forward, forward_get
+from prefixroute.server.request_body import (  # (re-exported: request bodies were this module's)
+    ACCEPTED_CODINGS, DECODED_CODINGS, RECEIVING, BodyNotDecoded, BodyTimedOut, BodyTooLarge, close_receiving,
+    close_receiving_on_shutdown, coding_refusal, decode_request_body, read_body, request_coding, transfer_coding,
+    transfer_refused)
+from prefixroute.server.refusals import count_answer, error_for_path, throttled, unauthorized  # (re-exported)
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.scrape import scrape_loop
 from prefixroute.server.state import RouterState
@@ -69,7 +79,8 @@ from prefixroute.server.state import RouterState
 __all__ = ["STATE", "DECODED_CODINGS", "ACCEPTED_CODINGS", "BodyNotDecoded", "BodyTimedOut", "BodyTooLarge", "build_app",
            "decode_request_body", "request_coding", "coding_refusal", "transfer_coding", "transfer_refused",
            "error_for_path", "parse_openai_request", "native_request_key", "prepare_inference", "request_id",
-           "validate_openai_body", "count_answer", "read_body"]
+           "validate_openai_body", "count_answer", "read_body", "RECEIVING", "close_receiving",
+           "close_receiving_on_shutdown"]
 
 log = logging.getLogger("prefixroute.server")
 
@@ -147,275 +158,6 @@ def request_id(headers: Mapping[str, str]) -> str:
     digits (128 bits, as a uuid4 hex has; from ``random``: an id, not a secret)."""
     rid = headers.get(H.REQUEST_ID)
     return rid if rid is not None and H.valid_request_id(rid) else "%032x" % getrandbits(128)
-
-
-def count_answer(state: RouterState, endpoint: str, variant: str, resp: web.Response, t0: float,
-                 who: Identity | None = None) -> web.Response:
-    """An answer of the router's own, before anything was sent upstream: counted in
-    ``responses_total`` and, as every answer, in ``request_duration_seconds``
-    (``t0``: ``time.perf_counter()`` at the request's arrival), and reported to the
-    observers (``who``: the API key it came with, if known). Returns ``resp``."""
-    m = state.metrics
-    t_end = time.perf_counter()
-    m.responses.labels(endpoint, variant, str(resp.status)).inc()
-    m.duration_seconds.labels(endpoint, variant).observe(t_end - t0)
-    state.observers.refused(endpoint, variant, resp.status, _message_of(resp), resp.headers.get(H.REQUEST_ID), t0,
-                            t_end, len(resp.body) if isinstance(resp.body, bytes) else 0,
-                            None if who is None else {"client": who.name, "tenant": who.tenant})
-    return resp
-
-
-def unauthorized(api: Api, why: str, rid: str) -> web.Response:
-    """The 401 for a request without a valid API key (``why``: ``missing`` or
-    ``wrong``), in its API's shape, with ``WWW-Authenticate: Bearer``."""
-    hdrs = {H.REQUEST_ID: rid, "WWW-Authenticate": "Bearer"}
-    if why == "missing":
-        msg = "missing API key: send Authorization: Bearer <key> or x-api-key: <key>"
-    else:
-        msg = "invalid API key"
-    if api is Api.OPENAI:
-        return openai_error(401, msg, code="invalid_api_key", headers=hdrs)
-    kind = "MissingAuthenticationTokenException" if why == "missing" else "UnrecognizedClientException"
-    return sagemaker_error(kind, msg, status=401, headers=hdrs)
-
-
-def throttled(api: Api, refusal: Refusal, rid: str, variant: str | None = None) -> web.Response:
-    """The 429 for a request over its key's or tenant's limit, in its API's shape
-    (OpenAI: type ``requests``, code ``rate_limit_exceeded``; SageMaker:
-    ``ThrottlingException``), with ``Retry-After`` (whole seconds)."""
-    hdrs = {H.REQUEST_ID: rid, "Retry-After": str(refusal.retry_after_s)}
-    if variant:
-        hdrs[H.INVOKED_VARIANT] = variant
-    what = "requests per second" if refusal.reason == "rate" else "concurrent requests"
-    msg = (f"{'tenant' if refusal.scope == 'tenant' else 'API key'} limit on {what} reached; "
-           f"retry after {refusal.retry_after_s} s")
-    if api is Api.OPENAI:
-        return openai_error(429, msg, type_="requests", code="rate_limit_exceeded", headers=hdrs)
-    return sagemaker_error("ThrottlingException", msg, status=429, headers=hdrs)
-
-
-def _message_of(resp: web.Response) -> str:
-    """The ``message`` of one of the router's own JSON error answers (OpenAI's or
-    SageMaker's shape), or ``""``."""
-    try:
-        doc = orjson.loads(resp.body) if isinstance(resp.body, bytes) else None
-    except orjson.JSONDecodeError:
-        return ""
-    if isinstance(doc, dict):
-        inner = doc.get("error")
-        msg = inner.get("message") if isinstance(inner, dict) else doc.get("message")
-        return msg if isinstance(msg, str) else ""
-    return ""
-
-
-#: The request Content-Encodings decoded, one coding per request, by
-#: :func:`decode_request_body` on both data planes (the aiohttp app runs with its own
-#: decompression off): gzip and deflate; ``identity`` (or an empty value) is the body as
-#: is. Any other value is a 415 (RFC 9110 §15.5.16) with ``Accept-Encoding`` naming
-#: these, instead of a body forwarded still encoded without its Content-Encoding.
-DECODED_CODINGS = frozenset({"identity", "gzip", "deflate"})
-#: A 415's ``Accept-Encoding``: the codings decoded, besides identity.
-ACCEPTED_CODINGS = ", ".join(sorted(DECODED_CODINGS - {"identity"}))
-
-#: Most gzip members one body may hold (aiohttp has a cap too): each costs a decoder.
-_MAX_GZIP_MEMBERS = 1024
-#: Input fed to the decoder at a time: what is left over when a gzip member ends is at
-#: most this much (``unused_data`` is a copy), so many members cost linear time.
-_DECODE_SLICE = 64 * 1024
-
-
-def request_coding(headers: Any) -> str | None:
-    """The request's Content-Encoding as one normalised value: every field line's value
-    joined with ", " (RFC 9110 §5.3: two lines are a list of two codings), without the
-    surrounding spaces and tabs, lower-cased; ``"identity"`` for none or an empty value,
-    ``"gzip"`` for ``x-gzip`` (RFC 9110 §8.4.1.3: the same coding); ``None`` if it is not
-    ASCII (no decoder reads it). ``headers``: a ``CIMultiDict`` or
-    :class:`~prefixroute.server.headers.RawHeaderView` (anything with ``getall``)."""
-    value = ", ".join(headers.getall("Content-Encoding", []))
-    if not value.isascii():
-        return None
-    value = value.strip(" \t").lower()
-    return "gzip" if value == "x-gzip" else value or "identity"
-
-
-def coding_refusal(headers: Any) -> str | None:
-    """The message of the 415 for a request whose Content-Encoding is not one
-    :data:`DECODED_CODINGS` names, or ``None`` if it is (what the 415's
-    ``Accept-Encoding`` lists is :data:`ACCEPTED_CODINGS`)."""
-    if request_coding(headers) in DECODED_CODINGS:
-        return None
-    shown = ", ".join(headers.getall("Content-Encoding", []))
-    return (f"Content-Encoding {shown[:64]!r} is not supported: send the body as is, or in one of "
-            f"{ACCEPTED_CODINGS}")
-
-
-def transfer_coding(headers: Any) -> str:
-    """The request's Transfer-Encoding as one normalised value (read as
-    :func:`request_coding` reads Content-Encoding; ``""`` for none)."""
-    value = ", ".join(headers.getall("Transfer-Encoding", []))
-    return value.strip(" \t").lower() if value.isascii() else value
-
-
-def transfer_refused(headers: Any) -> bool:
-    """Whether the request's Transfer-Encoding is one we do not understand (anything but
-    none or ``chunked``): the HTTP parsers frame ``gzip, chunked`` as chunked and would
-    pass the body on still gzipped, so it is a 501 (RFC 9112 §6.1). The one test both
-    data planes apply."""
-    return transfer_coding(headers) not in ("", "chunked")
-
-
-def decode_request_body(data: bytes, coding: str, limit: int) -> bytes | BodyTooLarge | BodyNotDecoded:
-    """``data`` decoded from ``coding``, at most ``limit`` bytes of it.
-
-    ``gzip``: one or more members (RFC 1952); ``deflate``: zlib-wrapped (RFC 1950) or
-    raw (RFC 1951), as aiohttp and browsers take it. Strict where aiohttp is not: a
-    truncated stream, a bad checksum or bytes after the end are :class:`BodyNotDecoded`
-    (aiohttp passes a gzip body cut short on as the part that decoded). Decoding stops
-    as soon as the output passes ``limit`` (:class:`BodyTooLarge`: a decompression
-    bomb costs at most ``limit`` bytes). An empty ``data`` is an empty body.
-    """
-    if not data:
-        return b""
-    view = memoryview(data)
-    out: list[bytes] = []
-    size = pos = 0
-    wbits = 31 if coding == "gzip" else (15 if data[0] & 0x0F == 8 else -15)
-    d = zlib.decompressobj(wbits)
-    members = 1
-    left: bytes | memoryview = b""  # input after the end of a gzip member, not fed yet
-    try:
-        while True:
-            if left:
-                feed, left = left, b""
-            elif pos < len(view):
-                feed = view[pos:pos + _DECODE_SLICE]
-                pos += len(feed)
-            else:
-                break
-            chunk = d.decompress(feed, limit + 1 - size)  # (output capped: a bomb stops at the limit)
-            size += len(chunk)
-            if size > limit:
-                return BodyTooLarge(limit, None, decoded=True)
-            out.append(chunk)
-            if d.eof:
-                left = d.unused_data
-                if left or pos < len(view):  # more after the end
-                    if coding != "gzip" or members == _MAX_GZIP_MEMBERS:
-                        return BodyNotDecoded(coding)
-                    d = zlib.decompressobj(wbits)  # the next gzip member
-                    members += 1
-    except zlib.error:
-        return BodyNotDecoded(coding)
-    if not d.eof:
-        return BodyNotDecoded(coding)  # cut short
-    return b"".join(out)
-
-
-class BodyNotDecoded(Exception):
-    """A request body its Content-Encoding does not decode (e.g. broken gzip data)."""
-
-    def __init__(self, coding: str) -> None:
-        super().__init__(f"the request body is not valid {coding[:64]} data (its Content-Encoding)")
-
-
-class BodyTooLarge(Exception):
-    """A request body over ``--max-body-size`` (declared, or found while reading or
-    decoding it)."""
-
-    def __init__(self, limit: int, size: int | None, decoded: bool = False) -> None:
-        got = f"{size:,} bytes" if size is not None else (
-            "decoded from its Content-Encoding, it went past it" if decoded else "a chunked body went past it")
-        super().__init__(f"request body too large ({got}); the limit is {limit:,} bytes (--max-body-size)")
-
-
-class BodyTimedOut(Exception):
-    """The client sent nothing of its request body for ``idle_s`` seconds."""
-
-    def __init__(self, idle_s: float) -> None:
-        super().__init__(f"the request stopped arriving: nothing for {idle_s:g} s "
-                         "(--client-keepalive-timeout)")
-
-
-class _Receiving:
-    """The connections of one aiohttp application whose request body is still arriving
-    (in :func:`read_body`), and whether the application is shutting down."""
-
-    __slots__ = ("conns", "closed")
-
-    def __init__(self) -> None:
-        self.conns: set[Any] = set()  # (aiohttp's RequestHandler takes no weak reference)
-        self.closed = False
-
-
-RECEIVING = web.AppKey("prefixroute_receiving", _Receiving)
-
-
-def close_receiving_on_shutdown(app: web.Application) -> None:
-    """When ``app`` shuts down, close at once the connections whose request body is
-    still arriving (and any that starts arriving after): their requests reached no
-    instance, and a client stalled mid-body would otherwise hold the shutdown for up to
-    ``--shutdown-timeout`` (aiohttp waits for every handler). Requests already read
-    still finish. Serve ``app`` with ``handler_cancellation=True``."""
-    app[RECEIVING] = _Receiving()
-    app.on_shutdown.append(close_receiving)
-
-
-async def close_receiving(app: web.Application) -> None:
-    """Close now the connections of ``app`` whose request body is still arriving, and
-    any that starts arriving from now on (what ``app`` does when it shuts down, if
-    :func:`close_receiving_on_shutdown` was called on it; else nothing)."""
-    receiving = app.get(RECEIVING)
-    if receiving is None:
-        return
-    receiving.closed = True
-    for conn in list(receiving.conns):
-        conn.force_close()
-
-
-async def read_body(request: web.Request, limit: int,
-                    idle_s: float | None = None) -> bytes | BodyTooLarge | BodyNotDecoded | BodyTimedOut:
-    """The whole body, at most ``limit`` bytes (a chunked body is de-chunked, a
-    compressed one decoded by :func:`decode_request_body`: the app runs with aiohttp's
-    decompression off), or the :class:`BodyTooLarge` error if its declared, actual or
-    decoded size is over ``limit``, or :class:`BodyNotDecoded` if its Content-Encoding
-    does not decode it (the coding itself was checked before the body was read), or
-    :class:`BodyTimedOut` if ``idle_s`` seconds pass without a byte of it (a client
-    that stalls mid-body; aiohttp itself would wait for ever)."""
-    declared = request.content_length
-    if declared is not None and declared > limit:
-        return BodyTooLarge(limit, declared)
-    receiving = request.app.get(RECEIVING)
-    if receiving is not None:
-        conn = request.protocol
-        if receiving.closed:  # shutting down: the request is not read, let alone routed
-            conn.force_close()
-            raise asyncio.CancelledError()  # (what the lost connection does to the handler)
-        receiving.conns.add(conn)
-    try:
-        if idle_s is None:
-            body = await request.read()
-        else:
-            loop = asyncio.get_running_loop()
-            parts: list[bytes] = []
-            size = 0
-            async with asyncio.timeout(idle_s) as deadline:
-                while chunk := await request.content.readany():
-                    size += len(chunk)
-                    if size > limit:
-                        return BodyTooLarge(limit, None)
-                    parts.append(chunk)
-                    deadline.reschedule(loop.time() + idle_s)
-            body = b"".join(parts)
-    except web.HTTPRequestEntityTooLarge:
-        return BodyTooLarge(limit, None)
-    except TimeoutError:
-        assert idle_s is not None
-        return BodyTimedOut(idle_s)
-    finally:
-        if receiving is not None:
-            receiving.conns.discard(request.protocol)
-    coding = request_coding(request.headers)
-    return decode_request_body(body, coding, limit) if coding in ("gzip", "deflate") else body
 
 
 def _log_prompt(rid: str, body: bytes) -> None:
@@ -794,19 +536,6 @@ async def metrics(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text exposition."""
     body = request.app[STATE].metrics.render()
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-
-def error_for_path(path: str, status: int, message: str, code: str, *, sagemaker_type: str = "ValidationError",
-                   headers: Mapping[str, str] | None = None) -> web.Response:
-    """An error in the shape the API of ``path`` uses: OpenAI's (``code``; type
-    ``server_error`` for a 5xx, else ``invalid_request_error``), the SageMaker runtime's
-    (``sagemaker_type``), or ``{"message": ...}``; with ``headers``."""
-    if "/v1/" in path:
-        return openai_error(status, message, type_="server_error" if status >= 500 else "invalid_request_error",
-                            code=code, headers=headers)
-    if path.startswith("/endpoints/") or path in ("/invocations", "/ping"):
-        return sagemaker_error(sagemaker_type, message, status=status, headers=headers)
-    return json_response(status, {"message": message}, headers)
 
 
 def _expect() -> Callable[[web.Request], Awaitable[web.StreamResponse | None]]:

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 
 from prefixroute.server import headers as H
-from prefixroute.server.app import BodyTimedOut
+from prefixroute.server.request_body import BodyTimedOut
 from prefixroute.server.proxy import RoutedRequest
 from prefixroute.server.http11 import _head
 from prefixroute.server.upstream import _Upstream

@@ -31,7 +31,7 @@ stream idle), mid-stream failures (an SSE ``error`` event at an event boundary, 
 aborted), SageMaker's 424 ``ModelError``, the in-flight lease released on every path,
 and the instance's connection closed at once when the client goes away (so the engine
 stops generating). Bodies are relayed as they arrive; backpressure from a slow client
-pauses reading from the instance.
+pauses reading from the instance (the answer's relay: :mod:`prefixroute.server.relay`).
 
 Client connections: HTTP/1.1 keep-alive and pipelining (answered in order, one at a
 time), ``Expect: 100-continue``, request line + headers at most
@@ -48,49 +48,27 @@ import asyncio
 import contextlib
 import functools
 import logging
-import os
-import tempfile
 import time
-from typing import Any, Callable
+from typing import Any
 
 from aiohttp import web
 
 from prefixroute.core.attempts import Attempts, Next
 from prefixroute.core.pool import Lease, NoHealthyInstance, SetSaturated
-from prefixroute.server import eventstream
 from prefixroute.server import headers as H
-from prefixroute.server.app import (
-    BodyNotDecoded,
-    BodyTimedOut,
-    BodyTooLarge,
-    count_answer,
-    decode_request_body,
-    error_for_path,
-    prepare_inference,
-    request_coding,
-    request_id,
-    transfer_refused,
-)
+from prefixroute.server.app import prepare_inference, request_id
 from prefixroute.server.attempt import acquire, acquire_or_grow, apply_step, count_routed, retry_elsewhere
-from prefixroute.server.proxy import (
-    STREAM_ABORTED,
-    Api,
-    RoutedRequest,
-    at_event_boundary,
-    broken_message,
-    ends_with_done,
-    model_error,
-    no_instance_error,
-    our_headers,
-    saturated_error,
-    sse_error_event,
-    upstream_error,
-    upstream_headers,
-)
+from prefixroute.server.proxy import (Api, RoutedRequest, ends_with_done, no_instance_error, our_headers,
+                                      saturated_error, upstream_error, upstream_headers)
+from prefixroute.server.relay import our_lines, relay, write_whole
+from prefixroute.server.refusals import count_answer, error_for_path, shutting_down_error
+from prefixroute.server.request_body import (BodyNotDecoded, BodyTimedOut, BodyTooLarge, decode_request_body,
+                                             request_coding, transfer_refused)
 from prefixroute.server.routes import RouteMatch, match_route
 from prefixroute.server.state import RouterState
 from prefixroute.server.delegate import delegate
-from prefixroute.server.http11 import _DATE, _field, _reason, _serialize
+from prefixroute.server.internal_socket import internal_socket_path  # (re-exported)
+from prefixroute.server.http11 import _field, _serialize
 from prefixroute.server.upstream import _error_kind, _Reply, _Upstream, _UpstreamLost, _UpstreamPool
 from prefixroute.server.client import _Client, _ClientGone, _Incoming, _Started
 
@@ -98,16 +76,10 @@ __all__ = ["FrontServer", "internal_socket_path", "match_route"]
 
 log = logging.getLogger("prefixroute.server.dataplane")
 
-_MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
 #: How long the metrics of an answer written whole wait, seconds: they are recorded
 #: together, off the requests' path (:meth:`FrontServer.account`); ``/metrics`` records
 #: them first.
 ACCOUNTING_DELAY_S = 0.001
-_INVOKED_VARIANT = H.INVOKED_VARIANT.encode()
-_INSTANCE = H.INSTANCE.encode()
-_DECISION = H.DECISION.encode()
-_OVERHEAD_MS = H.OVERHEAD_MS.encode()
-_INVOKED_COMPONENT = H.INVOKED_COMPONENT.encode()
 
 
 class FrontServer:
@@ -277,8 +249,9 @@ class FrontServer:
         instance and, over an idle pooled connection, send it.
 
         Returns True if it was sent: callbacks then answer it without the connection's
-        task (an answer that comes whole is written by :meth:`_whole`, then
-        :meth:`_settle` does the bookkeeping), unless its answer needs the task (a
+        task (an answer that comes whole is written by
+        :func:`~prefixroute.server.relay.write_whole`, then :meth:`_settle` does the
+        bookkeeping), unless its answer needs the task (a
         stream, an error, a timeout, the client gone: :meth:`hand_over`). False: the
         task answers it, from where this left it (:attr:`_Incoming.started`: routed, or
         the error answer to send; maybe its lease, when a new connection is needed)."""
@@ -378,8 +351,9 @@ class FrontServer:
         client._start()
 
     def _settle(self, client: _Client, started: _Started) -> None:
-        """The bookkeeping of a request whose answer :meth:`_whole` wrote (what
-        :meth:`_forward` and :meth:`_relay` do for it), then the connection's next request."""
+        """The bookkeeping of a request whose answer :func:`~prefixroute.server.relay.write_whole`
+        wrote (what :meth:`_forward` and :meth:`_relay` do for it), then the connection's next
+        request."""
         client.detached = None
         client.busy = False
         rr, lease, up = started.prepared, started.lease, started.up
@@ -530,11 +504,11 @@ class FrontServer:
     def _send(self, client: _Client, up: _Upstream, rr: RoutedRequest, target: tuple[Any, ...], head_tail: bytes,
               decision: Any, router_s: float, keep_alive: bool) -> None:
         """Send ``rr`` on ``up``; a whole answer is then written to the client as it
-        arrives (:meth:`_whole`)."""
+        arrives (:func:`~prefixroute.server.relay.write_whole`)."""
         up.send(b"POST %s%s HTTP/1.1\r\nHost: %s\r\n" % (target[3], rr.upstream_path.encode(), target[4])
                 + head_tail, rr.body)
         # The instance is at work: what follows until its answer is off the critical path.
-        up.on_whole = functools.partial(self._whole, client, rr, _our_lines(rr, decision), router_s,
+        up.on_whole = functools.partial(write_whole, self.state, client, rr, our_lines(rr, decision), router_s,
                                         keep_alive)
 
     async def _forward(self, client: _Client, rr: RoutedRequest, keep_alive: bool,
@@ -670,7 +644,8 @@ class FrontServer:
             rr.record.error = "http_5xx"
 
     def _account_whole(self, rr: RoutedRequest, reply: _Reply, instance: str) -> int:
-        """Metrics of an answer :meth:`_whole` wrote; returns its status."""
+        """Metrics of an answer :func:`~prefixroute.server.relay.write_whole` wrote; returns
+        its status."""
         m = self.state.metrics
         variant = rr.pool.name
         m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
@@ -698,306 +673,11 @@ class FrontServer:
         resp = upstream_error(rr.api, status, message, code, headers)
         client.write(_serialize(resp, keep_alive))
 
-    async def _relay(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
-                     keep_alive: bool) -> int | str:
-        """Copy the instance's answer to the client as it arrives (or account for the
-        one :meth:`_whole` already wrote); returns the ``code`` label (the status, 499
-        if the client left, or ``stream_aborted``)."""
-        state = self.state
-        m = state.metrics
-        instance = decision.instance.instance_id
-        variant = decision.variant
-        reply = up.reply
-        if reply is not None:  # written whole as it arrived
-            return self._account_whole(rr, reply, instance)
-        up.on_whole = None  # from here on, this task relays the answer
-        t_headers = time.perf_counter()
-        if rr.api is not Api.OPENAI and not 200 <= up.status < 300:
-            return await self._model_error(client, rr, up, decision, router_s, t_headers, keep_alive)
-        reply = self._reply(rr, up, _our_lines(rr, decision), router_s, t_headers, keep_alive)
-        m.overhead_seconds.labels(rr.endpoint, variant).observe(reply.overhead_s)
-        ttft = m.ttft_seconds.labels(rr.endpoint, variant)
-        transport = client.transport
-
-        framed_out: list[bytes] = []  # what one read of the instance's answer gave, framed
-
-        def sink(chunk: bytes) -> None:
-            first = reply.first_s == 0.0
-            framed_out.extend(reply.encode(chunk))
-            if first:
-                ttft.observe(reply.first_s - rr.t0)
-
-        done_marks = reply.sse and rr.done_marked  # [DONE] written: the client has it all
-
-        def flush() -> None:
-            # Events that came in one read go out in one write: nothing waits for them.
-            if framed_out:
-                if not client.closed and transport is not None:
-                    transport.writelines(framed_out)
-                    if done_marks and not rr.completed_status and ends_with_done(reply.tail):
-                        rr.completed_status = reply.status
-                framed_out.clear()
-
-        # The head and whatever already came, in one write.
-        parts = [reply.head]
-        for chunk in up.chunks:
-            parts += reply.encode(chunk)
-        up.chunks = []
-        if reply.first_s:
-            ttft.observe(reply.first_s - rr.t0)
-        idle_s = state.settings.stream_idle_timeout_s
-        sse, framed, tail = reply.sse, reply.framed, b""
-        if not up.done.done():
-            client.write(b"".join(parts))
-            parts = []
-            if done_marks and not client.closed and ends_with_done(reply.tail):
-                rr.completed_status = reply.status
-            client.upstream = up
-            up.sink, up.flush = sink, flush
-            if client.write_paused:
-                up.pause()
-            watch = _IdleWatch(self.loop, up, client, idle_s)
-            try:
-                await self._await(client, up.done, None)
-            except TimeoutError:
-                return self._end_broken(client, rr, up, instance, TimeoutError(), sse, reply.tail, idle_s, framed)
-            except _ClientGone:
-                up.abort()
-                return rr.completed_status or 499
-            except asyncio.CancelledError:
-                if self.closing:  # cut by the shutdown: ended in the stream's own terms
-                    self._end_cut(client, sse, reply.tail, framed)
-                raise
-            finally:
-                watch.cancel()
-                client.upstream = None
-        tail = reply.tail
-        if up.error is not None and not up.complete:
-            if parts:
-                client.write(b"".join(parts))
-            return self._end_broken(client, rr, up, instance, up.error, sse, tail, idle_s, framed)
-        if not reply.first_s:
-            reply.first_s = rr.record.t_first = time.perf_counter()
-            ttft.observe(reply.first_s - rr.t0)
-        if sse and rr.done_marked and not ends_with_done(tail):
-            m.upstream_errors.labels(instance, "no_done").inc()
-            rr.record.error = "no_done"
-        if client.closed:
-            return rr.completed_status or 499
-        if reply.chunked:
-            parts.append(b"0\r\n\r\n")
-        client.write(b"".join(parts))
-        return reply.status
-
-    def _reply(self, rr: RoutedRequest, up: _Upstream, ours: bytes, router_s: float, t_headers: float,
-               keep_alive: bool) -> _Reply:
-        """How ``up``'s answer (its head received) is relayed: our head for it (the
-        instance's end-to-end headers, ``ours`` (:func:`_our_lines`), the framing) and
-        the framing of its body."""
-        status = up.status
-        framed = rr.api is Api.NATIVE_STREAM
-        content_length = up.content_length
-        resp_headers: H.RawHeaders = up.resp_headers
-        if rr.new_session and rr.lease is not None:
-            resp_headers = H.pin_new_session(resp_headers, rr.lease.decision.instance.instance_id)
-        if rr.api is Api.OPENAI:
-            theirs = H.openai_response_lines(resp_headers)
-        else:
-            theirs = H.header_lines(H.native_response_headers(resp_headers, stream=framed))
-        sse = not framed and up.content_type.startswith(b"text/event-stream")
-        reply = _Reply(rr.record)
-        reply.lease = rr.lease
-        reply.overhead_s = overhead = router_s + (time.perf_counter() - t_headers)
-        # An event-stream answer always has a body (the events, maybe none), framed chunked.
-        reply.bodyless = bodyless = status in (204, 304) and not framed
-        reply.chunked = chunked = (framed or content_length is None) and not bodyless
-        if framed:
-            status, reason = 200, b"OK"
-        elif rr.api is Api.OPENAI:
-            reason = up.reason or _reason(status)
-        else:
-            reason = _reason(status)
-        if bodyless:
-            framing = b""
-        elif chunked:
-            framing = b"Transfer-Encoding: chunked\r\n"
-        else:
-            framing = b"Content-Length: " + content_length + b"\r\n"  # type: ignore[operator]
-        reply.status, reply.framed, reply.sse = status, framed, sse
-        # Laid out as _head lays a head out (status line, headers, Date, framing), in one step.
-        reply.head = b"HTTP/1.1 %d %s\r\n%s%s%s%s: %.3f\r\nDate: %s\r\n%s%s\r\n" % (
-            status, reason, theirs, b"X-Accel-Buffering: no\r\n" if sse or framed else b"", ours, _OVERHEAD_MS,
-            overhead * 1e3, _DATE.get(), framing,
-            b"" if keep_alive else b"Connection: close\r\n")
-        return reply
-
-    def _whole(self, client: _Client, rr: RoutedRequest, ours: bytes, router_s: float, keep_alive: bool,
-               up: _Upstream) -> None:
-        """``up``'s answer came whole before its relay started (a non-streamed answer,
-        usually): written to the client from the parser's callback, at once, so that
-        the bookkeeping (metrics, the lease, the pooled connection: :meth:`_relay` and
-        :meth:`_forward`, when the request's task resumes) comes after the client has
-        it. Left to the task: a SageMaker ModelError answer, a client gone."""
-        if client.closed or (rr.api is not Api.OPENAI and not 200 <= up.status < 300) or \
-                self.state.retry_status.retries(up.status, self.state.settings.max_retries):
-            return  # (a 429/503 that --retry-status may send elsewhere: the task decides)
-        reply = self._reply(rr, up, ours, router_s, time.perf_counter(), keep_alive)
-        if reply.sse or reply.chunked or reply.bodyless or reply.framed:
-            parts = [reply.head]
-            for chunk in up.chunks:
-                parts += reply.encode(chunk)
-            if reply.chunked:
-                parts.append(b"0\r\n\r\n")
-        else:  # the body as it came (what encode() would give for each chunk)
-            parts = [reply.head, *up.chunks]
-            rr.record.bytes_out += sum(map(len, up.chunks))
-        if not reply.first_s:
-            reply.first()
-        up.chunks = []
-        up.reply = reply
-        transport = client.transport  # client.write(), inline (the client is there: checked above)
-        if transport is not None:
-            transport.write(b"".join(parts))
-
-    def _end_broken(self, client: _Client, rr: RoutedRequest, up: _Upstream, instance: str, exc: BaseException,
-                    sse: bool, tail: bytes, idle_s: float, framed: bool) -> str:
-        """As proxy._end_broken: the status is sent; end in the stream's own terms."""
-        timeout = isinstance(exc, TimeoutError)
-        kind = rr.record.error = "idle_timeout" if timeout else _error_kind(exc)
-        up.abort()
-        self.state.metrics.upstream_errors.labels(instance, kind).inc()
-        self.state.health.passive_failure(instance)
-        log.warning("instance %s: response broken mid-body (%s)", instance, kind)
-        message = broken_message(instance, kind, idle_s)
-        if not _end_with_event(client, sse, tail, framed,
-                               lambda: eventstream.model_stream_error(
-                                   message, "ModelInvocationTimeExceeded" if timeout else "StreamBroken"),
-                               lambda: sse_error_event(message, "upstream_timeout" if timeout else
-                                                       "upstream_disconnected")):
-            client.abort()
-        return STREAM_ABORTED
-
-    @staticmethod
-    def _end_cut(client: _Client, sse: bool, tail: bytes, framed: bool) -> None:
-        """A stream under way cut by the shutdown (``--shutdown-timeout`` passed, or a
-        second stop signal): its client gets the stream's own error event and the end of
-        the body, as when the instance breaks off (:meth:`_end_broken`), where an event
-        can be placed; else the connection is closed (by the shutdown), as before."""
-        message = "the router is shutting down: the response was cut before its end"
-        _end_with_event(client, sse, tail, framed, lambda: eventstream.internal_stream_failure(message),
-                        lambda: sse_error_event(message, "router_shutting_down"))
-
-    async def _model_error(self, client: _Client, rr: RoutedRequest, up: _Upstream, decision: Any, router_s: float,
-                           t_headers: float, keep_alive: bool) -> int:
-        """SageMaker's answer to a model's non-2xx status: 424 ``ModelError``."""
-        instance = decision.instance.instance_id
-        try:
-            await self._await(client, up.done, self.state.settings.stream_idle_timeout_s)
-        except TimeoutError as exc:  # the error body itself went silent: keep the status
-            self.state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
-        if up.error is not None and not up.complete:
-            self.state.metrics.upstream_errors.labels(instance, _error_kind(up.error)).inc()
-        resp = model_error(self.state, rr, decision, up.status, b"".join(up.chunks)[:_MAX_ERROR_BODY * 4], router_s,
-                           t_headers)
-        client.write(_serialize(resp, keep_alive))
-        return 424
-
-
-def _end_with_event(client: _Client, sse: bool, tail: bytes, framed: bool, framed_event: Callable[[], bytes],
-                    sse_event: Callable[[], bytes]) -> bool:
-    """End a chunked stream relayed to ``client`` with an error event in its own terms
-    (an event-stream exception, or an SSE error object at an event boundary) and the
-    last chunk. False if no event can be placed (an SSE stream cut inside an event, or
-    a stream of neither kind): nothing written."""
-    if framed:
-        event = framed_event()
-    elif sse and at_event_boundary(tail):
-        event = sse_event()
-    else:
-        return False
-    client.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
-    return True
-
-
-def shutting_down_error(path: str, headers: dict[str, str] | None = None) -> web.Response:
-    """The 503 for a request the router will not route because it is shutting down, in
-    the shape of the API of ``path`` (OpenAI: code ``router_shutting_down``; SageMaker
-    runtime: ``ServiceUnavailable``), with ``headers``."""
-    return error_for_path(path, 503, "the router is shutting down: the request was not sent to any instance",
-                          "router_shutting_down", sagemaker_type="ServiceUnavailable", headers=headers)
-
-
-def _our_lines(rr: RoutedRequest, decision: Any) -> bytes:
-    """Our own response header lines (each ending in CRLF): ``X-Request-Id``, the
-    production variant, the instance, the decision and, for a request to one, the
-    inference component (``headers.py`` names them)."""
-    lines = b"X-Request-Id: %s\r\n%s: %s\r\n%s: %s\r\n%s: %s\r\n" % (
-        rr.request_id.encode(), _INVOKED_VARIANT, decision.variant.encode(), _INSTANCE,
-        decision.instance.instance_id.encode(), _DECISION, decision.kind.value.encode())
-    component = rr.pool.component
-    if component is not None:
-        lines += b"%s: %s\r\n" % (_INVOKED_COMPONENT, component.encode())
-    return lines
+    #: The answer's relay, once its head has come (:func:`prefixroute.server.relay.relay`),
+    #: as a method: ``self._relay(client, rr, up, decision, router_s, keep_alive)``.
+    _relay = relay
 
 
 def _expire(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_exception(TimeoutError())
-
-
-class _IdleWatch:
-    """Fails ``up.done`` with ``TimeoutError`` once the instance has sent nothing for
-    ``idle_s`` (a client that reads slowly, pausing the instance, does not count).
-    One timer per ``idle_s``, not one per chunk."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, up: _Upstream, client: _Client, idle_s: float) -> None:
-        self.loop, self.up, self.client, self.idle_s = loop, up, client, idle_s
-        up.last_data = loop.time()
-        self.handle: asyncio.TimerHandle | None = loop.call_later(idle_s, self._check)
-
-    def _check(self) -> None:
-        up = self.up
-        if up.done.done():
-            self.handle = None
-            return
-        due = up.last_data + self.idle_s
-        if self.client.write_paused:
-            due = self.loop.time() + self.idle_s
-        elif self.loop.time() >= due:
-            self.handle = None
-            up.done.set_exception(TimeoutError())
-            return
-        self.handle = self.loop.call_at(due, self._check)
-
-    def cancel(self) -> None:
-        if self.handle is not None:
-            self.handle.cancel()
-            self.handle = None
-
-
-#: Longest path a Unix socket may have (``sun_path`` is 108 bytes on Linux, with its NUL).
-_UNIX_PATH_MAX = 107
-
-
-def internal_socket_path(parent: str | None = None, prefix: str = "prefixroute-",
-                         fallback_prefix: str = "prefixroute-") -> str:
-    """A fresh path for the aiohttp app's Unix socket, in a new directory only this user
-    can enter: ``<parent>/<prefix>XXXXXXXX/app.sock`` (``parent`` ``None``: the system's
-    temporary directory), or ``<system temporary directory>/<fallback_prefix>XXXXXXXX/
-    app.sock`` if that path would be too long for a Unix socket (a long ``$TMPDIR``).
-
-    Raises:
-        OSError: even that path would be too long (nothing is created); the message
-            says to shorten ``$TMPDIR``.
-    """
-    def longest(parent: str | None, prefix: str) -> str:
-        return os.path.join(parent or tempfile.gettempdir(), prefix + "X" * 8, "app.sock")
-
-    if parent is not None and len(os.fsencode(longest(parent, prefix))) > _UNIX_PATH_MAX:
-        parent, prefix = None, fallback_prefix
-    if len(os.fsencode(path := longest(parent, prefix))) > _UNIX_PATH_MAX:
-        raise OSError(f"the internal Unix socket would be {path!r}, {len(os.fsencode(path))} bytes, over the "
-                      f"{_UNIX_PATH_MAX} a Unix socket path may have: set TMPDIR to a shorter directory")
-    directory = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    os.chmod(directory, 0o700)
-    return os.path.join(directory, "app.sock")

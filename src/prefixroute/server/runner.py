@@ -24,9 +24,11 @@ from prefixroute.core.config import ConfigError, FleetConfig, RoutingConfig
 from prefixroute.core.counters import InFlightTable
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.admin import build_admin_app
-from prefixroute.server.app import build_app, close_receiving
+from prefixroute.server.app import build_app
+from prefixroute.server.request_body import close_receiving
 from prefixroute.server.client import LINGER_S
-from prefixroute.server.dataplane import FrontServer, internal_socket_path
+from prefixroute.server.dataplane import FrontServer
+from prefixroute.server.internal_socket import internal_socket_path
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.state import RouterState
 
@@ -187,7 +189,7 @@ class RouterHandle:
 async def stop_accepting(runner: web.AppRunner) -> None:
     """The first step of stopping an aiohttp server: its ports stop accepting, its
     connections whose request body is still arriving are closed (see
-    :func:`prefixroute.server.app.close_receiving`), and its idle keep-alive connections
+    :func:`prefixroute.server.request_body.close_receiving`), and its idle keep-alive connections
     close (busy ones after their answer)."""
     for site in list(runner.sites):
         await site.stop()
@@ -324,7 +326,7 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
             socket_path = internal_socket_path(worker.metrics_dir, worker_socket_prefix(worker.index),
                                                worker_socket_fallback_prefix(os.getppid(), worker.index))
         runner, _ = await _start(build_app(state), "", 0, settings.shutdown_timeout_s, unix_path=socket_path,
-                                 auto_decompress=False)  # request bodies: app.read_body decodes them
+                                 auto_decompress=False)  # request bodies: request_body.read_body decodes them
         handle = RouterHandle("", None, state, [runner], _socket_path=socket_path)
         front = FrontServer(state, socket_path)
         try:
@@ -339,7 +341,7 @@ async def start_router(config: FleetConfig, settings: ServerSettings | None = No
         runner, port = await _start(build_app(state), settings.host, settings.port, settings.shutdown_timeout_s,
                                     reuse_port=worker is not None,
                                     keepalive_timeout_s=settings.client_keepalive_timeout_s,
-                                    auto_decompress=False)  # request bodies: app.read_body decodes them
+                                    auto_decompress=False)  # request bodies: request_body.read_body decodes them
         handle = RouterHandle(_url(settings.host, port), None, state, [runner])
     if worker is not None:
         try:

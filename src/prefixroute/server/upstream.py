@@ -124,7 +124,7 @@ class _Upstream(asyncio.Protocol):
         self.chunked = False
         self.content_type = b""
         # Called with this connection when the answer is complete, if set by then (the
-        # relay has not started): FrontServer._whole writes it to the client at once.
+        # relay has not started): relay.write_whole writes it to the client at once.
         self.on_whole: Callable[[_Upstream], None] | None = None
         self.reply: _Reply | None = None  # what on_whole wrote
         # Called once, on the loop's next turn, at the first event of the exchange (the

@@ -573,7 +573,7 @@ class Supervisor:
 
     def _admin_app(self) -> web.Application:
         from prefixroute.server.admin import ADMIN_MAX_BODY_BYTES, add_status_routes, admin_middlewares
-        from prefixroute.server.app import close_receiving_on_shutdown
+        from prefixroute.server.request_body import close_receiving_on_shutdown
 
         app = web.Application(client_max_size=ADMIN_MAX_BODY_BYTES,
                               middlewares=admin_middlewares(self.settings.admin_token))
