@@ -655,3 +655,26 @@ async def test_an_engine_seen_restarting_by_its_metrics_loses_its_events_state_a
     finally:
         await router.close()
         await engine.stop()
+
+
+async def test_the_tokenizing_thread_runs_nicer_than_the_event_loop() -> None:
+    import os
+    import threading
+
+    from prefixroute.core.precise_keys import RequestKeyer
+    from prefixroute.server.precise import TOKENIZE_NICENESS, OffPathTokenizer
+
+    class Probe(RequestKeyer):
+        def tokenize_pieces(self, pieces):  # (runs on the thread: what niceness does it have?)
+            self.seen = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+            return super().tokenize_pieces(pieces)
+
+    keyer = Probe(TOK, BS)
+    off_path = OffPathTokenizer()
+    try:
+        off_path.submit(keyer, ("a piece of text to tokenize",))
+        await eventually(lambda: off_path.learned == 1, what="the piece learned")
+        own = os.getpriority(os.PRIO_PROCESS, 0)
+        assert keyer.seen == min(19, own + TOKENIZE_NICENESS)
+    finally:
+        off_path.close()
