@@ -4,6 +4,7 @@ loopback, the router subscribing, and the faults its streams must survive."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
 import subprocess
@@ -464,6 +465,28 @@ async def cache_aware_router(instances: list[str], data_plane: str = "fast") -> 
                                                      data_plane=data_plane))
 
 
+@contextlib.asynccontextmanager
+async def precise_fleet(data_plane: str) -> AsyncIterator[tuple[list[Engine], RouterHandle, Callable[[dict], str]]]:
+    """Two engines, a CACHE_AWARE router in precise mode connected to both, and where the
+    router's learned view alone would send a chat body."""
+    engines = [await Engine().start() for _ in range(2)]
+    router = await cache_aware_router([e.url for e in engines], data_plane)
+    try:
+        for e in engines:
+            await connected(router, e.url)
+        pool = router.state.fleet.endpoint(None).variant(None)
+
+        def learned_choice(body: dict[str, Any]) -> str:
+            _, blocks = openai_route(body, True, pool.routing)
+            return pool.choose(None, blocks=blocks).instance.instance_id
+
+        yield engines, router, learned_choice
+    finally:
+        await router.close()
+        for e in engines:
+            await e.stop()
+
+
 async def send_decided(url: str, body: dict[str, Any], chat_api: bool = True) -> tuple[str, str]:
     async with aiohttp.ClientSession() as session:
         async with session.post(url + ("/v1/chat/completions" if chat_api else "/v1/completions"), json=body) as r:
@@ -478,22 +501,12 @@ async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: s
     # router replica sent it): the router's learned view is empty, its events are not.
     # Every follow-up question goes to the engine holding its document, whichever that
     # is (a placement by rendezvous would get one of the two wrong), chat and completions.
-    engines = [await Engine().start() for _ in range(2)]
-    router = await cache_aware_router([e.url for e in engines], data_plane)
-    try:
-        for e in engines:
-            await connected(router, e.url)
-        pool = router.state.fleet.endpoint(None).variant(None)
-
-        def learned_choice(doc: str) -> str:  # where the learned view alone would send it
-            _, blocks = openai_route({"model": DEFAULT_MODEL, "messages": [{"role": "user", "content": doc}]},
-                                     True, pool.routing)
-            return pool.choose(None, blocks=blocks).instance.instance_id
-
+    async with precise_fleet(data_plane) as (engines, router, learned_choice):
         for i, e in enumerate(engines):
             # A document the learned view would place on the other engine.
-            doc = next(d for j in range(100) if learned_choice(
-                (d := f"Document {i}.{j}: " + f"the engine {i} computed this text first " * 30) + " x") != e.url)
+            doc = next(d for j in range(100) if learned_choice({"model": DEFAULT_MODEL, "messages": [{
+                "role": "user", "content": (d := f"Document {i}.{j}: " + f"the engine {i} computed this text first "
+                                            * 30) + " x"}]}) != e.url)
             first = {"model": DEFAULT_MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": doc}]}
             await send(e.url, first)  # straight to the engine
             raw = {"model": DEFAULT_MODEL, "prompt": doc, "max_tokens": 2}
@@ -508,10 +521,6 @@ async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: s
             assert await send_decided(router.url, completion, chat_api=False) == (e.url, "affinity")
         keyer = router.state.kv_keyer
         assert keyer is not None and keyer.stats()["hits"] > 0
-    finally:
-        await router.close()
-        for e in engines:
-            await e.stop()
 
 
 @pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
@@ -520,17 +529,7 @@ async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane:
     # by tokenizing it (InlineTokenizeChars, 8,192 by default): it goes where the learned
     # view sends it while a thread tokenizes the document, and the next questions about
     # it are keyed from those pieces (precise again), tokenizing only their new text.
-    engines = [await Engine().start() for _ in range(2)]
-    router = await cache_aware_router([e.url for e in engines], data_plane)
-    try:
-        for e in engines:
-            await connected(router, e.url)
-        pool = router.state.fleet.endpoint(None).variant(None)
-
-        def learned_choice(body: dict[str, Any]) -> str:
-            _, blocks = openai_route(body, True, pool.routing)
-            return pool.choose(None, blocks=blocks).instance.instance_id
-
+    async with precise_fleet(data_plane) as (engines, router, learned_choice):
         words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
         holder = engines[0].url
         for j in range(100):  # a document the learned view would place on the other engine
@@ -563,10 +562,6 @@ async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane:
                 doc_status = await r.json()
         assert doc_status["Tokenizer"]["DeferredRequests"] == 1
         assert doc_status["Tokenizer"]["OffPathPieces"] == off_path.learned > 10
-    finally:
-        await router.close()
-        for e in engines:
-            await e.stop()
 
 
 def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers() -> None:

@@ -7,6 +7,7 @@ gets a request for an adapter it does not have (its own counter says so)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 
@@ -50,6 +51,22 @@ async def router_for(urls, data_plane, autoload=True, max_per_instance=None, idl
     return await start_router(cfg, settings(data_plane=data_plane, **kw))
 
 
+@contextlib.asynccontextmanager
+async def lora_fleet(n: int, max_loras: int, modules: list[dict[str, str]], runtime: tuple[bool, ...] = (), *,
+                     data_plane: str, **router_kw):
+    """``engines(...)`` and a router over them (``router_for``'s settings); both stopped on exit."""
+    runners, urls = await engines(n, max_loras, modules, runtime)
+    try:
+        router = await router_for(urls, data_plane, **router_kw)
+        try:
+            yield runners, urls, router
+        finally:
+            await router.close()
+    finally:
+        for r in runners:
+            await r.cleanup()
+
+
 async def ask(http, router, model, tokens, k=0):
     t0 = time.perf_counter()
     async with http.post(router.url + "/v1/completions", json={
@@ -62,9 +79,8 @@ async def ask(http, router, model, tokens, k=0):
 
 async def test_a_saturated_set_grows_by_one_load_shared_by_the_waiting(data_plane, caplog):
     caplog.set_level(logging.INFO, logger="prefixroute.server.lora")
-    runners, urls = await engines(3, 2, [{"sql": "/adapters/sql"}, {}, {}])
-    router = await router_for(urls, data_plane)
-    try:
+    async with lora_fleet(3, 2, [{"sql": "/adapters/sql"}, {}, {}],
+                          data_plane=data_plane) as (runners, urls, router):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             holder = asyncio.ensure_future(ask(http, router, "sql", 300))  # keeps e0 at its threshold (1)
             pool = router.fleet.endpoint("e").variant()
@@ -92,17 +108,13 @@ async def test_a_saturated_set_grows_by_one_load_shared_by_the_waiting(data_plan
         assert any(f"LoRA adapter sql loaded on {new}" in m for m in caplog.messages)
         assert await eventually(lambda: in_flight(router) == 0)
         assert router.state.adapter_tracker.in_flight(urls[0], "sql") == 0
-    finally:
-        await router.close()
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_an_adapter_loaded_nowhere_is_loaded_and_an_idle_one_unloaded_for_its_slot(data_plane, caplog):
     caplog.set_level(logging.INFO, logger="prefixroute.server.lora")
-    runners, urls = await engines(2, 1, [{"old": "/adapters/old"}, {"old": "/adapters/old"}])
-    router = await router_for(urls, data_plane, metrics_scrape_interval_s=0.1)
-    try:  # the slots (1 each) come from the engines' vllm:lora_requests_info
+    async with lora_fleet(2, 1, [{"old": "/adapters/old"}, {"old": "/adapters/old"}], data_plane=data_plane,
+                          metrics_scrape_interval_s=0.1) as (runners, urls, router):
+        # the slots (1 each) come from the engines' vllm:lora_requests_info
         assert await eventually(lambda: all(router.state.catalog.slots(u) == 1 for u in urls))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             status, inst, ttfb, _, _ = await ask(http, router, "sql", 2)
@@ -115,10 +127,6 @@ async def test_an_adapter_loaded_nowhere_is_loaded_and_an_idle_one_unloaded_for_
         assert metric_value(text, "prefixroute_adapter_unloads_total", instance=inst, adapter="old",
                             result="ok") == 1
         assert any(f"LoRA adapter old unloaded from {inst}" in m for m in caplog.messages)
-    finally:
-        await router.close()
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_an_adapters_last_copy_is_unloaded_only_once_idle(data_plane, caplog):
@@ -126,10 +134,9 @@ async def test_an_adapters_last_copy_is_unloaded_only_once_idle(data_plane, capl
     # moment ago) kept its only copy; the adapter loaded nowhere got the 429 instead.
     caplog.set_level(logging.INFO, logger="prefixroute.server.lora")
     idle_s = 0.6
-    runners, urls = await engines(1, 1, [{"old": "/adapters/old"}])
-    router = await router_for(urls, data_plane, idle_s=idle_s, metrics_scrape_interval_s=0.1)
-    engine = servers(runners)[0]
-    try:
+    async with lora_fleet(1, 1, [{"old": "/adapters/old"}], data_plane=data_plane, idle_s=idle_s,
+                          metrics_scrape_interval_s=0.1) as (runners, urls, router):
+        engine = servers(runners)[0]
         assert await eventually(lambda: router.state.catalog.slots(urls[0]) == 1)
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             assert (await ask(http, router, "old", 2))[0] == 200
@@ -145,20 +152,16 @@ async def test_an_adapters_last_copy_is_unloaded_only_once_idle(data_plane, capl
             assert (await ask(http, router, "old", 2))[0] == 429
         assert not engine.not_served
         assert any(f"LoRA adapter old unloaded from {urls[0]}" in m for m in caplog.messages)
-    finally:
-        await router.close()
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_a_saturated_set_grows_only_into_an_idle_copy(data_plane):
     # e1 and e2 hold "old" (a spare copy each): in use, neither is taken for sql's saturated
     # set (its requests queue within it); idle, one is, and "old" keeps the other.
     idle_s = 1.5
-    runners, urls = await engines(3, 1, [{"sql": "/adapters/sql"}, {"old": "/adapters/old"}, {"old": "/adapters/old"}])
-    router = await router_for(urls, data_plane, idle_s=idle_s, metrics_scrape_interval_s=0.1)
-    pool = router.fleet.endpoint("e").variant()
-    try:
+    async with lora_fleet(3, 1, [{"sql": "/adapters/sql"}, {"old": "/adapters/old"}, {"old": "/adapters/old"}],
+                          data_plane=data_plane, idle_s=idle_s,
+                          metrics_scrape_interval_s=0.1) as (runners, urls, router):
+        pool = router.fleet.endpoint("e").variant()
         assert await eventually(lambda: all(router.state.catalog.slots(u) == 1 for u in urls))
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             assert (await ask(http, router, "old", 2))[0] == 200  # "old" in use
@@ -180,16 +183,11 @@ async def test_a_saturated_set_grows_only_into_an_idle_copy(data_plane):
         assert router.state.catalog.serving("sql") == {urls[0], inst}
         assert router.state.catalog.serving("old") == set(urls[1:]) - {inst}  # not emptied
         assert all(not e.not_served for e in servers(runners))
-    finally:
-        await router.close()
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_without_autoload_a_saturated_set_is_a_429_and_never_overflows(data_plane):
-    runners, urls = await engines(3, 2, [{"sql": "/adapters/sql"}, {}, {}])
-    router = await router_for(urls, data_plane, autoload=False)
-    try:
+    async with lora_fleet(3, 2, [{"sql": "/adapters/sql"}, {}, {}], data_plane=data_plane,
+                          autoload=False) as (runners, urls, router):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             holder = asyncio.ensure_future(ask(http, router, "sql", 300))
             pool = router.fleet.endpoint("e").variant()
@@ -204,19 +202,14 @@ async def test_without_autoload_a_saturated_set_is_a_429_and_never_overflows(dat
         engines_ = servers(runners)
         assert sum(e.lora_loads for e in engines_) == 0 and all(not e.not_served for e in engines_)
         assert engines_[1].requests_by_model.get("sql", 0) == engines_[2].requests_by_model.get("sql", 0) == 0
-    finally:
-        await router.close()
-        for r in runners:
-            await r.cleanup()
 
 
 async def test_a_failed_load_is_logged_counted_and_the_request_waits_within_the_set(data_plane, caplog):
     caplog.set_level(logging.INFO, logger="prefixroute.server.lora")
     # e1 serves LoRA but not runtime loading: its /v1/load_lora_adapter is a 404, as vLLM's
     # without VLLM_ALLOW_RUNTIME_LORA_UPDATING
-    runners, urls = await engines(2, 2, [{"sql": "/adapters/sql"}, {}], runtime=(True, False))
-    router = await router_for(urls, data_plane)
-    try:
+    async with lora_fleet(2, 2, [{"sql": "/adapters/sql"}, {}], runtime=(True, False),
+                          data_plane=data_plane) as (runners, urls, router):
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
             holder = asyncio.ensure_future(ask(http, router, "sql", 300))
             pool = router.fleet.endpoint("e").variant()
@@ -232,7 +225,3 @@ async def test_a_failed_load_is_logged_counted_and_the_request_waits_within_the_
                             result="failed") == 1
         assert any("load on" in m and "failed" in m for m in caplog.messages)
         assert not servers(runners)[1].not_served
-    finally:
-        await router.close()
-        for r in runners:
-            await r.cleanup()

@@ -151,6 +151,7 @@ class ExtraRoutes:
         def _count(self, job: Job) -> None: ...
         async def _next(self, entry: InFlight) -> RequestOutput: ...
         async def _until_finished(self, entry: InFlight) -> RequestOutput: ...
+        async def _whole_answer(self, entry: InFlight) -> tuple[str, RequestOutput]: ...
         def _decode(self, token_ids: Sequence[int]) -> str: ...
 
     def add_extra_routes(self, app: web.Application) -> None:
@@ -346,13 +347,7 @@ class ExtraRoutes:
         return {"id": item_id, "type": "message", "role": "assistant", "status": status, "content": content}
 
     async def _responses_json(self, rid: str, job: Job, entry: InFlight, payload: dict[str, Any]) -> web.Response:
-        tokens: list[int] = []
-        while True:
-            o = await self._next(entry)
-            tokens.extend(o.new_token_ids)
-            if o.finished:
-                break
-        text = self._decode(tokens)
+        text, o = await self._whole_answer(entry)
         output = [self._message("msg_" + uuid.uuid4().hex, text)] if text else []
         body = self._response(rid, int(time.time()), job, payload, "completed", output, self._responses_usage(o))
         return web.Response(body=orjson.dumps(body), content_type="application/json")

@@ -406,14 +406,17 @@ class EngineServer(ExtraRoutes):
             "prompt_tokens_details": {"cached_tokens": o.cached_tokens},
         }
 
-    async def _answer_json(self, rid: str, chat: bool, entry: InFlight, model: str) -> web.Response:
+    async def _whole_answer(self, entry: InFlight) -> tuple[str, RequestOutput]:
+        """A request's whole answer: its text, and its last output (the usage)."""
         tokens: list[int] = []
         while True:
             o = await self._next(entry)
             tokens.extend(o.new_token_ids)
             if o.finished:
-                break
-        text = self._decode(tokens)
+                return self._decode(tokens), o
+
+    async def _answer_json(self, rid: str, chat: bool, entry: InFlight, model: str) -> web.Response:
+        text, o = await self._whole_answer(entry)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text, "tool_calls": []},
                       "logprobs": None, "finish_reason": "length", "stop_reason": None}

@@ -373,11 +373,16 @@ class KvEventSubscriber:
                 self._arm(s)
         end = perf()
         took = end - t0
-        self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
+        self._rest_after(end, took)
         if skipped or partial:
             left = skipped + partial
             self._ready = {**{s.instance: s for s in left}, **self._ready}
             self._schedule(left[0].loop, 0.0)
+
+    def _rest_after(self, end: float, took: float) -> None:
+        """No ingest before the loop has had the rest of :data:`INGEST_DUTY`'s share
+        after ``took`` seconds of ingest that ended at ``end`` (``time.perf_counter()``)."""
+        self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
 
     def _drain(self, s: "_Subscription", now: float, deadline: float, zmq: Any) -> bool:
         """Apply ``s``'s waiting messages until none is left (False) or ``deadline`` (True)."""
@@ -439,7 +444,7 @@ class KvEventSubscriber:
                 end = perf()
                 took = end - t0
                 self.busy_s[instance] = self.busy_s.get(instance, 0.0) + took
-                self._next_ingest = max(self._next_ingest, end + took * (1 - INGEST_DUTY) / INGEST_DUTY)
+                self._rest_after(end, took)
                 await asyncio.sleep(max(0.0, self._next_ingest - perf()))
                 t0 = perf()
         self.busy_s[instance] = self.busy_s.get(instance, 0.0) + perf() - t0
