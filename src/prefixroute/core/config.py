@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prefixroute.core.config_errors import (
+    MAX_ERROR_CLAUSES,  # noqa: F401 (re-exported from its old home)
     ConfigError,
     _dupes,
     _shown,
