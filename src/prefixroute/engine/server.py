@@ -565,7 +565,7 @@ class EngineServer(ExtraRoutes):
                     rid = "embd-" + uuid.uuid4().hex
                     entries.append((rid, self._submit(rid, job)))
                 self._count(jobs[0])
-                outs = [await self._until_finished(e) for _, e in entries]
+                outs = [(await self._whole_answer(e))[1] for _, e in entries]
             finally:
                 for rid, _ in entries:
                     self._release(rid)
@@ -582,12 +582,6 @@ class EngineServer(ExtraRoutes):
                 "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens,
                                         "prompt_tokens_details": {"cached_tokens": sum(o.cached_tokens for o in outs)}}}
         return web.Response(body=orjson.dumps(body), content_type="application/json")
-
-    async def _until_finished(self, entry: InFlight) -> RequestOutput:
-        while True:
-            o = await self._next(entry)
-            if o.finished:
-                return o
 
     async def _ok(self, request: web.Request) -> web.Response:
         return web.Response(status=200)
