@@ -457,20 +457,22 @@ def test_serve_flags_build_the_kv_events_configuration() -> None:
 # -- CACHE_AWARE routes on the events (precise mode) ---------------------------------
 
 
-async def cache_aware_router(instances: list[str], data_plane: str = "fast") -> RouterHandle:
+async def cache_aware_router(instances: list[str], data_plane: str = "fast", matching: str = "bytes") -> RouterHandle:
     routing = RoutingConfig.build("cache-aware", concurrency_threshold=8)
     base = FleetConfig.single(instances, routing).model_dump(by_alias=True)
-    config = FleetConfig.from_mapping({**base, "KvEvents": {"Discovery": {"FromInfo": True}, "Tokenizer": "tiny"}})
+    config = FleetConfig.from_mapping({**base, "KvEvents": {"Discovery": {"FromInfo": True}, "Tokenizer": "tiny",
+                                                            "Matching": matching}})
     return await start_router(config, ServerSettings(port=0, health_check_interval_s=0, metrics_scrape_interval_s=0,
                                                      data_plane=data_plane))
 
 
 @contextlib.asynccontextmanager
-async def precise_fleet(data_plane: str) -> AsyncIterator[tuple[list[Engine], RouterHandle, Callable[[dict], str]]]:
+async def precise_fleet(data_plane: str, matching: str = "bytes"
+                        ) -> AsyncIterator[tuple[list[Engine], RouterHandle, Callable[[dict], str]]]:
     """Two engines, a CACHE_AWARE router in precise mode connected to both, and where the
     router's learned view alone would send a chat body."""
     engines = [await Engine().start() for _ in range(2)]
-    router = await cache_aware_router([e.url for e in engines], data_plane)
+    router = await cache_aware_router([e.url for e in engines], data_plane, matching)
     try:
         for e in engines:
             await connected(router, e.url)
@@ -495,13 +497,14 @@ async def send_decided(url: str, body: dict[str, Any], chat_api: bool = True) ->
             return r.headers.get("X-Prefixroute-Instance", ""), r.headers.get("X-Prefixroute-Decision", "")
 
 
-@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
-async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: str) -> None:
+@pytest.mark.parametrize("data_plane,matching", [("fast", "bytes"), ("aiohttp", "bytes"), ("fast", "tokens")])
+async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: str, matching: str) -> None:
     # Each engine computes a document of its own without the router knowing (another
     # router replica sent it): the router's learned view is empty, its events are not.
     # Every follow-up question goes to the engine holding its document, whichever that
-    # is (a placement by rendezvous would get one of the two wrong), chat and completions.
-    async with precise_fleet(data_plane) as (engines, router, learned_choice):
+    # is (a placement by rendezvous would get one of the two wrong), chat and completions;
+    # matched by the prompt's bytes (no tokenizing) or by its tokens.
+    async with precise_fleet(data_plane, matching) as (engines, router, learned_choice):
         for i, e in enumerate(engines):
             # A document the learned view would place on the other engine.
             doc = next(d for j in range(100) if learned_choice({"model": DEFAULT_MODEL, "messages": [{
@@ -520,7 +523,13 @@ async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: s
             completion = {"model": DEFAULT_MODEL, "prompt": doc + " continued", "max_tokens": 2}
             assert await send_decided(router.url, completion, chat_api=False) == (e.url, "affinity")
         keyer = router.state.kv_keyer
-        assert keyer is not None and keyer.stats()["hits"] > 0
+        assert keyer is not None
+        stats = keyer.stats()
+        if matching == "bytes":  # 2 requests per engine, none tokenized
+            assert (stats["byte_matched"], stats["misses"], stats["hits"]) == (4, 0, 0)
+            assert router.state.kv_view.byte_index is not None and len(router.state.kv_view.byte_index) > 0
+        else:
+            assert stats["byte_matched"] == 0 and stats["hits"] > 0
 
 
 @pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
@@ -528,8 +537,9 @@ async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane:
     # The first request naming a 20 KB document the router never tokenized is not held up
     # by tokenizing it (InlineTokenizeChars, 8,192 by default): it goes where the learned
     # view sends it while a thread tokenizes the document, and the next questions about
-    # it are keyed from those pieces (precise again), tokenizing only their new text.
-    async with precise_fleet(data_plane) as (engines, router, learned_choice):
+    # it are keyed from those pieces (precise again), tokenizing only their new text
+    # (KvEvents.Matching: tokens; with bytes nothing is tokenized: the next test).
+    async with precise_fleet(data_plane, "tokens") as (engines, router, learned_choice):
         words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
         holder = engines[0].url
         for j in range(100):  # a document the learned view would place on the other engine
@@ -564,6 +574,37 @@ async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane:
         assert doc_status["Tokenizer"]["OffPathPieces"] == off_path.learned > 10
 
 
+@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
+async def test_a_new_long_document_is_matched_by_its_bytes_on_its_first_request(data_plane: str) -> None:
+    # KvEvents.Matching: bytes (the default). A 20 KB document another router replica
+    # sent to an engine: this router's first request naming it goes to that engine at
+    # once, found from the blocks' token ids rendered back to text, and no request is
+    # tokenized at all (the keyer's piece cache stays empty).
+    async with precise_fleet(data_plane) as (engines, router, learned_choice):
+        words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
+        holder = engines[0].url
+        for j in range(100):  # a document the learned view would place on the other engine
+            doc = f"Document {j}: " + " ".join(words[(i * 7 + j) % 6] + str(i % 97) for i in range(2500))
+            first = {"model": DEFAULT_MODEL, "max_tokens": 2,
+                     "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 1?"}]}
+            if learned_choice(first) != holder:
+                break
+        assert len(doc) > 20_000
+        await send(holder, first)  # straight to the engine: only its events know
+        await eventually(lambda: held(router, holder, first) == full_blocks(first), what="the document's blocks")
+        for q in range(2, 5):
+            follow = {**first, "messages": [first["messages"][0], {"role": "user", "content": f"Question {q}?"}]}
+            assert await send_decided(router.url, follow) == (holder, "affinity")
+        keyer = router.state.kv_keyer
+        assert keyer is not None
+        assert keyer.stats() == {"pieces": 0, "hits": 0, "misses": 0, "deferred": 0, "byte_matched": 3}
+        async with aiohttp.ClientSession() as session:
+            async with session.get(router.admin_url + "/admin/kv-events") as r:
+                doc_status = await r.json()
+        assert doc_status["Matching"] == "bytes" and doc_status["Tokenizer"]["ByteMatchedRequests"] == 3
+        assert doc_status["ByteIndexBlocks"] >= full_blocks(first) // router.state.kv_view.block_size
+
+
 def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers() -> None:
     import argparse
 
@@ -573,6 +614,10 @@ def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers()
                                         "--concurrency-threshold", "8", "--kv-events-from-info", "--tokenizer",
                                         "tiny", "--cpu-tier-tokens", "400000", "--shared-tier"]))
     assert config.kv_events is not None and config.kv_events.tokenizer == "tiny"
+    assert config.kv_events.matching == "bytes"
+    tokens = build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--kv-events-from-info", "--tokenizer",
+                                        "tiny", "--kv-match", "tokens"]))
+    assert tokens.kv_events is not None and tokens.kv_events.matching == "tokens"
     tiers = config.endpoints[0].variants[0].routing.cache_aware.kv_tiers  # type: ignore[union-attr]
     assert tiers is not None and (tiers.cpu_tier_tokens, tiers.shared_tier) == (400_000, True)
     from prefixroute.core.config import ConfigError

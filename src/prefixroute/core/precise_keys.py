@@ -41,13 +41,17 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 
 from prefixroute.core.kvevents.chain import block_keys, chain_root
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.core.routing_text import completion_prompt
+
+if TYPE_CHECKING:
+    from prefixroute.core.kvevents.view import PreciseCacheView
+    from prefixroute.core.token_bytes import TokenBytes
 
 __all__ = ["RequestKeyer", "TokenizeLater", "DEFAULT_CACHE_PIECES", "CHUNK_CHARS"]
 
@@ -115,6 +119,11 @@ class RequestKeyer:
         self.misses = 0
         #: Requests whose pieces were handed to the caller to tokenize (:class:`TokenizeLater`).
         self.deferred = 0
+        #: With a :class:`~prefixroute.core.token_bytes.TokenBytes`, requests are matched by
+        #: their bytes (:meth:`match_bytes`) instead of tokenized; ``None``: tokenized.
+        self.token_bytes: TokenBytes | None = None
+        #: Requests matched by bytes.
+        self.byte_matched = 0
         if cache_pieces:
             self._prepare()
 
@@ -203,6 +212,35 @@ class RequestKeyer:
             ids = tok.encode(text, add_special_tokens=not chat)
             return block_keys(ids, self.block_size, root), len(ids)
         return self._keys_of(text, prefix, root, inline_chars)
+
+    def match_bytes(self, payload: Mapping[str, Any], chat: bool, view: "PreciseCacheView",
+                    lora_name: str | None = None) -> tuple[list[int], int]:
+        """A request's keys by its bytes, without tokenizing it: the keys of its leading
+        blocks some instance holds (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.match_bytes`)
+        and its prompt tokens, those blocks' plus an estimate of the rest (its bytes over
+        the fleet's bytes per token, :meth:`~prefixroute.core.kvevents.byte_index.ByteIndex.bytes_per_token`).
+        A completions prompt given as token ids is keyed from them, whole.
+
+        Raises:
+            ValueError: no :attr:`token_bytes`, or ``view`` does not index blocks by bytes.
+            prefixroute.core.keys.InvalidRequest: a request the template cannot render.
+        """
+        tb, bx = self.token_bytes, view.byte_index
+        if tb is None or bx is None:
+            raise ValueError("this keyer or view does not match by bytes")
+        if chat:
+            data = self.tokenizer.render_chat(payload).encode("utf-8", "surrogatepass")
+        else:
+            prompt = completion_prompt(payload)
+            if not isinstance(prompt, str):  # token ids, used as given
+                ids = list(prompt)
+                return block_keys(ids, self.block_size, chain_root(lora_name)), len(ids)
+            data = tb.completion_prefix + prompt.encode("utf-8", "surrogatepass")
+        self.byte_matched += 1
+        keys, ends = bx.walk(data, chain_root(lora_name))
+        matched = ends[-1] if ends else 0
+        rest = len(data) - matched
+        return keys, len(keys) * self.block_size + (int(rest / bx.bytes_per_token() + 0.5) if rest else 0)
 
     def tokenize_pieces(self, pieces: Sequence[str]) -> list[list[int]]:
         """The token ids of each piece of a :class:`TokenizeLater`. Reads no cache:
@@ -306,8 +344,10 @@ class RequestKeyer:
             raise TokenizeLater(tuple(missing), sum(map(len, missing)))
 
     def stats(self) -> dict[str, int]:
-        """Pieces cached, cache hits and misses, and requests deferred since start."""
-        return {"pieces": len(self._cache), "hits": self.hits, "misses": self.misses, "deferred": self.deferred}
+        """Pieces cached, cache hits and misses, requests deferred and requests matched by
+        bytes since start."""
+        return {"pieces": len(self._cache), "hits": self.hits, "misses": self.misses, "deferred": self.deferred,
+                "byte_matched": self.byte_matched}
 
 
 #: A space (as a byte-level or SentencePiece vocabulary writes it: " ", "Ġ", "▁") after a

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -112,7 +112,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
     costs = tiers.costs if tiers is not None else DEFAULT_TIER_COSTS
     view = precise.view if precise is not None else None
     is_precise: list[bool] | None = None
-    if view is not None and len(precise.keys):  # type: ignore[union-attr]
+    if view is not None and precise.tokens >= precise.block_size:  # type: ignore[union-attr]
         mode = view.mode
         is_precise = [mode(c.instance_id) is Mode.PRECISE for c in candidates]
         if not any(is_precise):
@@ -176,18 +176,17 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         held = leading_holdings(view, precise.keys, candidates)
         wc, ws = 1.0 - costs.cpu_weight, 1.0 - costs.shared_weight
         lat = costs.shared_latency_tokens * ratio
-        pbs = precise.block_size
+        hashes = (blocks.hashes() if chain else list(blocks)) if speculative is not None else []  # type: ignore[attr-defined]
         for i, c in enumerate(candidates):
             if is_precise[i]:
                 h = held[c.instance_id]
-                gpu_tokens = h.gpu_tokens
+                g = snapped(h.gpu_tokens)
+                own = snapped(h.gpu_tokens + h.cpu_tokens) if h.cpu_tokens else g
+                every = snapped(h.total_tokens) if h.shared_tokens else own
                 if speculative is not None:  # routed there, not in its events yet: about to be on its GPU
-                    m = speculative.match(c, precise.keys, (h.gpu_tokens + h.cpu_tokens) // pbs) * pbs
-                    if m > gpu_tokens + h.cpu_tokens:
-                        gpu_tokens = m - h.cpu_tokens
-                g = snapped(gpu_tokens)
-                own = snapped(gpu_tokens + h.cpu_tokens) if h.cpu_tokens else g
-                every = snapped(gpu_tokens + h.cpu_tokens + h.shared_tokens) if h.shared_tokens else own
+                    m = speculative.match(c, hashes, units, own)
+                    if m > own:
+                        g, own, every = g + m - own, m, max(every, m)
                 raw.append(float(own))
                 s = g + (own - g) * wc
                 if every > own:
@@ -319,7 +318,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
     i, kind, uncached = found
     strategy.uncached_units = max(0, int(round(uncached)))
     if speculative is not None and is_precise is not None and is_precise[i]:
-        speculative.routed(candidates[i].instance_id, precise.keys)  # type: ignore[union-attr]
+        speculative.routed(candidates[i].instance_id, hashes, units)
     return candidates[i], kind
 
 
@@ -373,16 +372,20 @@ def leading_holdings(view: "PreciseCacheView", keys: Sequence[int], candidates: 
 
 
 class Speculative:
-    """The KV block keys of requests a router sent to each instance in precise mode, for
-    the time the instance's events lag behind them (their prefill is queued or running):
-    the router's own knowledge of what is about to be held, as the learned view has it.
+    """The requests a router sent to each instance in precise mode, for the time the
+    instance's events lag behind them (their prefill is queued or running): the router's
+    own knowledge of what is about to be held, as the learned view has it.
 
-    An entry counts for a later request sharing a prefix of at least
-    :data:`SPECULATIVE_MIN_BLOCKS` + 1 blocks with it (found by that block's key: one
-    lookup, whatever the number of entries) while the events do not show that prefix.
-    Once the events have shown a prefix of it, they are the truth for that prefix: if
-    they later show less of it (evicted), the entry is dropped. Entries also go when the
-    instance has nothing in flight (every prefill is done) and beyond
+    Kept by each request's routing chain (its block hashes, chained: equal at a block
+    means equal text up to its end, and where each block ends in routing-text units), so
+    that what is about to be held needs no KV block keys: a request matched by its bytes
+    (``KvEvents.Matching: bytes``) has keys only for the blocks some engine already holds.
+    An entry counts for a later request sharing at least :data:`SPECULATIVE_MIN_UNITS` of
+    routing text and one block more with it (found by that block's hash: one lookup,
+    whatever the number of entries) while the events do not show that prefix. Once the
+    events have shown a prefix of it, they are the truth for that prefix: if they later
+    show less of it (evicted), the entry is dropped. Entries also go when the instance
+    has nothing in flight (every prefill is done) and beyond
     :data:`SPECULATIVE_PER_INSTANCE` per instance (:data:`SPECULATIVE_PER_ANCHOR` per
     anchor), the oldest first.
     """
@@ -390,20 +393,21 @@ class Speculative:
     __slots__ = ("entries", "_order")
 
     def __init__(self) -> None:
-        #: instance -> key of block SPECULATIVE_MIN_BLOCKS -> [[keys, blocks the events confirmed], ...]
+        #: instance -> anchor hash -> [[hashes, ends, units the events confirmed], ...]
         self.entries: dict[str, dict[int, list[list]]] = {}
         self._order: dict[str, deque[tuple[int, list]]] = {}
 
     @staticmethod
-    def _anchor(keys: Sequence[int]) -> int:
-        return keys[min(SPECULATIVE_MIN_BLOCKS, len(keys) - 1)]
+    def _anchor(hashes: Sequence[int], ends: Sequence[int]) -> int:
+        return hashes[min(bisect_left(ends, SPECULATIVE_MIN_UNITS), len(hashes) - 1)]
 
-    def routed(self, instance_id: str, keys: Sequence[int]) -> None:
-        """A request with ``keys`` was sent to the instance."""
-        if not len(keys):
+    def routed(self, instance_id: str, hashes: Sequence[int], ends: Sequence[int]) -> None:
+        """A request whose routing chain has block ``hashes`` ending at ``ends`` (units)
+        was sent to the instance."""
+        if not len(hashes):
             return
-        entry = [keys, 0]
-        anchor = self._anchor(keys)
+        entry = [hashes, ends, 0]
+        anchor = self._anchor(hashes, ends)
         group = self.entries.setdefault(instance_id, {}).setdefault(anchor, [])
         group.append(entry)
         if len(group) > SPECULATIVE_PER_ANCHOR:  # the oldest: its prefill is the likeliest in the events by now
@@ -422,49 +426,52 @@ class Speculative:
             if not group:
                 del self.entries[instance_id][anchor]
 
-    def match(self, inst: InstanceState, keys: Sequence[int], held_blocks: int) -> int:
-        """Leading blocks of ``keys`` about to be held on ``inst`` (0 when no entry
-        shares more than ``held_blocks``, what its events show)."""
+    def match(self, inst: InstanceState, hashes: Sequence[int], ends: Sequence[int], held_units: float) -> int:
+        """Leading routing-text units of a request (block ``hashes`` ending at ``ends``)
+        about to be held on ``inst``: 0 when no entry shares more than ``held_units``,
+        what its events show."""
         groups = self.entries.get(inst.instance_id)
-        if not groups:
+        if not groups or not len(hashes):
             return 0
         if inst.in_flight <= 0:  # nothing pending there: the events are complete
             groups.clear()
             self._order.pop(inst.instance_id, None)
             return 0
-        anchor = self._anchor(keys)
+        anchor = self._anchor(hashes, ends)
         group = groups.get(anchor)
         if not group:
             return 0
-        n = len(keys)
+        n = len(hashes)
         best = 0
         for entry in list(group):
             e = entry[0]
             hi = min(n, len(e))
-            if e[hi - 1] == keys[hi - 1]:
+            if e[hi - 1] == hashes[hi - 1]:
                 m = hi
-            else:  # chained keys: equal at a block means equal before it
+            else:  # chained hashes: equal at a block means equal before it
                 lo, hi = 1, hi - 1
                 while lo < hi:
                     mid = (lo + hi) >> 1
-                    if e[mid] == keys[mid]:
+                    if e[mid] == hashes[mid]:
                         lo = mid + 1
                     else:
                         hi = mid
                 m = lo
-            if held_blocks >= m:
-                if m > entry[1]:
-                    entry[1] = m  # the events show this much of it
-            elif entry[1] > held_blocks:
+            u = ends[m - 1]
+            if held_units >= u:
+                if u > entry[2]:
+                    entry[2] = u  # the events show this much of it
+            elif entry[2] > held_units:
                 self._drop(inst.instance_id, anchor, entry)  # they showed more of it before: evicted since
-            elif m > best:
-                best = m
+            elif u > best:
+                best = u
         return best
 
 
-#: An entry counts for requests sharing at least this many blocks and one more with it
-#: (256 tokens of 16-token blocks: a document, a system prompt; not a template's header).
-SPECULATIVE_MIN_BLOCKS = 16
+#: An entry counts for requests sharing at least this much routing text and one block
+#: more with it (1,024 characters, 256 tokens: a document, a system prompt; not a
+#: template's header).
+SPECULATIVE_MIN_UNITS = 1024
 #: Speculative entries kept per instance (at most about its requests in flight).
 SPECULATIVE_PER_INSTANCE = 64
 #: Of them, entries kept per anchor (requests sharing their first 17 blocks: one system

@@ -100,8 +100,12 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
     "Instances": [{"Instance", "Mode", "Reason", "Connected", "Blocks", "NextSeq",
     "Messages", "Gaps", "Replays", "ReplaysFailed", "Resets", "Restarts", "Orphaned",
     "MalformedMessages", "MalformedEvents", "UnknownEvents", "LastMessageAgeS"}, ...],
-    "Tokenizer": {"CachedPieces", "Hits", "Misses", "DeferredRequests", "OffPathPieces"} | None}``
-    (``DeferredRequests``: routed on the learned view while their new text was tokenized
+    "Matching": "bytes" | "tokens" | None, "ByteIndexBlocks": int,
+    "Tokenizer": {"CachedPieces", "Hits", "Misses", "DeferredRequests", "OffPathPieces",
+    "ByteMatchedRequests"} | None}``
+    (``Matching``: how requests are matched, ``KvEvents.Matching``, ``None`` without a
+    tokenizer; ``ByteIndexBlocks``: distinct held blocks indexed by their bytes;
+    ``DeferredRequests``: routed on the learned view while their new text was tokenized
     off the request path, ``InlineTokenizeChars``).
     """
     view = state.kv_view
@@ -120,9 +124,12 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
     if keyer is not None:
         st = keyer.stats()
         tokenizer = {"CachedPieces": st["pieces"], "Hits": st["hits"], "Misses": st["misses"],
-                     "DeferredRequests": st["deferred"], "OffPathPieces": state.kv_tokenize.learned}
+                     "DeferredRequests": st["deferred"], "OffPathPieces": state.kv_tokenize.learned,
+                     "ByteMatchedRequests": st["byte_matched"]}
+    bx = view.byte_index
     return {"Enabled": True, "BlockSize": view.block_size, "SharedTierBlocks": len(view.shared), "Instances": rows,
-            "Tokenizer": tokenizer}
+            "Matching": "bytes" if bx is not None else "tokens" if keyer is not None else None,
+            "ByteIndexBlocks": len(bx) if bx is not None else 0, "Tokenizer": tokenizer}
 
 
 def _error(status: int, message: str) -> web.Response:

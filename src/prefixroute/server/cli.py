@@ -204,6 +204,11 @@ def add_precise_flags(p: argparse.ArgumentParser) -> None:
                         "events are followed but routing stays on the learned view)")
     k.add_argument("--chat-template", metavar="PATH",
                    help="a Jinja chat template file replacing the tokenizer's (as vLLM's --chat-template)")
+    k.add_argument("--kv-match", choices=("bytes", "tokens"),
+                   help="how a request is matched against the blocks the events report: bytes (its prompt's "
+                        "bytes against the blocks' tokens rendered back to text: no request is tokenized; needs a "
+                        "byte-level BPE tokenizer, checked at start, else tokens) or tokens (each request is "
+                        "tokenized) (default: bytes)")
 
 
 def add_listener_flags(p: argparse.ArgumentParser) -> None:

@@ -34,7 +34,8 @@ def build_config(args: argparse.Namespace) -> FleetConfig:
                                    ("--kv-events-from-info", getattr(args, "kv_events_from_info", None)),
                                    ("--kv-block-size", getattr(args, "kv_block_size", None)),
                                    ("--tokenizer", getattr(args, "tokenizer", None)),
-                                   ("--chat-template", getattr(args, "chat_template", None))) if given]
+                                   ("--chat-template", getattr(args, "chat_template", None)),
+                                   ("--kv-match", getattr(args, "kv_match", None))) if given]
     if args.config:
         if args.backend:
             raise ConfigError("use either --config or --backend, not both")
@@ -173,6 +174,8 @@ def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
         data["Tokenizer"] = args.tokenizer
     if getattr(args, "chat_template", None):
         data["ChatTemplate"] = args.chat_template
+    if getattr(args, "kv_match", None):
+        data["Matching"] = args.kv_match
     if args.kv_events_template or args.kv_events_replay_template or args.kv_events_from_info:
         discovery: dict[str, Any] = {"FromInfo": bool(args.kv_events_from_info)}
         if args.kv_events_template:

@@ -32,6 +32,10 @@ def attach_precise(state: "RouterState", payload: Mapping[str, Any], chat: bool,
     instance's events are flowing. The LoRA adapter is the request's ``model`` when the
     engines' events name it (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.lora_name`).
 
+    With ``KvEvents.Matching: bytes`` (a byte-level tokenizer) the request is matched by
+    its bytes, never tokenized (:meth:`~prefixroute.core.precise_keys.RequestKeyer.match_bytes`);
+    else it is tokenized (:meth:`~prefixroute.core.precise_keys.RequestKeyer.keys`).
+
     Returns:
         Whether the data was attached. A chat request with an image, audio or file part
         is routed on the learned view: an engine keys the blocks holding such a part by
@@ -49,7 +53,11 @@ def attach_precise(state: "RouterState", payload: Mapping[str, Any], chat: bool,
     kv = state.config.kv_events
     inline = kv.inline_tokenize_chars if kv is not None and off_path is not None and off_path.usable() else None
     try:
-        keys, tokens = keyer.keys(payload, chat, view.lora_name(payload.get("model")), inline_chars=inline)
+        lora = view.lora_name(payload.get("model"))
+        if keyer.token_bytes is not None and view.byte_index is not None:  # Matching: bytes
+            keys, tokens = keyer.match_bytes(payload, chat, view, lora)
+        else:
+            keys, tokens = keyer.keys(payload, chat, lora, inline_chars=inline)
     except TokenizeLater as later:  # a new document: on the learned view while a thread tokenizes it
         assert off_path is not None
         off_path.submit(keyer, later.pieces)

@@ -131,6 +131,7 @@ class RouterState:
         self._kv_tasks: set[asyncio.Task[None]] = set()
         self._make_kv_view(config)
         self._make_kv_keyer(config, startup=True)
+        self._link_kv_matching()
         self.observers = Observers()
         keys = load_keys(settings.api_keys_file)
         self.clients = None if keys is None else ClientAuth(keys, self.metrics.client_outcome)
@@ -149,7 +150,7 @@ class RouterState:
         :class:`ConfigError`; on a reload it is logged and the keyer in place kept."""
         kv = config.kv_events
         spec = None if kv is None or kv.tokenizer is None else (kv.tokenizer, kv.chat_template, kv.block_size,
-                                                                  kv.tokenizer_cache_pieces)
+                                                                  kv.tokenizer_cache_pieces, kv.matching)
         if spec == self._kv_keyer_spec:
             return
         if spec is None:
@@ -165,7 +166,21 @@ class RouterState:
                 raise ConfigError(f"KvEvents.Tokenizer: {exc}") from None
             log.error("KvEvents.Tokenizer %r not loaded, precise routing keeps the tokenizer it had: %s", spec[0], exc)
             return
-        self.kv_keyer, self._kv_keyer_spec = RequestKeyer(tokenizer, spec[2], spec[3]), spec
+        keyer = RequestKeyer(tokenizer, spec[2], spec[3])
+        if spec[4] == "bytes":
+            from prefixroute.core.token_bytes import TokenBytes
+
+            keyer.token_bytes = TokenBytes.build(tokenizer)
+            if keyer.token_bytes is None:
+                log.warning("KvEvents.Matching bytes: the tokens of %r do not render to exactly their text (not a "
+                            "byte-level BPE tokenizer); requests are tokenized instead", spec[0])
+        self.kv_keyer, self._kv_keyer_spec = keyer, spec
+
+    def _link_kv_matching(self) -> None:
+        """Index the view's held blocks by bytes when the keyer matches requests by bytes."""
+        if self.kv_view is not None:
+            keyer = self.kv_keyer
+            self.kv_view.use_token_bytes(keyer.token_bytes if keyer is not None else None)
 
     @property
     def config(self) -> FleetConfig:
@@ -262,6 +277,7 @@ class RouterState:
         old_view = self.kv_view
         self._make_kv_view(config)
         self._make_kv_keyer(config)
+        self._link_kv_matching()
         if not self._kv_serving:
             return  # the app's startup subscribes
         sub = self.kv_subscriber

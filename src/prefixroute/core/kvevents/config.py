@@ -20,7 +20,7 @@ approximate mode.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -145,7 +145,16 @@ class KvEventsConfig(BaseModel):
         inline_tokenize_chars: ``InlineTokenizeChars``: most characters of new prompt
             text tokenized on a request's path (about 1 ms at 8,192); a request with more
             (the first to name a new document) is routed on the learned view while a
-            thread tokenizes it for the next ones. ``null``: no limit.
+            thread tokenizes it for the next ones. ``null``: no limit. Applies to
+            ``Matching: tokens``.
+        matching: ``Matching``: how a request is matched against the blocks the events
+            report. ``bytes`` (default): its prompt's bytes (the chat template applied)
+            are walked against the held blocks' token ids rendered back to bytes
+            (:mod:`prefixroute.core.kvevents.byte_index`), so no request is tokenized;
+            it needs a tokenizer whose tokens render to exactly their text (byte-level
+            BPE: GPT-2, Llama 3, Qwen, ``tiny``), checked at start, else ``tokens``.
+            ``tokens``: each request is tokenized
+            (:class:`prefixroute.core.precise_keys.RequestKeyer`).
     """
 
     model_config = ConfigDict(frozen=True, populate_by_name=True, extra="forbid")
@@ -163,6 +172,7 @@ class KvEventsConfig(BaseModel):
     chat_template: str | None = Field(default=None, alias="ChatTemplate", min_length=1)
     tokenizer_cache_pieces: int = Field(default=4096, alias="TokenizerCachePieces", ge=0, le=10_000_000)
     inline_tokenize_chars: int | None = Field(default=8192, alias="InlineTokenizeChars", ge=0)
+    matching: Literal["bytes", "tokens"] = Field(default="bytes", alias="Matching")
 
     @field_validator("tokenizer")
     @classmethod

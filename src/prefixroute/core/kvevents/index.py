@@ -27,6 +27,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixroute.core.kvevents.byte_index import ByteIndex
 from prefixroute.core.kvevents.chain import block_keys, chain_root, pack_token_ids
 from prefixroute.core.kvevents.events import (
     AllBlocksCleared,
@@ -94,20 +95,27 @@ class SharedIndex:
         #: LoRA adapters named by any instance's stored blocks: a request naming one of
         #: them in ``model`` runs on that adapter (its keys are rooted in its name).
         self.lora_names: set[str] = set()
+        #: The fleet's :class:`~.byte_index.ByteIndex`, or ``None``.
+        self.byte_index: ByteIndex | None = None
 
     def __len__(self) -> int:
         return len(self.held)
 
-    def add(self, engine_hash: EngineBlockHash, key: int) -> None:
-        """One more copy of ``key``, published as ``engine_hash``."""
+    def add(self, engine_hash: EngineBlockHash, key: int) -> bool:
+        """One more copy of ``key``, published as ``engine_hash``; True when it is the
+        first (the caller gives the :class:`~.byte_index.ByteIndex` its holder)."""
         held = self.held
         self.keys[engine_hash] = key
-        held[key] = held.get(key, 0) + 1
+        count = held.get(key, 0)
+        held[key] = count + 1
         while len(held) > self.max_blocks:
             old = next(iter(held))
             del held[old]
+            if self.byte_index is not None:
+                self.byte_index.unref(old)
         if len(self.keys) > 2 * self.max_blocks:  # engine hashes of forgotten keys
             self.keys = {h: k for h, k in self.keys.items() if k in held}
+        return not count and key in held
 
     def remove(self, engine_hash: EngineBlockHash) -> bool:
         """One copy fewer; False when the hash is unknown."""
@@ -117,12 +125,15 @@ class SharedIndex:
         n = self.held.get(key, 0) - 1
         if n > 0:
             self.held[key] = n
-        else:
-            self.held.pop(key, None)
+        elif self.held.pop(key, None) is not None and self.byte_index is not None:
+            self.byte_index.unref(key)
         return True
 
     def clear(self) -> None:
         """Forget everything."""
+        if self.byte_index is not None:
+            for key in self.held:
+                self.byte_index.unref(key)
         self.held.clear()
         self.keys.clear()
 
@@ -146,12 +157,18 @@ class InstanceIndex:
         self.held: dict[int, int] = {}
         self.keys: dict[EngineBlockHash, int] = {}
         self.counters = IngestCounters()
+        #: The fleet's :class:`~.byte_index.ByteIndex` (precise mode matching by bytes), or ``None``.
+        self.byte_index: ByteIndex | None = None
 
     def __len__(self) -> int:
         return len(self.held)
 
     def clear(self) -> None:
         """Forget every block of this instance (a reset; the shared tier is kept)."""
+        if self.byte_index is not None:
+            unref = self.byte_index.unref
+            for key in self.held:
+                unref(key)
         self.held.clear()
         self.keys.clear()
 
@@ -202,11 +219,18 @@ class InstanceIndex:
             except (ValueError, TypeError):  # token ids out of range or not integers
                 c.malformed_events += 1
                 return
+        bx = self.byte_index
+        if bx is not None and e.extra_keys is not None and \
+                any(x and any(k != e.lora_name for k in x) for x in e.extra_keys):
+            bx = None  # a media hash or a cache salt: no request's bytes say it
+        ids, bs = e.token_ids, self.block_size
         if tier is Tier.SHARED:
             shared = self.shared
             for i, h in enumerate(hashes):
                 key = keys[i] if keys is not None else own.get(h, known.get(h))
-                shared.add(h, key)  # type: ignore[arg-type]
+                if shared.add(h, key) and bx is not None:  # type: ignore[arg-type]
+                    bx.ref(key, parent, ids, i * bs)  # type: ignore[arg-type]
+                parent = key  # type: ignore[assignment]
         else:
             unit = GPU_UNIT if tier is Tier.GPU else CPU_UNIT
             held = self.held
@@ -215,7 +239,11 @@ class InstanceIndex:
                 if key is None:
                     key = known[h]
                 own[h] = key
-                held[key] = held.get(key, 0) + unit
+                count = held.get(key, 0)
+                held[key] = count + unit
+                if not count and bx is not None:  # new to this instance: one more holder
+                    bx.ref(key, parent, ids, i * bs)
+                parent = key
         c.blocks_stored += len(hashes)
 
     def _removed(self, e: BlockRemoved) -> None:
@@ -245,4 +273,6 @@ class InstanceIndex:
             else:
                 del held[key]  # type: ignore[arg-type]
                 del own[h]
+                if self.byte_index is not None:
+                    self.byte_index.unref(key)  # type: ignore[arg-type]
             c.blocks_removed += 1

@@ -16,10 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from prefixroute.core.kvevents.byte_index import ByteIndex
 from prefixroute.core.kvevents.chain import block_keys, chain_root
 from prefixroute.core.kvevents.index import CPU_UNIT, InstanceIndex, SharedIndex
 from prefixroute.core.kvevents.stream import InstanceStream, Mode, StreamSettings
+
+if TYPE_CHECKING:
+    from prefixroute.core.token_bytes import TokenBytes
 
 __all__ = ["PrefixHolding", "InstanceStatus", "PreciseCacheView"]
 
@@ -105,6 +110,28 @@ class PreciseCacheView:
         self.stream_settings = stream_settings or StreamSettings()
         self.shared = SharedIndex(shared_tier_max_blocks)
         self._streams: dict[str, InstanceStream] = {}
+        #: The held blocks by their bytes (:meth:`match_bytes`), or ``None`` (:meth:`use_token_bytes`).
+        self.byte_index: ByteIndex | None = None
+
+    def use_token_bytes(self, token_bytes: "TokenBytes | None") -> None:
+        """Index held blocks by their bytes with ``token_bytes`` (``None``: stop), so
+        that requests can be matched without tokenizing (:meth:`match_bytes`). Blocks
+        already held when it starts are indexed as they are stored again."""
+        current = self.byte_index
+        if current is not None and token_bytes is current.token_bytes:
+            return
+        self.byte_index = ByteIndex(token_bytes, self.block_size) if token_bytes is not None else None
+        self.shared.byte_index = self.byte_index
+        for stream in self._streams.values():
+            stream.index.byte_index = self.byte_index
+
+    def match_bytes(self, data: bytes, lora_name: str | None = None) -> tuple[list[int], list[int]] | None:
+        """The router keys of a prompt's leading blocks that some instance holds, and
+        where each ends in ``data``, found from its bytes
+        (:meth:`~.byte_index.ByteIndex.walk`); ``None`` when blocks are not indexed by
+        bytes."""
+        bx = self.byte_index
+        return None if bx is None else bx.walk(data, chain_root(lora_name))
 
     # -- membership ---------------------------------------------------------------------
 
@@ -112,14 +139,17 @@ class PreciseCacheView:
         """Start tracking an instance (no-op if tracked); returns its stream."""
         stream = self._streams.get(instance)
         if stream is None:
-            stream = InstanceStream(instance, InstanceIndex(self.block_size, self.shared),
-                                    settings or self.stream_settings)
+            index = InstanceIndex(self.block_size, self.shared)
+            index.byte_index = self.byte_index
+            stream = InstanceStream(instance, index, settings or self.stream_settings)
             self._streams[instance] = stream
         return stream
 
     def remove_instance(self, instance: str) -> None:
         """Stop tracking an instance and forget its state (no-op if unknown)."""
-        self._streams.pop(instance, None)
+        stream = self._streams.pop(instance, None)
+        if stream is not None:
+            stream.index.clear()
 
     def stream(self, instance: str) -> InstanceStream | None:
         """The instance's stream, or ``None`` when it is not tracked."""
