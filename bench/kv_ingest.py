@@ -11,7 +11,9 @@ messages (:meth:`prefixroute.core.kvevents.stream.InstanceStream.on_message`: ms
 decoding, the router's keys rebuilt from the token ids, the index updated), timed on this
 one thread, ``--rounds`` times; the best round is reported. Blocks = blocks stored plus
 blocks removed. The same changes are ingested again with every event cut to one block
-(the worst case: a decode step filling one block, an eviction of one). With ``--zmq``, the same messages also go through real ZeroMQ sockets on
+(the worst case: a decode step filling one block, an eviction of one). The ``core +
+bytes`` rows index every held block by its bytes as well (``KvEvents.Matching: bytes``,
+the default with a byte-level tokenizer; a 128K-token table). With ``--zmq``, the same messages also go through real ZeroMQ sockets on
 loopback: a publisher process sends them as fast as it can, and the router's subscriber
 (:class:`prefixroute.server.kv_subscriber.KvEventSubscriber`) ingests them on its event
 loop, in its slices; the rate is what it applied per second of its own time.
@@ -19,7 +21,9 @@ loop, in its slices; the rate is what it applied per second of its own time.
 **Lookup.** For a request of the workload: the router's keys from its token ids
 (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.request_keys`) and the holdings
 of ``--instances`` instances (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.holdings`),
-microseconds per request.
+microseconds per request; and, matching by bytes, the walk over the request's bytes
+(:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.match_bytes`) that replaces
+tokenizing it and computing its keys.
 
 The goal of issue 33: ingest >= 100,000 blocks/s on one core.
 
@@ -43,18 +47,21 @@ from typing import Any
 from prefixroute.core.kvevents.codec import encode_batch
 from prefixroute.core.kvevents.events import BlockRemoved, BlockStored, EventBatch
 from prefixroute.core.kvevents.view import PreciseCacheView
+from prefixroute.core.token_bytes import TokenBytes
 from prefixroute.engine.core import EngineCore
 from prefixroute.engine.kv_events import KvEventRecorder
 from prefixroute.engine.model import EngineConfig
 
 GOAL_BLOCKS_PER_S = 100_000
+#: Token ids of the workload are drawn below this (a 128K vocabulary).
+VOCABULARY = 128_000
 
 
 def workload(args: argparse.Namespace) -> list[list[int]]:
     """Token-id prompts: a document's tokens, then a question of its own."""
     rng = random.Random(args.seed)
-    docs = [[rng.randrange(128_000) for _ in range(args.prefix_tokens)] for _ in range(args.documents)]
-    return [rng.choice(docs) + [rng.randrange(128_000) for _ in range(args.question_tokens)]
+    docs = [[rng.randrange(VOCABULARY) for _ in range(args.prefix_tokens)] for _ in range(args.documents)]
+    return [rng.choice(docs) + [rng.randrange(VOCABULARY) for _ in range(args.question_tokens)]
             for _ in range(args.requests)]
 
 
@@ -104,8 +111,15 @@ def one_block_per_event(messages: list[list[Any]]) -> list[list[Any]]:
     return out
 
 
-def ingest_once(frames: list[list[bytes]]) -> tuple[float, PreciseCacheView]:
+def vocabulary_bytes(size: int = VOCABULARY) -> TokenBytes:
+    """A token -> bytes table of ``size`` tokens (a 128K vocabulary as Llama 3's; the
+    cost of indexing by bytes is one table lookup per token, whatever the bytes)."""
+    return TokenBytes([f" w{i}".encode() for i in range(size)], b"", 4.0)
+
+
+def ingest_once(frames: list[list[bytes]], token_bytes: TokenBytes | None = None) -> tuple[float, PreciseCacheView]:
     view = PreciseCacheView(16)
+    view.use_token_bytes(token_bytes)
     stream = view.add_instance("i")
     stream.on_connected()
     t0 = time.perf_counter()
@@ -147,6 +161,19 @@ _PUBLISHER = textwrap.dedent("""
         pub.send_multipart([b"", int(seq).to_bytes(8, "big"), bytes.fromhex(hexed.decode())])
     time.sleep(30)
 """)
+
+
+def walk_cost(view: PreciseCacheView, prompts: list[list[int]], table: TokenBytes, rounds: int) -> float:
+    """Microseconds per request to find its held blocks from its bytes
+    (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.match_bytes`)."""
+    data = [table.render(p) or b"" for p in prompts[-200:]]
+    best = float("inf")
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for d in data:
+            view.match_bytes(d)
+        best = min(best, (time.perf_counter() - t0) / len(data) * 1e6)
+    return best
 
 
 async def zmq_ingest(frames: list[list[bytes]], blocks: int) -> tuple[float, float]:
@@ -211,18 +238,22 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(messages):,} messages, {stored:,} blocks stored + {removed:,} removed "
           f"({per_event:.1f} blocks per event)")
     rows = []
+    table = vocabulary_bytes()
     for shape, msgs in (("as published", messages), ("1 block/event", one_block_per_event(messages))):
-        for encoding in ("array", "map"):
+        for encoding, path in (("array", "core"), ("map", "core"), ("array", "core + bytes")):
             frames = [[b"", seq.to_bytes(8, "big"), encode_batch(EventBatch(0.0, events), encoding)]  # type: ignore
                       for seq, events in msgs]
             size = sum(len(f[2]) for f in frames)
-            best, view = min((ingest_once(frames) for _ in range(args.rounds)), key=lambda r: r[0])
-            rows.append({"path": "core", "events": shape, "encoding": encoding, "messages": len(frames),
+            by_bytes = table if path == "core + bytes" else None
+            best, view = min((ingest_once(frames, by_bytes) for _ in range(args.rounds)), key=lambda r: r[0])
+            rows.append({"path": path, "events": shape, "encoding": encoding, "messages": len(frames),
                          "blocks": blocks, "payload_mb": round(size / 1e6, 2), "seconds": round(best, 4),
                          "blocks_per_s": round(blocks / best), "us_per_block": round(best / blocks * 1e6, 3)})
-            if encoding == "array" and shape == "as published":
+            if path == "core" and encoding == "array" and shape == "as published":
                 keys_us, hold_us = lookup_cost(view, prompts, args.instances, args.rounds)
                 zmq_frames = frames
+            if by_bytes is not None and shape == "as published":
+                walk_us = walk_cost(view, prompts, table, args.rounds)
     if args.zmq:
         rate, wall = asyncio.run(zmq_ingest(zmq_frames, blocks))
         rows.append({"path": "zmq subscriber", "events": "as published", "encoding": "array", "messages": len(zmq_frames), "blocks": blocks,
@@ -239,13 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ngoal >= {GOAL_BLOCKS_PER_S:,} blocks/s on one core: {'met' if ok else 'NOT met'}")
     print(f"lookup per request ({args.prefix_tokens + args.question_tokens:,} tokens, "
           f"{(args.prefix_tokens + args.question_tokens) // 16} blocks): keys {keys_us:,.1f} us, holdings over "
-          f"{args.instances} instances {hold_us:,.1f} us")
+          f"{args.instances} instances {hold_us:,.1f} us; by bytes (Matching: bytes), the walk instead of the "
+          f"keys {walk_us:,.1f} us")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"benchmark": "kv_ingest", "command": " ".join(["python", *sys.argv]), "rows": rows,
                        "goal_blocks_per_s": GOAL_BLOCKS_PER_S, "goal_met": ok,
                        "lookup_us": {"keys": round(keys_us, 1), "holdings": round(hold_us, 1),
-                                     "instances": args.instances}}, f, indent=2)
+                                     "walk": round(walk_us, 1), "instances": args.instances}}, f, indent=2)
         print(f"wrote {args.json}")
     if args.plot:
         import matplotlib

@@ -74,28 +74,43 @@ class ByteIndex:
         """One more holder of the block ``key``, whose tokens are
         ``token_ids[start:start + block_size]`` and whose parent is ``parent`` (the first
         holder indexes it; ids that render to nothing known leave it unindexed)."""
-        info = self._info.get(key)
-        if info is not None:
-            info[0] += 1
-            return
+        self.ref_blocks(token_ids, [(key, parent, start)])
+
+    def ref_blocks(self, token_ids: Sequence[int], blocks: Sequence[tuple[int, int, int]]) -> None:
+        """:meth:`ref` for several blocks of one event: ``blocks`` are ``(key, parent,
+        start)`` (the block's tokens are ``token_ids[start:start + block_size]``), the ids
+        rendered once for all of them (what an event costs: one lookup per token for the
+        blocks new to the fleet, a count for the others)."""
+        info_of = self._info
         bs = self.block_size
-        ids = token_ids[start:start + bs]
-        if len(ids) != bs:
-            return
-        data = self.token_bytes.render(ids)
-        if data is None:
-            return
-        bkey = xxhash.xxh3_64_intdigest(parent.to_bytes(8, "little") + data, BLOCK_KEY_SEED)
-        n = len(data)
-        self._by_bytes[bkey] = key
-        self._info[key] = [1, bkey, parent, n]
-        lengths = self._lengths.get(parent)
-        if lengths is None:
-            self._lengths[parent] = {n: 1}
-        else:
-            lengths[n] = lengths.get(n, 0) + 1
-        self.tokens_indexed += bs
-        self.bytes_indexed += n
+        parts: list[bytes | None] | None = None
+        digest, seed = xxhash.xxh3_64_intdigest, BLOCK_KEY_SEED
+        for key, parent, start in blocks:
+            info = info_of.get(key)
+            if info is not None:
+                info[0] += 1
+                continue
+            if parts is None:
+                table = self.token_bytes.table
+                try:
+                    parts = [table[i] for i in token_ids]
+                except (IndexError, TypeError):  # an id the vocabulary lacks: none of them indexed
+                    parts = []
+            chunk = parts[start:start + bs]
+            if len(chunk) != bs or None in chunk:
+                continue
+            data = b"".join(chunk)  # type: ignore[arg-type]
+            bkey = digest(parent.to_bytes(8, "little") + data, seed)
+            n = len(data)
+            self._by_bytes[bkey] = key
+            info_of[key] = [1, bkey, parent, n]
+            lengths = self._lengths.get(parent)
+            if lengths is None:
+                self._lengths[parent] = {n: 1}
+            else:
+                lengths[n] = lengths.get(n, 0) + 1
+            self.tokens_indexed += bs
+            self.bytes_indexed += n
 
     def unref(self, key: int) -> None:
         """One holder fewer of ``key`` (the last: the block is forgotten); an unknown key

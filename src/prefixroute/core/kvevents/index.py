@@ -224,12 +224,13 @@ class InstanceIndex:
                 any(x and any(k != e.lora_name for k in x) for x in e.extra_keys):
             bx = None  # a media hash or a cache salt: no request's bytes say it
         ids, bs = e.token_ids, self.block_size
+        new: list[tuple[int, int, int]] = []  # (key, parent, start) of blocks new to their holder
         if tier is Tier.SHARED:
             shared = self.shared
             for i, h in enumerate(hashes):
                 key = keys[i] if keys is not None else own.get(h, known.get(h))
                 if shared.add(h, key) and bx is not None:  # type: ignore[arg-type]
-                    bx.ref(key, parent, ids, i * bs)  # type: ignore[arg-type]
+                    new.append((key, parent, i * bs))  # type: ignore[arg-type]
                 parent = key  # type: ignore[assignment]
         else:
             unit = GPU_UNIT if tier is Tier.GPU else CPU_UNIT
@@ -242,8 +243,10 @@ class InstanceIndex:
                 count = held.get(key, 0)
                 held[key] = count + unit
                 if not count and bx is not None:  # new to this instance: one more holder
-                    bx.ref(key, parent, ids, i * bs)
+                    new.append((key, parent, i * bs))
                 parent = key
+        if new:
+            bx.ref_blocks(ids, new)  # type: ignore[union-attr]
         c.blocks_stored += len(hashes)
 
     def _removed(self, e: BlockRemoved) -> None:
