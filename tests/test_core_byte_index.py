@@ -128,7 +128,7 @@ def test_blocks_with_a_media_hash_are_not_indexed_but_an_adapters_name_is_no_obs
     ids = TOK.encode("an image and its question " * 20, add_special_tokens=False)
     n = len(ids) // BS
     store(view, "a", ids, extra_keys=[["mm-hash-1"]] + [None] * (n - 1))
-    assert len(view.byte_index) == 0  # type: ignore[arg-type]
+    assert len(view.byte_index) == n and view.match_bytes(TB.render(ids)) == ([], [])  # type: ignore[arg-type]
     store(view, "a", ids, lora="ad", extra_keys=[["ad"]] * n)
     assert len(view.match_bytes(TB.render(ids), "ad")[0]) == n  # type: ignore[arg-type,index]
 
@@ -177,3 +177,125 @@ def test_what_was_just_sent_counts_by_the_routing_chain_until_the_events_show_it
     assert spec.match(inst, short.hashes(), [e >> short.unit_shift for e in short.ends], 0) == 0  # too little shared
     idle = InstanceState("http://a", in_flight=0)
     assert spec.match(idle, second.hashes(), ends2, 0) == 0 and not spec.entries[inst.instance_id]
+
+
+# -- holders counted on every path ---------------------------------------------------
+
+_h = count(10_000)
+
+
+def _view(*instances: str, shared_max: int = 10_000_000, tb=TB) -> PreciseCacheView:
+    view = PreciseCacheView(BS, shared_tier_max_blocks=shared_max)
+    if tb is not None:
+        view.use_token_bytes(tb)
+    for i in instances:
+        view.add_instance(i).on_connected()
+    return view
+
+
+def _store(view, inst, ids, medium="GPU", extra_keys=None, parent=None):
+    n = len(ids) // BS
+    hs = [next(_h) for _ in range(n)]
+    view.stream(inst).index.apply([BlockStored(hs, parent, ids[: n * BS], BS, medium=medium, extra_keys=extra_keys)])
+    return hs
+
+
+def _doc_ids(blocks: int) -> list[int]:
+    ids = TOK.encode("a shared system prompt, long enough " * 60, add_special_tokens=False)
+    assert len(ids) >= blocks * BS
+    return ids[: blocks * BS]
+
+
+def _id_of() -> dict[bytes, int]:
+    out: dict[bytes, int] = {}
+    for i, b in enumerate(TB.table):
+        if b is not None and b not in out:
+            out[b] = i
+    return out
+
+
+def _two_byte_tokens(k: int) -> list[bytes]:
+    ids = _id_of()
+    two = [b for b in ids if len(b) == 2 and all(bytes([c]) in ids for c in b) and b.isalpha()]
+    assert len(two) >= k
+    return two[:k]
+
+
+def test_prefix_blocks_stored_with_an_image_block_in_one_event_keep_other_holders_visible():
+    # a: system prompt (4 blocks) + an image block in one BlockStored (vLLM: one event per
+    # request step): a's 4 plain blocks are counted (and indexed), so a's removal leaves
+    # b's holding visible.
+    view = _view("a", "b")
+    p = _doc_ids(4)
+    _store(view, "b", p)  # b: text-only request with the same system prompt
+    image = p[:BS]  # any 16 ids for the media block
+    ha = _store(view, "a", p + image, extra_keys=[None] * 4 + [["mm-hash-1"]])
+    view.stream("a").index.apply([BlockRemoved(ha)])  # a evicts it all
+    got, _ = view.match_bytes(TB.render(p))
+    assert len(got) == 4  # b still holds all 4
+
+
+def test_blocks_held_before_the_index_exists_do_not_break_other_holders():
+    # use_token_bytes on a populated view (a reload that turns matching by bytes on):
+    # what was held is counted, so its removal does not hide another holder's blocks.
+    view = _view("a", "b", tb=None)
+    p = _doc_ids(4)
+    ha = _store(view, "a", p)
+    view.use_token_bytes(TB)
+    _store(view, "b", p)
+    view.stream("a").index.apply([BlockRemoved(ha)])
+    got, _ = view.match_bytes(TB.render(p))
+    assert len(got) == 4  # b holds them
+
+
+def test_a_reload_with_a_new_table_keeps_what_is_held():
+    view = _view("a")
+    p = _doc_ids(4)
+    _store(view, "a", p)
+    view.use_token_bytes(TokenBytes.build(TOK))  # what a reload of ChatTemplate/TokenizerCachePieces does
+    got, _ = view.match_bytes(TB.render(p))
+    assert len(got) == 4
+
+
+def test_two_keys_with_the_same_bytes_under_one_parent():
+    # Same parent, same bytes, different token ids (a non-canonical split, e.g. sampled
+    # output): both kept; removing one leaves the other findable.
+    ids = _id_of()
+    t1, t2 = _two_byte_tokens(2)
+    fill = _doc_ids(1)[:13]
+    x = [ids[t1], ids[t2[:1]], ids[t2[1:]]] + fill  # "ab" "c" "d" ...
+    y = [ids[t1[:1]], ids[t1[1:]], ids[t2]] + fill  # "a" "b" "cd" ...
+    assert TB.render(x) == TB.render(y) and x != y
+    view = _view("a", "b")
+    _store(view, "a", x)
+    hb = _store(view, "b", y)
+    view.stream("b").index.apply([BlockRemoved(hb)])
+    got, _ = view.match_bytes(TB.render(x))
+    assert len(got) == 1  # a still holds x
+
+
+def test_where_a_held_chain_forks_inside_the_prompt_the_deeper_branch_is_kept():
+    # Root children C1 = F + "a" (a leaf, on a) and C2 = F + "ab" (then 10 more blocks, on b):
+    # both follow in the prompt; the walk follows both and keeps the deeper chain.
+    ids = _id_of()
+    t1 = _two_byte_tokens(1)[0]
+    fill = _doc_ids(12)
+    c1 = fill[:15] + [ids[t1[:1]]]
+    c2 = fill[:15] + [ids[t1]]
+    view = _view("a", "b")
+    _store(view, "a", c1)
+    _store(view, "b", c2 + fill[16:16 + 10 * BS])
+    got, _ = view.match_bytes(TB.render(c2 + fill[16:16 + 10 * BS]))
+    assert len(got) == 11
+
+
+def test_shared_tier_eviction_inside_one_event_leaves_nothing_behind():
+    # SharedIndex.add evicts blocks added earlier in the same event (SharedTierMaxBlocks
+    # smaller than the event): the index holds what the tier holds, and nothing after.
+    view = _view("a", shared_max=2)
+    p = _doc_ids(4)
+    hs = _store(view, "a", p, medium="SHARED")
+    assert len(view.shared) == 2
+    assert len(view.byte_index) == len(view.shared)
+    view.stream("a").index.apply([BlockRemoved(hs, medium="SHARED")])
+    assert len(view.byte_index) == 0

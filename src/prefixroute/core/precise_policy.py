@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from bisect import bisect_left, bisect_right
+from bisect import bisect_right
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -399,7 +399,7 @@ class Speculative:
 
     @staticmethod
     def _anchor(hashes: Sequence[int], ends: Sequence[int]) -> int:
-        return hashes[min(bisect_left(ends, SPECULATIVE_MIN_UNITS), len(hashes) - 1)]
+        return hashes[min(bisect_right(ends, SPECULATIVE_MIN_UNITS), len(hashes) - 1)]
 
     def routed(self, instance_id: str, hashes: Sequence[int], ends: Sequence[int]) -> None:
         """A request whose routing chain has block ``hashes`` ending at ``ends`` (units)

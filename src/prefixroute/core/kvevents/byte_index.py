@@ -18,17 +18,19 @@ Definition::
 
     byte_key(block) = xxh3_64(u64le(key of its parent) + bytes of its tokens, seed=BLOCK_KEY_SEED)
 
-What it may get wrong, and which way: two held children of one block whose bytes both
-follow in the prompt (one a prefix of the other) -- the first length tried wins, and the
-walk may stop a block early; a prompt whose tokenization at the point where it leaves a
-held chain differs from the chain's (a word cut by a block boundary, continued
-differently) -- the walk may count one block the engine would not reuse. Blocks with
-extra hash inputs (a media hash, a cache salt) are not indexed: such requests match
-nothing here.
+Where two held children of one block both follow in the prompt (one's bytes a prefix of
+the other's: a chain the engine tokenized differently, such as a sampled answer), each is
+followed and the deeper chain kept (at most :data:`MAX_BRANCHES` such forks a walk).
+What it may get wrong, and which way: a prompt whose tokenization where it leaves a held
+chain differs from the chain's (a word cut by a block boundary, continued differently):
+the walk may count one block the engine would not reuse. Blocks with extra hash inputs
+(a media hash, a cache salt) are counted but not indexed: no request's bytes say them.
 
-Memory: about 300 bytes per distinct block held anywhere in the fleet (three dictionary
-entries). Entries are counted per holder (an instance's GPU or CPU tier, the shared tier)
-and go when the last holder drops the block.
+Every holder of a block (an instance's GPU or CPU tier, the shared tier) is counted,
+indexed or not, so that one holder letting a block go never hides it from the others;
+a block is forgotten with its last holder. Two blocks with the same parent and the same
+bytes (tokenized differently) are both kept. Memory: about 300 bytes per distinct block
+held anywhere in the fleet (three dictionary entries).
 """
 
 from __future__ import annotations
@@ -62,48 +64,66 @@ class ByteIndex:
         self.token_bytes = token_bytes
         self.block_size = block_size
         self._by_bytes: dict[int, int] = {}  # byte key -> router key
-        self._info: dict[int, list[int]] = {}  # router key -> [holders, byte key, parent key, byte length]
+        self._more: dict[int, list[int]] = {}  # byte key -> the other keys with those bytes (rare)
+        # router key -> [holders, byte key (None: not indexed), parent key, byte length]
+        self._info: dict[int, list] = {}
         self._lengths: dict[int, dict[int, int]] = {}  # parent key -> {child's byte length: children}
         self.tokens_indexed = 0
         self.bytes_indexed = 0
 
     def __len__(self) -> int:
+        """Distinct blocks held (indexed or not)."""
         return len(self._info)
 
-    def ref(self, key: int, parent: int, token_ids: Sequence[int], start: int) -> None:
+    def ref(self, key: int, parent: int | None, token_ids: Sequence[int] | None = None, start: int = 0) -> None:
         """One more holder of the block ``key``, whose tokens are
-        ``token_ids[start:start + block_size]`` and whose parent is ``parent`` (the first
-        holder indexes it; ids that render to nothing known leave it unindexed)."""
+        ``token_ids[start:start + block_size]`` and whose parent is ``parent``; without
+        token ids (or ids that render to nothing known) it is counted, not indexed, until
+        a holder that has them comes."""
         self.ref_blocks(token_ids, [(key, parent, start)])
 
-    def ref_blocks(self, token_ids: Sequence[int], blocks: Sequence[tuple[int, int, int]]) -> None:
+    def ref_blocks(self, token_ids: Sequence[int] | None, blocks: Sequence[tuple[int, int | None, int]],
+                   indexable: int | None = None) -> None:
         """:meth:`ref` for several blocks of one event: ``blocks`` are ``(key, parent,
         start)`` (the block's tokens are ``token_ids[start:start + block_size]``), the ids
         rendered once for all of them (what an event costs: one lookup per token for the
-        blocks new to the fleet, a count for the others)."""
+        blocks new to the index, a count for the others). Blocks starting at or past
+        ``indexable`` (a token offset) are counted, not indexed."""
         info_of = self._info
         bs = self.block_size
-        parts: list[bytes | None] | None = None
+        parts: list | None = None
         digest, seed = xxhash.xxh3_64_intdigest, BLOCK_KEY_SEED
         for key, parent, start in blocks:
             info = info_of.get(key)
             if info is not None:
                 info[0] += 1
+                if info[1] is not None:
+                    continue
+            if token_ids is None or parent is None or (indexable is not None and start >= indexable):
+                if info is None:
+                    info_of[key] = [1, None, parent, 0]
                 continue
             if parts is None:
                 table = self.token_bytes.table
                 try:
-                    parts = [table[i] for i in token_ids]
+                    parts = [table[i] for i in token_ids] if min(token_ids, default=0) >= 0 else []
                 except (IndexError, TypeError):  # an id the vocabulary lacks: none of them indexed
                     parts = []
             chunk = parts[start:start + bs]
             if len(chunk) != bs or None in chunk:
+                if info is None:
+                    info_of[key] = [1, None, parent, 0]
                 continue
-            data = b"".join(chunk)  # type: ignore[arg-type]
+            data = b"".join(chunk)
             bkey = digest(parent.to_bytes(8, "little") + data, seed)
             n = len(data)
-            self._by_bytes[bkey] = key
-            info_of[key] = [1, bkey, parent, n]
+            if info is None:
+                info_of[key] = [1, bkey, parent, n]
+            else:  # held before without its tokens: indexed now
+                info[1:] = [bkey, parent, n]
+            other = self._by_bytes.setdefault(bkey, key)
+            if other != key:
+                self._more.setdefault(bkey, []).append(key)
             lengths = self._lengths.get(parent)
             if lengths is None:
                 self._lengths[parent] = {n: 1}
@@ -123,8 +143,18 @@ class ByteIndex:
             return
         del self._info[key]
         _, bkey, parent, n = info
+        if bkey is None:
+            return
+        more = self._more.get(bkey)
         if self._by_bytes.get(bkey) == key:
-            del self._by_bytes[bkey]
+            if more:
+                self._by_bytes[bkey] = more.pop()
+            else:
+                del self._by_bytes[bkey]
+        elif more and key in more:
+            more.remove(key)
+        if more is not None and not more:
+            del self._more[bkey]
         lengths = self._lengths.get(parent)
         if lengths is not None:
             left = lengths.get(n, 0) - 1
@@ -138,6 +168,7 @@ class ByteIndex:
     def clear(self) -> None:
         """Forget every block."""
         self._by_bytes.clear()
+        self._more.clear()
         self._info.clear()
         self._lengths.clear()
 
@@ -158,29 +189,55 @@ class ByteIndex:
                 of the request's LoRA adapter).
         Returns:
             ``(keys, ends)``: the router keys of the leading held blocks, and where each
-            ends in ``data`` (bytes).
+            ends in ``data`` (bytes); where the held chain forks inside the prompt, the
+            deeper branch.
         """
+        keys: list[int] = []
+        ends: list[int] = []
+        self._walk(data, root, 0, keys, ends, [MAX_BRANCHES])
+        return keys, ends
+
+    def _walk(self, data: bytes, parent: int, pos: int, keys: list[int], ends: list[int], budget: list[int]) -> None:
         lengths_of = self._lengths.get
         by_bytes = self._by_bytes.get
         digest = xxhash.xxh3_64_intdigest
         seed = BLOCK_KEY_SEED
-        keys: list[int] = []
-        ends: list[int] = []
-        parent, pos, n = root, 0, len(data)
+        n = len(data)
         while True:
             lengths = lengths_of(parent)
             if not lengths:
-                break
+                return
             head = parent.to_bytes(8, "little")
+            found: list[tuple[int, int]] = []
             for length in lengths:
                 end = pos + length
                 if end <= n:
-                    key = by_bytes(digest(head + data[pos:end], seed))
+                    bkey = digest(head + data[pos:end], seed)
+                    key = by_bytes(bkey)
                     if key is not None:
-                        break
-            else:
-                break
+                        found.append((key, end))
+                        more = self._more.get(bkey)
+                        if more:
+                            found.extend((k, end) for k in more)
+            if not found:
+                return
+            if len(found) > 1 and budget[0] > 0:  # a fork: follow each, keep the deeper
+                budget[0] -= 1
+                best: tuple[list[int], list[int]] = ([], [])
+                for key, end in found:
+                    k2, e2 = [key], [end]
+                    self._walk(data, key, end, k2, e2, budget)
+                    if len(k2) > len(best[0]):
+                        best = (k2, e2)
+                keys.extend(best[0])
+                ends.extend(best[1])
+                return
+            key, end = found[0]
             keys.append(key)
             ends.append(end)
             parent, pos = key, end
-        return keys, ends
+
+
+#: Forks (two held children whose bytes both follow in the prompt) a walk follows both
+#: ways; past them it takes the first.
+MAX_BRANCHES = 8

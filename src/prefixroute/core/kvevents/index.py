@@ -220,17 +220,19 @@ class InstanceIndex:
                 c.malformed_events += 1
                 return
         bx = self.byte_index
-        if bx is not None and e.extra_keys is not None and \
-                any(x and any(k != e.lora_name for k in x) for x in e.extra_keys):
-            bx = None  # a media hash or a cache salt: no request's bytes say it
         ids, bs = e.token_ids, self.block_size
+        indexable = None  # from the first block with a media hash or a cache salt: no request's bytes say it
+        if bx is not None and e.extra_keys is not None:
+            indexable = next((i * bs for i, x in enumerate(e.extra_keys) if x and any(k != e.lora_name for k in x)),
+                             None)
         new: list[tuple[int, int, int]] = []  # (key, parent, start) of blocks new to their holder
         if tier is Tier.SHARED:
             shared = self.shared
             for i, h in enumerate(hashes):
                 key = keys[i] if keys is not None else own.get(h, known.get(h))
                 if shared.add(h, key) and bx is not None:  # type: ignore[arg-type]
-                    new.append((key, parent, i * bs))  # type: ignore[arg-type]
+                    # (counted at once: a later block of this event may evict it from the tier)
+                    bx.ref_blocks(ids, [(key, parent, i * bs)], indexable)  # type: ignore[list-item]
                 parent = key  # type: ignore[assignment]
         else:
             unit = GPU_UNIT if tier is Tier.GPU else CPU_UNIT
@@ -246,7 +248,7 @@ class InstanceIndex:
                     new.append((key, parent, i * bs))
                 parent = key
         if new:
-            bx.ref_blocks(ids, new)  # type: ignore[union-attr]
+            bx.ref_blocks(ids, new, indexable)  # type: ignore[union-attr]
         c.blocks_stored += len(hashes)
 
     def _removed(self, e: BlockRemoved) -> None:

@@ -116,14 +116,22 @@ class PreciseCacheView:
     def use_token_bytes(self, token_bytes: "TokenBytes | None") -> None:
         """Index held blocks by their bytes with ``token_bytes`` (``None``: stop), so
         that requests can be matched without tokenizing (:meth:`match_bytes`). Blocks
-        already held when it starts are indexed as they are stored again."""
+        already held when it starts are indexed as they are stored again; a table equal
+        to the one in use keeps the index as it is."""
         current = self.byte_index
-        if current is not None and token_bytes is current.token_bytes:
-            return
-        self.byte_index = ByteIndex(token_bytes, self.block_size) if token_bytes is not None else None
-        self.shared.byte_index = self.byte_index
+        if current is not None and token_bytes is not None and (
+                token_bytes is current.token_bytes or token_bytes.table == current.token_bytes.table):
+            return  # the same tokenizer (a reload that changed something else): the index stays
+        bx = self.byte_index = ByteIndex(token_bytes, self.block_size) if token_bytes is not None else None
+        self.shared.byte_index = bx
         for stream in self._streams.values():
-            stream.index.byte_index = self.byte_index
+            stream.index.byte_index = bx
+            if bx is not None:  # what is held already: counted (not indexed until stored again)
+                for key in stream.index.held:
+                    bx.ref(key, None)
+        if bx is not None:
+            for key in self.shared.held:
+                bx.ref(key, None)
 
     def match_bytes(self, data: bytes, lora_name: str | None = None) -> tuple[list[int], list[int]] | None:
         """The router keys of a prompt's leading blocks that some instance holds, and
