@@ -184,7 +184,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                 own = snapped(h.gpu_tokens + h.cpu_tokens) if h.cpu_tokens else g
                 every = snapped(h.total_tokens) if h.shared_tokens else own
                 if speculative is not None:  # routed there, not in its events yet: about to be on its GPU
-                    m = speculative.match(c, hashes, units, own)
+                    m = speculative.match(c, hashes, units, own, 2 * tol)
                     if m > own:
                         g, own, every = g + m - own, m, max(every, m)
                 raw.append(float(own))
@@ -426,10 +426,13 @@ class Speculative:
             if not group:
                 del self.entries[instance_id][anchor]
 
-    def match(self, inst: InstanceState, hashes: Sequence[int], ends: Sequence[int], held_units: float) -> int:
+    def match(self, inst: InstanceState, hashes: Sequence[int], ends: Sequence[int], held_units: float,
+              slack: float = 0.0) -> int:
         """Leading routing-text units of a request (block ``hashes`` ending at ``ends``)
         about to be held on ``inst``: 0 when no entry shares more than ``held_units``,
-        what its events show."""
+        what its events show. An entry the events showed more of than ``held_units +
+        slack`` is dropped (evicted since); ``slack`` absorbs the rounding of held tokens
+        to units, which differs a little between requests (a KV block's worth)."""
         groups = self.entries.get(inst.instance_id)
         if not groups or not len(hashes):
             return 0
@@ -461,7 +464,7 @@ class Speculative:
             if held_units >= u:
                 if u > entry[2]:
                     entry[2] = u  # the events show this much of it
-            elif entry[2] > held_units:
+            elif entry[2] > held_units + slack:
                 self._drop(inst.instance_id, anchor, entry)  # they showed more of it before: evicted since
             elif u > best:
                 best = u
