@@ -38,7 +38,7 @@ def view_with(*instances: str) -> PreciseCacheView:
     view = PreciseCacheView(BS)
     view.use_token_bytes(TB)
     for i in instances:
-        view.add_instance(i).on_connected()
+        view.add_instance(i).on_connected(complete=True)
     return view
 
 
@@ -69,6 +69,35 @@ def test_a_tokenizer_whose_tokens_do_not_render_to_their_text_is_refused():
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "▁Hello": 1, "▁world": 2}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     assert TokenBytes.build(ModelTokenizer("sp", tok)) is None
+
+
+def test_a_normalizing_tokenizer_matches_text_in_either_form():
+    # A tokenizer with an NFC normalizer (as Qwen's) renders the normalized text: requests
+    # are normalized the same way, so a document sent decomposed (NFD) matches what the
+    # engine holds, whichever form each request uses.
+    import json
+    import unicodedata
+
+    from tokenizers import Tokenizer
+
+    spec = json.loads(TOK.tokenizer.to_str())
+    spec["normalizer"] = {"type": "NFC"}
+    nfc = ModelTokenizer("nfc", Tokenizer.from_str(json.dumps(spec)), TOK.chat_template, TOK.bos_token,
+                         TOK.eos_token)
+    tb = TokenBytes.build(nfc)
+    assert tb is not None and tb.normalize is not None
+    view = PreciseCacheView(BS)
+    view.use_token_bytes(tb)
+    view.add_instance("a").on_connected(complete=True)
+    doc = unicodedata.normalize("NFD", "Café déjà vu, naïve Åsa " * 40)
+    body = chat(doc, "first?")
+    ids = nfc.request_token_ids(body, True)
+    store(view, "a", ids)
+    keyer = RequestKeyer(nfc, BS)
+    keyer.token_bytes = tb
+    for form in ("NFD", "NFC"):
+        got, _ = keyer.match_bytes(chat(unicodedata.normalize(form, doc), "second?"), True, view)
+        assert len(got) >= len(ids) // BS - 2, form
 
 
 @pytest.mark.parametrize("chat_api", [True, False])
@@ -191,7 +220,7 @@ def _view(*instances: str, shared_max: int = 10_000_000, tb=TB) -> PreciseCacheV
     if tb is not None:
         view.use_token_bytes(tb)
     for i in instances:
-        view.add_instance(i).on_connected()
+        view.add_instance(i).on_connected(complete=True)
     return view
 
 

@@ -166,8 +166,9 @@ def test_a_list_of_many_wrong_items_names_the_first_ten_and_counts_the_rest():
 def test_the_applied_configuration_line_names_twenty_changes_and_counts_the_rest():
     from prefixroute.server.state import describe_changes
 
-    one = FleetConfig.from_yaml("Endpoints:\n  - EndpointName: e0\n    ProductionVariants:\n      - VariantName: v\n"
-                                "        Instances: [\"http://127.0.0.1:9000\"]\n")
+    one_doc = ("Endpoints:\n  - EndpointName: e0\n    ProductionVariants:\n      - VariantName: v\n"
+               "        Instances: [\"http://127.0.0.1:9000\"]\n")
+    one = FleetConfig.from_yaml(one_doc)
     doc = "Endpoints:\n" + "".join(
         f"  - EndpointName: e{i}\n    ProductionVariants:\n      - VariantName: v\n"
         f"        Instances: [\"http://127.0.0.1:{9000 + i}\"]\n" for i in range(26))
@@ -175,6 +176,12 @@ def test_the_applied_configuration_line_names_twenty_changes_and_counts_the_rest
     assert len(parts) == 21 and all(p.endswith("added (1 variant(s), 1 instance(s))") for p in parts[:20])
     assert parts[-1] == "... and 5 more changes"
     assert describe_changes(one, one) == "no change"
+    kv = "KvEvents:\n  Tokenizer: tiny\n  Discovery: {FromInfo: true}\n"
+    with_kv = FleetConfig.from_yaml(one_doc + kv)
+    tokens = FleetConfig.from_yaml(one_doc + kv + "  Matching: tokens\n")
+    assert describe_changes(one, with_kv) == "KvEvents added"
+    assert describe_changes(with_kv, tokens) == "KvEvents changed"  # (only how requests are matched)
+    assert describe_changes(tokens, one) == "KvEvents removed"
 
 
 def test_the_applied_configuration_line_says_what_changed():

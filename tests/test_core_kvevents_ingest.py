@@ -228,6 +228,27 @@ def state(view: PreciseCacheView, instance: str = "i") -> dict[int, int]:
     return dict(view.stream(instance).index.held)  # type: ignore[union-attr]
 
 
+def test_a_connection_is_trusted_only_once_a_message_has_come_through_it() -> None:
+    # A fresh subscription knows nothing of what the engine stored before it listened,
+    # and a reconnection nothing of a restart meanwhile: approximate until a message's
+    # sequence number tells (then a catch-up, a reset, or nothing to do).
+    frames, _ = two_engines_frames()
+    view = PreciseCacheView(BS)
+    s = view.add_instance("i")
+    s.on_connected()
+    assert (s.mode, s.reason) == (Mode.APPROXIMATE, "connected, no event yet")
+    feed(s, frames[:3])
+    assert s.mode is Mode.PRECISE and len(s.index) > 0
+    s.on_disconnected()
+    s.on_connected()
+    assert (s.mode, s.reason) == (Mode.APPROXIMATE, "reconnected, no event since")
+    feed(s, frames[3:])
+    assert s.mode is Mode.PRECISE and s.counts.resets == 0  # the same engine, no gap
+    s.on_disconnected()
+    s.on_connected(complete=True)  # a driver that applies every change itself (the simulator)
+    assert s.mode is Mode.PRECISE
+
+
 def test_in_order_stream_is_precise_and_counts() -> None:
     frames, _ = two_engines_frames()
     view = PreciseCacheView(BS)

@@ -58,7 +58,7 @@ def fleet(urls: list[str], precise: bool = True, **routing: object) -> tuple[Var
     for u in urls:
         s = view.add_instance(u)
         if precise:
-            s.on_connected()
+            s.on_connected(complete=True)
     return pool, view
 
 
@@ -210,7 +210,7 @@ def test_router_replicas_with_different_learned_views_agree_on_precise_state():
     urls = [f"http://10.9.5.{i}:8000" for i in range(5)]
     view = PreciseCacheView(BS)
     for u in urls:
-        view.add_instance(u).on_connected()
+        view.add_instance(u).on_connected(complete=True)
     pools = [VariantPool(f"r{r}", urls, ca(), seed=r) for r in range(2)]
     rng = random.Random(5)
     for i in range(40):  # replica 0 learned things replica 1 never saw

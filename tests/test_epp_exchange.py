@@ -245,7 +245,7 @@ def test_precise_mode_picks_the_instance_whose_events_show_the_prompt():
             view = st_.kv_view
             assert view is not None
             for u in URLS:
-                view.add_instance(u).on_connected()
+                view.add_instance(u).on_connected(complete=True)
             doc = f"document held by {holder}: " + "tokens of a long shared document " * 60
             ids = tok.request_token_ids(json.loads(chat(doc)), True)
             n = len(ids) // 16 * 16

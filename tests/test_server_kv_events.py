@@ -197,11 +197,16 @@ async def test_engine_restart_resumes_with_a_new_sequence() -> None:
         second = await Engine(http_port=first.http_port, pub_port=first.pub_port, replay_port=first.replay_port,
                               seed=2).start()
         try:
-            await eventually(lambda: status(router, first.url).mode == "precise", what="precise again")
+            # Connected again, but what the old engine stored is not trusted until a
+            # message from the new one tells whether it is the same engine.
+            await eventually(lambda: status(router, first.url).connected, what="connected again")
+            st = status(router, first.url)
+            assert (st.mode, st.reason) == ("approximate", "reconnected, no event since")
             await asyncio.sleep(0.1)
             new = chat("After the restart?")
             await send(router.url, new)
             await eventually(lambda: held(router, first.url, new) == full_blocks(new))
+            await eventually(lambda: status(router, first.url).mode == "precise", what="precise again")
             # Every batch the new engine published reaches the router (one may follow the blocks').
             await eventually(lambda: status(router, first.url).next_seq == second.server.publisher.published,
                              what="every batch received")
@@ -618,6 +623,11 @@ def test_serve_flags_give_precise_mode_its_tokenizer_and_cache_aware_its_tiers()
     tokens = build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--kv-events-from-info", "--tokenizer",
                                         "tiny", "--kv-match", "tokens"]))
     assert tokens.kv_events is not None and tokens.kv_events.matching == "tokens"
+    from prefixroute.core.config import ConfigError as _ConfigError
+
+    with pytest.raises(_ConfigError, match="--kv-match needs --tokenizer"):
+        build_config(p.parse_args(["--backend", "http://10.0.0.1:8000", "--kv-events-from-info", "--kv-match",
+                                   "tokens"]))
     tiers = config.endpoints[0].variants[0].routing.cache_aware.kv_tiers  # type: ignore[union-attr]
     assert tiers is not None and (tiers.cpu_tier_tokens, tiers.shared_tier) == (400_000, True)
     from prefixroute.core.config import ConfigError

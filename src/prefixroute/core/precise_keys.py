@@ -229,13 +229,13 @@ class RequestKeyer:
         if tb is None or bx is None:
             raise ValueError("this keyer or view does not match by bytes")
         if chat:
-            data = self.tokenizer.render_chat(payload).encode("utf-8", "surrogatepass")
+            data = tb.text_bytes(self.tokenizer.render_chat(payload))
         else:
             prompt = completion_prompt(payload)
             if not isinstance(prompt, str):  # token ids, used as given
                 ids = list(prompt)
                 return block_keys(ids, self.block_size, chain_root(lora_name)), len(ids)
-            data = tb.completion_prefix + prompt.encode("utf-8", "surrogatepass")
+            data = tb.completion_prefix + tb.text_bytes(prompt)
         self.byte_matched += 1
         keys, ends = bx.walk(data, chain_root(lora_name))
         matched = ends[-1] if ends else 0

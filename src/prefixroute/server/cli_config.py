@@ -175,6 +175,9 @@ def kv_events_from_flags(args: argparse.Namespace) -> KvEventsConfig:
     if getattr(args, "chat_template", None):
         data["ChatTemplate"] = args.chat_template
     if getattr(args, "kv_match", None):
+        if not getattr(args, "tokenizer", None):
+            raise ConfigError("--kv-match needs --tokenizer: requests are matched against the events with the "
+                              "engines' tokenizer")
         data["Matching"] = args.kv_match
     if args.kv_events_template or args.kv_events_replay_template or args.kv_events_from_info:
         discovery: dict[str, Any] = {"FromInfo": bool(args.kv_events_from_info)}

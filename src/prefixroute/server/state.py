@@ -588,6 +588,9 @@ def describe_changes(old: FleetConfig, new: FleetConfig) -> str:
             changes.append(f"{name} LoraAdapters changed")
     if new.endpoints[0].name != old.endpoints[0].name:
         changes.append(f"default endpoint {old.endpoints[0].name} -> {new.endpoints[0].name}")
+    if old.kv_events != new.kv_events:
+        changes.append("KvEvents " + ("added" if old.kv_events is None else "removed" if new.kv_events is None
+                                      else "changed"))
     if not changes:
         return "no change"
     if len(changes) > _SUMMARY_CHANGES:

@@ -336,7 +336,7 @@ class Simulator:
             observer = None
             if self.kv_view is not None:
                 stream = self.kv_view.add_instance(iid)
-                stream.on_connected()
+                stream.on_connected(complete=True)
                 observer = DirectObserver(stream.index)
             self._instances[iid] = _Instance(iid, self.config.engine, self._shared_tier, observer)
             self._order.append(iid)

@@ -27,7 +27,9 @@ The rules (vLLM numbers batches from 0 at every start, 8 bytes big-endian):
 
 **Mode**: an instance is ``precise`` while its stream is connected and its state is
 complete as far as the router can tell; ``approximate`` before the first connection,
-while disconnected, and while a replay is repairing its state (the routing policy then
+while disconnected, from a (re)connection until its first message (the engine may have
+stored blocks before the router listened, or restarted while it was away: the message's
+sequence number tells), and while a replay is repairing its state (the routing policy then
 falls back to its own learned state for that instance). ``reason`` says why.
 """
 
@@ -117,6 +119,7 @@ class InstanceStream:
         self.counts = _Counts()
         self.last_message_at: float | None = None
         self._reconnected = False
+        self._confirmed = False  # a message has arrived since the last (re)connection
         self._replaying = False
         self._replay_start = 0
         self._replay_from_empty = False  # the replay rebuilds from an empty state (catch-up)
@@ -133,7 +136,7 @@ class InstanceStream:
     @property
     def mode(self) -> Mode:
         """``precise`` or ``approximate`` (see the module docstring)."""
-        if self.connected and not self._replaying and not self._backlog:
+        if self.connected and self._confirmed and not self._replaying and not self._backlog:
             return Mode.PRECISE
         return Mode.APPROXIMATE
 
@@ -144,6 +147,8 @@ class InstanceStream:
             return "repairing a gap through replay" if not self._replay_from_empty else "catching up through replay"
         if not self.connected:
             return "never connected" if not self.ever_connected else self._off_reason
+        if not self._confirmed:  # what the engine stored meanwhile (or a restart) shows with its next message
+            return "reconnected, no event since" if self.expected is not None else "connected, no event yet"
         return self._reason
 
     @property
@@ -159,14 +164,18 @@ class InstanceStream:
 
     # -- connection ---------------------------------------------------------------------
 
-    def on_connected(self) -> None:
+    def on_connected(self, complete: bool = False) -> None:
         """The driver's socket (re)connected to the instance's publisher (no-op while
-        connected: a message may have told the stream before the socket monitor did)."""
+        connected: a message may have told the stream before the socket monitor did).
+        The instance stays approximate until its first message (module docstring),
+        unless ``complete``: a driver that applies every change straight to the index
+        (the simulator) knows the state is whole."""
         if self.connected:
             return
         if self.ever_connected and self.expected is not None:
             self._reconnected = True
         self.connected = self.ever_connected = True
+        self._confirmed = complete
         self._reason = "events flowing"
 
     def on_disconnected(self, reason: str = "disconnected") -> None:
@@ -190,6 +199,7 @@ class InstanceStream:
         if len(frames) != 3 or len(frames[1]) != 8:
             self.index.counters.malformed_messages += 1
             return []
+        self._confirmed = True  # its sequence number tells a gap or a restart from here on
         seq = int.from_bytes(frames[1], "big")
         payload = frames[2]
         if self._replaying:
@@ -355,3 +365,4 @@ class InstanceStream:
         self._pending = []
         self._backlog.clear()
         self._reset(why)
+        self._confirmed = True  # empty, as the engine that restarted is
