@@ -9,19 +9,16 @@ import random
 from itertools import count
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-pytest.importorskip("tokenizers")
-
-from hypothesis import given, settings, strategies as st  # noqa: E402
-
-from prefixroute.core.keys import text_block_hashes  # noqa: E402
-from prefixroute.core.kvevents.events import BlockRemoved, BlockStored  # noqa: E402
-from prefixroute.core.kvevents.view import PreciseCacheView  # noqa: E402
-from prefixroute.core.model_tokenizer import ModelTokenizer  # noqa: E402
-from prefixroute.core.precise_keys import RequestKeyer  # noqa: E402
-from prefixroute.core.precise_policy import SPECULATIVE_MIN_UNITS, Speculative  # noqa: E402
-from prefixroute.core.strategies import InstanceState  # noqa: E402
-from prefixroute.core.token_bytes import TokenBytes  # noqa: E402
+from prefixroute.core.keys import text_block_hashes
+from prefixroute.core.kvevents.events import BlockRemoved, BlockStored
+from prefixroute.core.kvevents.view import PreciseCacheView
+from prefixroute.core.model_tokenizer import ModelTokenizer
+from prefixroute.core.precise_keys import RequestKeyer
+from prefixroute.core.precise_policy import SPECULATIVE_MIN_UNITS, Speculative
+from prefixroute.core.strategies import InstanceState
+from prefixroute.core.token_bytes import TokenBytes
 
 BS = 16
 TOK = ModelTokenizer.load("tiny")

@@ -537,6 +537,26 @@ async def test_cache_aware_sends_a_prompt_where_the_events_show_it(data_plane: s
             assert stats["byte_matched"] == 0 and stats["hits"] > 0
 
 
+async def document_held_elsewhere(engines: list[Engine], router: RouterHandle, learned_choice: Callable[[dict], str]
+                                  ) -> tuple[str, dict[str, Any]]:
+    """A 20 KB document (a system prompt and a first question) sent straight to the first
+    engine, which the router's learned view would place on the other: only the engine's
+    events know it. Returns the engine's URL and the request, once the router holds its
+    blocks."""
+    words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
+    holder = engines[0].url
+    for j in range(100):
+        doc = f"Document {j}: " + " ".join(words[(i * 7 + j) % 6] + str(i % 97) for i in range(2500))
+        first = {"model": DEFAULT_MODEL, "max_tokens": 2,
+                 "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 1?"}]}
+        if learned_choice(first) != holder:
+            break
+    assert len(doc) > 20_000 and learned_choice(first) != holder
+    await send(holder, first)
+    await eventually(lambda: held(router, holder, first) == full_blocks(first), what="the document's blocks")
+    return holder, first
+
+
 @pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
 async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane: str) -> None:
     # The first request naming a 20 KB document the router never tokenized is not held up
@@ -545,17 +565,7 @@ async def test_a_new_long_document_is_tokenized_off_the_request_path(data_plane:
     # it are keyed from those pieces (precise again), tokenizing only their new text
     # (KvEvents.Matching: tokens; with bytes nothing is tokenized: the next test).
     async with precise_fleet(data_plane, "tokens") as (engines, router, learned_choice):
-        words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
-        holder = engines[0].url
-        for j in range(100):  # a document the learned view would place on the other engine
-            doc = f"Document {j}: " + " ".join(words[(i * 7 + j) % 6] + str(i % 97) for i in range(2500))
-            first = {"model": DEFAULT_MODEL, "max_tokens": 2,
-                     "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 1?"}]}
-            if learned_choice(first) != holder:
-                break
-        assert len(doc) > 20_000
-        await send(holder, first)  # straight to the engine: only its events know
-        await eventually(lambda: held(router, holder, first) == full_blocks(first), what="the document's blocks")
+        holder, first = await document_held_elsewhere(engines, router, learned_choice)
         keyer, off_path = router.state.kv_keyer, router.state.kv_tokenize
         assert keyer is not None
         # Precise mode would send it to the holder; deferred, it goes where the learned view says.
@@ -586,17 +596,7 @@ async def test_a_new_long_document_is_matched_by_its_bytes_on_its_first_request(
     # once, found from the blocks' token ids rendered back to text, and no request is
     # tokenized at all (the keyer's piece cache stays empty).
     async with precise_fleet(data_plane) as (engines, router, learned_choice):
-        words = ["tokens", "blocks,", "engine.", "cache", "router", "prefix"]
-        holder = engines[0].url
-        for j in range(100):  # a document the learned view would place on the other engine
-            doc = f"Document {j}: " + " ".join(words[(i * 7 + j) % 6] + str(i % 97) for i in range(2500))
-            first = {"model": DEFAULT_MODEL, "max_tokens": 2,
-                     "messages": [{"role": "system", "content": doc}, {"role": "user", "content": "Question 1?"}]}
-            if learned_choice(first) != holder:
-                break
-        assert len(doc) > 20_000
-        await send(holder, first)  # straight to the engine: only its events know
-        await eventually(lambda: held(router, holder, first) == full_blocks(first), what="the document's blocks")
+        holder, first = await document_held_elsewhere(engines, router, learned_choice)
         for q in range(2, 5):
             follow = {**first, "messages": [first["messages"][0], {"role": "user", "content": f"Question {q}?"}]}
             assert await send_decided(router.url, follow) == (holder, "affinity")
