@@ -243,6 +243,44 @@ def test_new_prefixes_behind_a_shared_system_prompt_spread_over_the_fleet():
     assert len(set(where)) == 4 and max(where.count(u) for u in urls) <= 20
 
 
+def test_new_questions_leave_a_busy_home_of_a_hot_document_as_the_learned_rule_does():
+    """A document the events show on one instance, and new questions about it, none
+    finished (each stored by its engine as it is prefilled): they join it until it has more than SPREAD_FACTOR x the mean in flight
+    (+ SPREAD_SLACK), then go to their own rendezvous choice (an overflow), which then
+    holds it too and shares the questions; the next turn of a question stays home."""
+    from prefixroute.core import placement_rules as R
+
+    urls = [f"http://10.9.9.{i}:8000" for i in range(4)]
+    pool, view = fleet(urls, threshold=100, load_weight=4)
+    doc = doc_tokens(7, 1024)
+    home_url = urls[2]
+    store(view, home_url, doc)
+    text = "document seven " + "d" * 4000
+
+    def tokens(q: int, turn: int = 0) -> list[int]:
+        return doc + doc_tokens(5000 + q, 40 + 30 * turn)
+
+    def ask(q: int, turn: int = 0):
+        return request(view, tokens(q, turn), text + f" question {q} " + "q" * 120 + " more" * 30 * turn)
+
+    leases, where = [], []
+    for q in range(32):
+        lease = pool.acquire(None, blocks=ask(q))
+        lease.first_token()
+        store(view, lease.instance.instance_id, tokens(q))  # its engine's events after the prefill
+        leases.append(lease)
+        where.append((lease.instance.instance_id, lease.decision.kind))
+    first_moved = next(i for i, (u, _) in enumerate(where) if u != home_url)
+    assert first_moved == int(R.SPREAD_SLACK / (1 - R.SPREAD_FACTOR / len(urls))) + 1
+    assert where[first_moved][1] is DecisionKind.OVERFLOW
+    assert all(u == home_url and k is DecisionKind.AFFINITY for u, k in where[:first_moved])
+    home = next(i for i in pool.instances if i.instance_id == home_url)
+    assert 12 <= home.in_flight <= 24 and len({u for u, _ in where}) >= 2
+    # the next turn of question 0 stays on the busy home (it continues a request routed there)
+    lease = pool.acquire(None, blocks=ask(0, turn=1))
+    assert lease.instance is home and lease.decision.kind is DecisionKind.AFFINITY
+
+
 def test_a_request_without_a_full_kv_block_is_decided_on_the_learned_view():
     urls = [f"http://10.9.7.{i}:8000" for i in range(3)]
     pool, view = fleet(urls)

@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from prefixroute.core.hashing import rendezvous_best
 from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.kvevents.stream import Mode
-from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, STICK_FRACTION
+from prefixroute.core.placement_rules import (ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, SPREAD_FACTOR, SPREAD_SLACK,
+                                              STICK_FRACTION)
 from prefixroute.core.strategies import DecisionKind, InstanceState
 from prefixroute.core.tiers import TierCosts
 
@@ -257,8 +258,8 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         meaningful = bool(homes) and r_top > rest_raw and r_top - rest_raw >= stick
         extra = 0.0
         tops = [i for i in range(k) if r_top > 0 and raw[i] == r_top]
+        cont: dict[int, float] = {}
         if not meaningful or len(tops) > 1:
-            cont = {}
             for i in tops:
                 e = continuing(i)
                 if e is not None:
@@ -277,6 +278,27 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         limit = tie + replicate * size
         homes_cost = [(size - saved[i] - extra + queue(candidates[i]), i) for i in homes
                       if candidates[i].in_flight < threshold]
+        def spread(home: int) -> int | None:
+            # The learned rule's spread (cache_aware, rule 4): a new branch off a prefix
+            # whose home has more than SPREAD_FACTOR x the mean in flight plus
+            # SPREAD_SLACK goes to its own bounded-load rendezvous choice past the
+            # home's holding, which prefills the prefix once and becomes a home too.
+            h = candidates[home]
+            home_load = max(h.in_flight, h.engine_load)
+            if not chain or cont or home_load <= SPREAD_SLACK:  # (cont: it continues a routed request)
+                return None
+            loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
+            if not loads or home_load <= SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK:
+                return None
+            if continuing(home) is not None:
+                return None
+            skip = 0
+            for j in homes:
+                skip |= bits[j]
+            alt_inst = strategy._walk(anchor(raw[home]), candidates, threshold, skip)
+            if alt_inst is None or max(alt_inst.in_flight, alt_inst.engine_load) >= home_load:
+                return None
+            return candidates.index(alt_inst)
         c_home = 0.0
         home = -1
         if homes_cost:
@@ -288,6 +310,9 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             c_home, home = band[rendezvous_best(top_anchor, [tokens[i] for _, i in band])] if len(band) > 1 \
                 else band[0]
             if c_home <= size - s_rest + limit:
+                moved = spread(home)
+                if moved is not None:
+                    return moved, DecisionKind.OVERFLOW, size - saved[moved]
                 return home, DecisionKind.AFFINITY, size - saved[home] - extra
         rest_anchor = anchor(rest_raw)
         skip = 0
