@@ -6,8 +6,10 @@ its KV block keys from its token ids, set by the driver on the request's
 :class:`~prefixroute.core.block_chain.BlockChain` as ``blocks.precise``) or the engines have KV
 tiers the router must model (``CacheAwareRoutingConfig.KvTiers``), the strategy hands the
 decision to :func:`choose_precise`, which applies **the same rule** (module docstring of
-:mod:`prefixroute.core.cache_aware`: homes, the cost of uncached prefill plus queue,
-bounded-load rendezvous placement, ConcurrencyThreshold first) with two changes:
+:mod:`prefixroute.core.cache_aware`: homes, the cost of uncached prefill plus queue, a new
+branch leaving a busy home (rule 4's spread), bounded-load rendezvous placement,
+ConcurrencyThreshold first, a saturated fleet's prefill weighed by the requests it delays)
+with two changes:
 
 1. **What an instance holds** comes, for each instance whose event stream is
    ``precise`` (:meth:`prefixroute.core.kvevents.view.PreciseCacheView.mode`), from its
@@ -221,6 +223,15 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
 
     tokens = strategy.tokens(candidates)
     bits = strategy._bits_of(candidates)[0]
+    # The learned rule's rule 7: a saturated fleet (every candidate at the threshold by
+    # the router's count or the engine's) weighs a prefill by the requests it delays.
+    thr = strategy.threshold
+    strategy.saturated = all(max(c.in_flight, c.engine_load) >= thr for c in candidates)
+    uncached_cost = strategy._uncached_cost
+
+    def cost(i: int, uncached: float) -> float:
+        return uncached_cost(candidates[i], uncached)
+
     queue = strategy._queue
     bs = strategy.block_size
     stick = max(strategy.stick_units, STICK_FRACTION * size)
@@ -276,7 +287,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             first = rendezvous_best(top_anchor, tokens)
             return i, DecisionKind.AFFINITY if i == first else DecisionKind.OVERFLOW, size - saved[i]
         limit = tie + replicate * size
-        homes_cost = [(size - saved[i] - extra + queue(candidates[i]), i) for i in homes
+        homes_cost = [(cost(i, size - saved[i] - extra) + queue(candidates[i]), i) for i in homes
                       if candidates[i].in_flight < threshold]
         def spread(home: int) -> int | None:
             # The learned rule's spread (cache_aware, rule 4): a new branch off a prefix
@@ -320,7 +331,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             skip |= bits[i]
         alt_inst = strategy._walk(rest_anchor, candidates, threshold, skip)
         alt = candidates.index(alt_inst) if alt_inst is not None else -1
-        if homes_cost and (alt < 0 or c_home <= size - saved[alt] + queue(candidates[alt]) + limit):
+        if homes_cost and (alt < 0 or c_home <= cost(alt, size - saved[alt]) + queue(candidates[alt]) + limit):
             return home, DecisionKind.AFFINITY, size - saved[home] - extra
         if alt < 0:
             return None
