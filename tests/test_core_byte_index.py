@@ -146,7 +146,30 @@ def test_holders_are_counted_across_instances_and_tiers_and_the_last_one_forgets
     assert len(view.match_bytes(data)[0]) == 5  # type: ignore[index]
     view.stream("b").reset("test")  # type: ignore[union-attr]
     assert len(bx) == 0 and view.match_bytes(data) == ([], [])
-    assert (bx._by_bytes, bx._lengths) == ({}, {})  # nothing left behind
+    assert (bx._by_bytes, bx._lengths, bx._pending) == ({}, {}, {})  # nothing left behind
+
+
+def test_a_block_is_rendered_only_when_a_walk_reaches_its_parent():
+    """Ingest keeps a new block's ids; the first walk through its parent renders the
+    parent's children (all of them: the walk must know their byte lengths), and a branch
+    no prompt enters is never rendered, and is forgotten cleanly."""
+    view = view_with("a")
+    bx = view.byte_index
+    assert bx is not None
+    doc = TOK.encode("the document everyone asks about. " * 12, add_special_tokens=False)
+    doc = doc[: len(doc) // BS * BS]
+    q1 = TOK.encode(" first question, asked at some length so it fills blocks " * 3, add_special_tokens=False)
+    q2 = TOK.encode(" second question, never asked again but just as long " * 3, add_special_tokens=False)
+    store(view, "a", doc + q1)
+    hashes_2 = store(view, "a", doc + q2)  # (the engine's hashes differ per store; the keys agree)
+    d, n1, n2 = len(doc) // BS, len(doc + q1) // BS - len(doc) // BS, len(doc + q2) // BS - len(doc) // BS
+    assert len(bx) == d + n1 + n2 and bx.tokens_indexed == 0  # held, nothing rendered yet
+    keys, ends = view.match_bytes(TB.render(doc + q1))  # type: ignore[misc]
+    assert len(keys) == d + n1 and ends[-1] == len(TB.render((doc + q1)[: (d + n1) * BS]))
+    assert bx.tokens_indexed == (d + n1 + 1) * BS  # the doc, q1, and q2's first block (a child of the doc's last)
+    view.stream("a").index.apply([BlockRemoved(hashes_2[d:])])  # type: ignore[union-attr]
+    assert len(bx) == d + n1 and bx._pending == {}
+    assert len(view.match_bytes(TB.render(doc + q2))[0]) == d  # type: ignore[index]
 
 
 def test_blocks_with_a_media_hash_are_not_indexed_but_an_adapters_name_is_no_obstacle():

@@ -16,7 +16,12 @@ tokenized.
 
 Definition::
 
-    byte_key(block) = xxh3_64(u64le(key of its parent) + bytes of its tokens, seed=BLOCK_KEY_SEED)
+    byte_key(block) = xxh3_64(bytes of its tokens, seed=key of its parent)
+
+A block is rendered and hashed only when a walk first reaches its parent: until then
+its token ids wait, packed, under the parent (an event's ingest is a count and a copy
+per block; the blocks no prompt reaches, such as a unique question's later blocks, are
+never rendered).
 
 Where two held children of one block both follow in the prompt (one's bytes a prefix of
 the other's: a chain the engine tokenized differently, such as a sampled answer), each is
@@ -35,12 +40,13 @@ held anywhere in the fleet (three dictionary entries).
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
 
-from prefixroute.core.kvevents.chain import BLOCK_KEY_SEED
+from prefixroute.core.kvevents.chain import pack_token_ids
 
 if TYPE_CHECKING:
     from prefixroute.core.token_bytes import TokenBytes
@@ -68,6 +74,9 @@ class ByteIndex:
         # router key -> [holders, byte key (None: not indexed), parent key, byte length]
         self._info: dict[int, list] = {}
         self._lengths: dict[int, dict[int, int]] = {}  # parent key -> {child's byte length: children}
+        # parent key -> {child key: its token ids packed}: held, not yet rendered (_render)
+        self._pending: dict[int, dict[int, bytes]] = {}
+        self._unpack = struct.Struct(f"<{block_size}Q").unpack
         self.tokens_indexed = 0
         self.bytes_indexed = 0
 
@@ -83,53 +92,82 @@ class ByteIndex:
         self.ref_blocks(token_ids, [(key, parent, start)])
 
     def ref_blocks(self, token_ids: Sequence[int] | None, blocks: Sequence[tuple[int, int | None, int]],
-                   indexable: int | None = None) -> None:
+                   indexable: int | None = None, packed: bytes | None = None) -> None:
         """:meth:`ref` for several blocks of one event: ``blocks`` are ``(key, parent,
-        start)`` (the block's tokens are ``token_ids[start:start + block_size]``), the ids
-        rendered once for all of them (what an event costs: one lookup per token for the
-        blocks new to the index, a count for the others). Blocks starting at or past
-        ``indexable`` (a token offset) are counted, not indexed."""
+        start)`` (the block's tokens are ``token_ids[start:start + block_size]``;
+        ``packed``: the same ids as :func:`~prefixroute.core.kvevents.chain.pack_token_ids`
+        bytes, when the caller has them). A block new to the index keeps its packed ids
+        under its parent until a walk reaches the parent (:meth:`_render`): a block no
+        request's prompt ever reaches (a unique question's later blocks, an answer never
+        continued) is never rendered. Blocks starting at or past ``indexable`` (a token
+        offset) are counted, not indexed."""
         info_of = self._info
         bs = self.block_size
-        parts: list | None = None
-        digest, seed = xxhash.xxh3_64_intdigest, BLOCK_KEY_SEED
+        pending_of = self._pending
         for key, parent, start in blocks:
             info = info_of.get(key)
             if info is not None:
                 info[0] += 1
-                if info[1] is not None:
+                if info[1] is not None:  # indexed, or waiting to be
                     continue
             if token_ids is None or parent is None or (indexable is not None and start >= indexable):
                 if info is None:
                     info_of[key] = [1, None, parent, 0]
                 continue
-            if parts is None:
-                table = self.token_bytes.table
+            if packed is None:
                 try:
-                    parts = [table[i] for i in token_ids] if min(token_ids, default=0) >= 0 else []
-                except (IndexError, TypeError):  # an id the vocabulary lacks: none of them indexed
-                    parts = []
-            chunk = parts[start:start + bs]
-            if len(chunk) != bs or None in chunk:
+                    packed = pack_token_ids(token_ids)
+                except ValueError:  # an id out of range: none of them indexed
+                    packed = b""
+            chunk = packed[start * 8:(start + bs) * 8]
+            if len(chunk) != bs * 8:
                 if info is None:
                     info_of[key] = [1, None, parent, 0]
                 continue
-            data = b"".join(chunk)
-            bkey = digest(parent.to_bytes(8, "little") + data, seed)
-            n = len(data)
             if info is None:
-                info_of[key] = [1, bkey, parent, n]
+                info_of[key] = [1, _PENDING, parent, 0]
             else:  # held before without its tokens: indexed now
-                info[1:] = [bkey, parent, n]
-            other = self._by_bytes.setdefault(bkey, key)
+                info[1:] = [_PENDING, parent, 0]
+            pending = pending_of.get(parent)
+            if pending is None:
+                pending_of[parent] = {key: chunk}
+            else:
+                pending[key] = chunk
+
+    def _render(self, parent: int) -> None:
+        """Index the children of ``parent`` still waiting (:meth:`ref_blocks`): their
+        ids rendered to bytes (one table lookup per token), hashed under ``parent``."""
+        pending = self._pending.pop(parent, None)
+        if not pending:
+            return
+        info_of = self._info
+        table = self.token_bytes.table
+        unpack = self._unpack
+        digest = xxhash.xxh3_64_intdigest
+        by_bytes, more_of = self._by_bytes, self._more
+        lengths = self._lengths.get(parent)
+        for key, chunk in pending.items():
+            info = info_of[key]
+            try:
+                parts = [table[i] for i in unpack(chunk)]
+            except IndexError:  # an id the vocabulary lacks
+                parts = None
+            if parts is None or None in parts:
+                info[1] = None  # counted, not indexed
+                continue
+            data = b"".join(parts)
+            bkey = digest(data, parent)
+            n = len(data)
+            info[1] = bkey
+            info[3] = n
+            other = by_bytes.setdefault(bkey, key)
             if other != key:
-                self._more.setdefault(bkey, []).append(key)
-            lengths = self._lengths.get(parent)
+                more_of.setdefault(bkey, []).append(key)
             if lengths is None:
-                self._lengths[parent] = {n: 1}
+                lengths = self._lengths[parent] = {n: 1}
             else:
                 lengths[n] = lengths.get(n, 0) + 1
-            self.tokens_indexed += bs
+            self.tokens_indexed += self.block_size
             self.bytes_indexed += n
 
     def unref(self, key: int) -> None:
@@ -144,6 +182,13 @@ class ByteIndex:
         del self._info[key]
         _, bkey, parent, n = info
         if bkey is None:
+            return
+        if bkey == _PENDING:
+            pending = self._pending.get(parent)
+            if pending is not None:
+                pending.pop(key, None)
+                if not pending:
+                    del self._pending[parent]
             return
         more = self._more.get(bkey)
         if self._by_bytes.get(bkey) == key:
@@ -171,6 +216,7 @@ class ByteIndex:
         self._more.clear()
         self._info.clear()
         self._lengths.clear()
+        self._pending.clear()
 
     def bytes_per_token(self) -> float:
         """Bytes per token of the blocks indexed so far (the probes' figure before any)."""
@@ -200,19 +246,20 @@ class ByteIndex:
     def _walk(self, data: bytes, parent: int, pos: int, keys: list[int], ends: list[int], budget: list[int]) -> None:
         lengths_of = self._lengths.get
         by_bytes = self._by_bytes.get
+        pending = self._pending
         digest = xxhash.xxh3_64_intdigest
-        seed = BLOCK_KEY_SEED
         n = len(data)
         while True:
+            if parent in pending:
+                self._render(parent)
             lengths = lengths_of(parent)
             if not lengths:
                 return
-            head = parent.to_bytes(8, "little")
             found: list[tuple[int, int]] = []
             for length in lengths:
                 end = pos + length
                 if end <= n:
-                    bkey = digest(head + data[pos:end], seed)
+                    bkey = digest(data[pos:end], parent)
                     key = by_bytes(bkey)
                     if key is not None:
                         found.append((key, end))
@@ -237,6 +284,9 @@ class ByteIndex:
             ends.append(end)
             parent, pos = key, end
 
+
+#: The byte key of a block held with its token ids, not rendered yet (byte keys are >= 0).
+_PENDING = -1
 
 #: Forks (two held children whose bytes both follow in the prompt) a walk follows both
 #: ways; past them it takes the first.

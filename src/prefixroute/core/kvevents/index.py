@@ -209,13 +209,15 @@ class InstanceIndex:
         own = self.keys
         known = self.shared.keys if tier is Tier.SHARED else own
         keys: list[int] | None = None
+        packed: bytes | None = None
         if not all(map(own.__contains__, hashes)) and (known is own or any(h not in own and h not in known
                                                                            for h in hashes)):
             try:
                 extras = None
                 if e.extra_keys is not None:
                     extras = [[k for k in x if k != e.lora_name] if x else None for x in e.extra_keys]
-                keys = block_keys(pack_token_ids(e.token_ids), self.block_size, parent, len(hashes), extras)
+                packed = pack_token_ids(e.token_ids)
+                keys = block_keys(packed, self.block_size, parent, len(hashes), extras)
             except (ValueError, TypeError):  # token ids out of range or not integers
                 c.malformed_events += 1
                 return
@@ -232,7 +234,7 @@ class InstanceIndex:
                 key = keys[i] if keys is not None else own.get(h, known.get(h))
                 if shared.add(h, key) and bx is not None:  # type: ignore[arg-type]
                     # (counted at once: a later block of this event may evict it from the tier)
-                    bx.ref_blocks(ids, [(key, parent, i * bs)], indexable)  # type: ignore[list-item]
+                    bx.ref_blocks(ids, [(key, parent, i * bs)], indexable, packed)  # type: ignore[list-item]
                 parent = key  # type: ignore[assignment]
         else:
             unit = GPU_UNIT if tier is Tier.GPU else CPU_UNIT
@@ -248,7 +250,7 @@ class InstanceIndex:
                     new.append((key, parent, i * bs))
                 parent = key
         if new:
-            bx.ref_blocks(ids, new, indexable)  # type: ignore[union-attr]
+            bx.ref_blocks(ids, new, indexable, packed)  # type: ignore[union-attr]
         c.blocks_stored += len(hashes)
 
     def _removed(self, e: BlockRemoved) -> None:
