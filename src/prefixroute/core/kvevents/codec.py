@@ -169,21 +169,26 @@ def _optional(value: Any, kind: type) -> bool:
     return value is None or (type(value) is kind)
 
 
-def _stored(f: dict[str, Any]) -> BlockStored | str:
-    hashes = f.get("block_hashes")
+_NO_VALUES = [None] * 9
+
+
+def _stored(raw: Any) -> BlockStored | str:
+    """A ``BlockStored`` from its array (``[tag, field, ...]``, read in place) or map."""
+    if isinstance(raw, dict):
+        hashes, parent, tokens, size, lora_id, medium, lora_name, extra, group = map(raw.get, _STORED_FIELDS[:9])
+    else:
+        values = raw[1:10]
+        if len(values) < 9:  # (omit_defaults: trailing fields left out)
+            values += _NO_VALUES[len(values):]
+        hashes, parent, tokens, size, lora_id, medium, lora_name, extra, group = values
     if not _check_hashes(hashes):
         return "BlockStored.block_hashes is not a non-empty list of hashes"
-    parent = f.get("parent_block_hash")
     if parent is not None and not _is_hash(parent):
         return "BlockStored.parent_block_hash is not a hash"
-    tokens = f.get("token_ids")
-    size = f.get("block_size")
     if type(size) is not int or size < 1:
         return "BlockStored.block_size is not a positive integer"
     if not isinstance(tokens, list) or len(tokens) != len(hashes) * size:
         return f"BlockStored.token_ids does not hold block_size x {len(hashes)} token ids"
-    lora_id, medium, lora_name = f.get("lora_id"), f.get("medium"), f.get("lora_name")
-    extra, group = f.get("extra_keys"), f.get("group_idx")
     if not (_optional(lora_id, int) and _optional(medium, str) and _optional(lora_name, str)
             and _optional(group, int)):
         return "BlockStored.lora_id, medium, lora_name or group_idx has the wrong type"
@@ -244,7 +249,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
             continue
         result: KvEvent | str
         if tag == "BlockStored":
-            result = _stored(_fields(raw, _STORED_FIELDS))
+            result = _stored(raw)
         elif tag == "BlockRemoved":
             result = _removed(_fields(raw, _REMOVED_FIELDS))
         elif tag == "AllBlocksCleared":
