@@ -292,7 +292,7 @@ def test_a_replay_that_no_longer_reaches_the_gap_resets() -> None:
     only_tail = PreciseCacheView(BS, StreamSettings(replay=False))
     feed(only_tail.add_instance("i"), frames[4:])
     assert s.counts.resets == 1 and s.counts.replays_failed == 1 and state(view) == state(only_tail)
-    assert "reset" in s.reason and s.expected == len(frames)
+    assert s.last_reset is not None and "replay" in s.last_reset[0] and s.expected == len(frames)
 
 
 def test_failed_replay_resets_and_goes_on_with_live_messages() -> None:
@@ -306,6 +306,11 @@ def test_failed_replay_resets_and_goes_on_with_live_messages() -> None:
     feed(tail.add_instance("i"), frames[3:5])
     assert state(view) == state(tail)
     assert s.on_replay([], 3.0) == []  # a late answer is ignored
+    # the status says events flow, and the reset apart (its reason does not stick to the mode)
+    assert s.reason == "events flowing" and s.last_reset is not None and "replay" in s.last_reset[0]
+    st = view.status(12.0)[0]
+    assert st.reason == "events flowing" and st.last_reset == s.last_reset[0]
+    assert st.last_reset_age_s == 12.0 - s.last_reset[1]
 
 
 def test_gaps_without_replay_or_too_often_reset() -> None:

@@ -155,7 +155,8 @@ async def test_body_over_the_limit_is_413(router, backends, http, floor, path, s
 
 @pytest.mark.parametrize("raw,needle", [
     (b"{not json", "not valid JSON"),
-    (b"\xff\xfe{}", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON: it is not UTF-8 text"),
+    (b'{"model": "m", "messages": [{"role": "user", "content": "\xff\xfe"}]}', "not valid JSON: it is not UTF-8 text"),
     (b"[1, 2]", "must be a JSON object, got an array"),
     (b'"text"', "must be a JSON object, got a string"),
     (b"null", "must be a JSON object, got null"),

@@ -701,7 +701,8 @@ async def test_an_engine_seen_restarting_by_its_metrics_loses_its_events_state_a
         resets = stream.counts.resets
         router.state.engine_restarted(engine.url)
         assert held(router, engine.url, body) == 0 and stream.counts.resets == resets + 1
-        assert "engine restarted" in stream.reason
+        assert stream.last_reset is not None and "engine restarted" in stream.last_reset[0]
+        assert stream.reason == "events flowing"  # (the reset is reported apart: LastReset)
     finally:
         await router.close()
         await engine.stop()

@@ -99,14 +99,16 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
     Shape: ``{"Enabled": bool, "BlockSize": int | None, "SharedTierBlocks": int,
     "Instances": [{"Instance", "Mode", "Reason", "Connected", "Blocks", "NextSeq",
     "Messages", "Gaps", "Replays", "ReplaysFailed", "Resets", "Restarts", "Orphaned",
-    "MalformedMessages", "MalformedEvents", "UnknownEvents", "LastMessageAgeS"}, ...],
+    "MalformedMessages", "MalformedEvents", "UnknownEvents", "LastMessageAgeS", "LastReset",
+    "LastResetAgeS"}, ...],
     "Matching": "bytes" | "tokens" | None, "ByteIndexBlocks": int,
     "Tokenizer": {"CachedPieces", "Hits", "Misses", "DeferredRequests", "OffPathPieces",
     "ByteMatchedRequests"} | None}``
     (``Matching``: how requests are matched, ``KvEvents.Matching``, ``None`` without a
     tokenizer; ``ByteIndexBlocks``: distinct held blocks indexed by their bytes;
     ``DeferredRequests``: routed on the learned view while their new text was tokenized
-    off the request path, ``InlineTokenizeChars``).
+    off the request path, ``InlineTokenizeChars``; ``LastReset``: why the instance's
+    state was last reset, ``LastResetAgeS`` how long ago, both ``None`` if never).
     """
     view = state.kv_view
     if view is None:
@@ -118,7 +120,9 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
                      "Replays": st.replays, "ReplaysFailed": st.replays_failed, "Resets": st.resets,
                      "Restarts": st.restarts, "Orphaned": st.orphaned, "MalformedMessages": st.malformed_messages,
                      "MalformedEvents": st.malformed_events, "UnknownEvents": st.unknown_events,
-                     "LastMessageAgeS": None if st.last_message_age_s is None else round(st.last_message_age_s, 3)})
+                     "LastMessageAgeS": None if st.last_message_age_s is None else round(st.last_message_age_s, 3),
+                     "LastReset": st.last_reset,
+                     "LastResetAgeS": None if st.last_reset_age_s is None else round(st.last_reset_age_s, 3)})
     keyer = state.kv_keyer
     tokenizer = None
     if keyer is not None:

@@ -374,6 +374,9 @@ def _openai_payload(body: bytes, route: OpenAIRoute | None) -> dict[str, Any] | 
     except orjson.JSONDecodeError as exc:
         if route is OpenAIRoute.OTHER:
             return None
+        if str(exc).startswith("str is not valid UTF-8"):  # (orjson's words for bytes that are not UTF-8)
+            raise InvalidRequest("request body is not valid JSON: it is not UTF-8 text (JSON must be UTF-8, "
+                                 "RFC 8259 §8.1)") from None
         raise InvalidRequest(f"request body is not valid JSON ({exc})") from None
     if not isinstance(payload, dict):
         if route is OpenAIRoute.OTHER:

@@ -15,7 +15,11 @@ from typing import Any, Mapping
 import orjson
 from aiohttp import web
 
-__all__ = ["json_response", "openai_error", "sagemaker_error", "SAGEMAKER_ERROR_STATUS"]
+__all__ = ["json_response", "openai_error", "sagemaker_error", "SAGEMAKER_ERROR_STATUS", "MAX_ERROR_BODY"]
+
+#: Characters of a model's error body kept (SageMaker's ``ModelError.OriginalMessage``);
+#: up to 4 bytes a character are read for them.
+MAX_ERROR_BODY = 8192
 
 #: SageMaker runtime error codes and their HTTP status (botocore's sagemaker-runtime model).
 SAGEMAKER_ERROR_STATUS = {

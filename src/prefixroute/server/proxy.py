@@ -53,7 +53,7 @@ from prefixroute.core.openai_routes import OpenAIRoute
 from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated, VariantPool
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
-from prefixroute.server.errors import openai_error, sagemaker_error
+from prefixroute.server.errors import MAX_ERROR_BODY, openai_error, sagemaker_error
 from prefixroute.server.record import RequestRecord
 from prefixroute.server.routes import Api
 from prefixroute.server.state import RouterState
@@ -74,7 +74,6 @@ STREAM_ABORTED = "stream_aborted"
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 _UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
 _LARGE_BODY = 1 << 20  # bytes; aiohttp's threshold for "large" raw bodies
-_MAX_ERROR_BODY = 8192  # characters of a model's error body kept in ModelError.OriginalMessage
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
 _MODELS_TIMEOUT_S = 30.0  # GET /v1/models is not inference: it answers at once or not at all
 
@@ -544,7 +543,7 @@ async def _model_error(
     instance = decision.instance.instance_id
     try:
         async with asyncio.timeout(state.settings.stream_idle_timeout_s):
-            raw = await upstream.content.read(_MAX_ERROR_BODY * 4)
+            raw = await upstream.content.read(MAX_ERROR_BODY * 4)
         upstream.release()
     except _UPSTREAM_ERRORS as exc:  # the error body itself broke off: keep the status
         state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
@@ -555,14 +554,14 @@ async def _model_error(
 def model_error(state: RouterState, rr: RoutedRequest, decision: Decision, status: int, raw: bytes,
                 router_s: float, t_headers: float) -> web.Response:
     """SageMaker's 424 ``ModelError`` for a model's non-2xx ``status`` with body ``raw``
-    (its first :data:`_MAX_ERROR_BODY` characters in ``OriginalMessage``); records the
+    (its first :data:`MAX_ERROR_BODY` characters in ``OriginalMessage``); records the
     router overhead (``router_s`` + building this answer) and the TTFT (``t_headers``:
     ``perf_counter()`` when the model's headers came)."""
     t_back = time.perf_counter()
     instance = decision.instance.instance_id
     rr.record.first_byte(t_headers)
     rr.record.bytes_out += len(raw)
-    original = raw.decode("utf-8", "replace")[:_MAX_ERROR_BODY]
+    original = raw.decode("utf-8", "replace")[:MAX_ERROR_BODY]
     side = "client" if status < 500 else "server"
     overhead = router_s + (time.perf_counter() - t_back)
     state.metrics.overhead_seconds.labels(rr.endpoint, decision.variant).observe(overhead)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from prefixroute.server import eventstream
 from prefixroute.server import headers as H
 from prefixroute.server.client import _Client, _ClientGone
+from prefixroute.server.errors import MAX_ERROR_BODY
 from prefixroute.server.http11 import _DATE, _reason, _serialize
 from prefixroute.server.proxy import (STREAM_ABORTED, Api, RoutedRequest, at_event_boundary, broken_message,
                                       ends_with_done, model_error, sse_error_event)
@@ -35,7 +36,6 @@ __all__ = ["our_lines", "relay", "write_whole"]
 
 log = logging.getLogger("prefixroute.server.dataplane")
 
-_MAX_ERROR_BODY = 8192  # characters of a model's error body kept (as proxy.py)
 _INVOKED_VARIANT = H.INVOKED_VARIANT.encode()
 _INSTANCE = H.INSTANCE.encode()
 _DECISION = H.DECISION.encode()
@@ -248,7 +248,7 @@ async def _model_error(front: FrontServer, client: _Client, rr: RoutedRequest, u
         state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
     if up.error is not None and not up.complete:
         state.metrics.upstream_errors.labels(instance, _error_kind(up.error)).inc()
-    resp = model_error(state, rr, decision, up.status, b"".join(up.chunks)[:_MAX_ERROR_BODY * 4], router_s,
+    resp = model_error(state, rr, decision, up.status, b"".join(up.chunks)[:MAX_ERROR_BODY * 4], router_s,
                        t_headers)
     client.write(_serialize(resp, keep_alive))
     return 424

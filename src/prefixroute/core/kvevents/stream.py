@@ -128,6 +128,8 @@ class InstanceStream:
         self._backlog: deque[tuple[int, bytes]] = deque()  # batches to apply, in order (after a replay)
         self._reason = "never connected"
         self._off_reason = "disconnected"
+        #: ``(why, when)`` of the last state reset (``when`` on the driver's clock), or ``None``.
+        self.last_reset: tuple[str, float] | None = None
         self._now = 0.0
         self._warned: dict[str, float] = {}  # kind of warning -> when last logged
 
@@ -357,7 +359,8 @@ class InstanceStream:
         self.index.clear()
         self.expected = None
         self.counts.resets += 1
-        self._reason = f"events flowing (state reset: {why})"
+        self.last_reset = (why, self._now)
+        self._reason = "events flowing"
 
     def reset(self, why: str) -> None:
         """Forget the instance's state (e.g. its engine was seen restarting by other means)."""

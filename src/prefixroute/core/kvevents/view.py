@@ -70,6 +70,8 @@ class InstanceStatus:
         messages, gaps, replays, replays_failed, resets, restarts: counts since start-up.
         orphaned, malformed_messages, malformed_events, unknown_events: counts since start-up.
         last_message_age_s: seconds since the last message, or ``None``.
+        last_reset: why the state was last reset (an engine restart, a failed replay...),
+            or ``None``; last_reset_age_s: how long ago, seconds.
     """
 
     instance: str
@@ -89,6 +91,8 @@ class InstanceStatus:
     malformed_events: int
     unknown_events: int
     last_message_age_s: float | None
+    last_reset: str | None = None
+    last_reset_age_s: float | None = None
 
 
 class PreciseCacheView:
@@ -248,7 +252,10 @@ class PreciseCacheView:
         for instance, s in self._streams.items():
             c, k = s.counts, s.index.counters
             age = None if s.last_message_at is None else max(0.0, now - s.last_message_at)
+            reset = s.last_reset
             out.append(InstanceStatus(instance, s.mode.value, s.reason, s.connected, len(s.index), s.expected,
                                       c.messages, c.gaps, c.replays, c.replays_failed, c.resets, c.restarts,
-                                      k.orphaned, k.malformed_messages, k.malformed_events, k.unknown_events, age))
+                                      k.orphaned, k.malformed_messages, k.malformed_events, k.unknown_events, age,
+                                      None if reset is None else reset[0],
+                                      None if reset is None else max(0.0, now - reset[1])))
         return out
