@@ -281,6 +281,32 @@ def test_new_questions_leave_a_busy_home_of_a_hot_document_as_the_learned_rule_d
     assert lease.instance is home and lease.decision.kind is DecisionKind.AFFINITY
 
 
+@pytest.mark.parametrize("extra_chars", [320, 324, 328, 332])
+def test_a_conversations_next_turn_stays_on_its_busy_home_though_its_last_block_is_not_held(extra_chars):
+    """The busy home holds the previous turn's full KV blocks only (its partial last block
+    not reused), so its events show a little less than the router sent there: the next turn
+    still continues that request and stays, as the learned rule keeps it; not spread."""
+    urls = [f"http://10.9.11.{i}:8000" for i in range(4)]
+    pool, view = fleet(urls, threshold=100, load_weight=4)
+    home_url = urls[2]
+    doc = doc_tokens(7, 1024)
+    store(view, home_url, doc)
+    t0 = "document seven " + "d" * 4000 + " question 0 " + "q" * extra_chars
+    tok0 = doc + doc_tokens(5000, 47)
+    lease = pool.acquire(None, blocks=request(view, tok0, t0))
+    assert lease.instance.instance_id == home_url
+    lease.first_token()
+    store(view, home_url, tok0)  # its full blocks: 1,056 of 1,071 tokens
+    lease.release()
+    home = next(i for i in pool.instances if i.instance_id == home_url)
+    home.engine_load = 20  # other replicas' requests: well over SPREAD_FACTOR x the mean
+    t1 = t0 + " the answer, then a follow-up " + "m" * 400
+    inst, kind = pool.strategy.choose(None, tuple(pool.instances), request(view, tok0 + doc_tokens(6000, 100), t1))
+    assert inst is home and kind is DecisionKind.AFFINITY
+    learned = pool.strategy.choose(None, tuple(pool.instances), chain(t1))  # the learned rule, same state
+    assert learned == (home, DecisionKind.AFFINITY)
+
+
 def test_a_saturated_fleet_weighs_a_prefill_by_the_requests_it_delays_as_the_learned_rule_does():
     """Every instance at the threshold by the engines' own counts (other replicas'
     requests), the router's below it: the document's home has 6 requests waiting for

@@ -703,6 +703,9 @@ async def test_an_engine_seen_restarting_by_its_metrics_loses_its_events_state_a
         assert held(router, engine.url, body) == 0 and stream.counts.resets == resets + 1
         assert stream.last_reset is not None and "engine restarted" in stream.last_reset[0]
         assert stream.reason == "events flowing"  # (the reset is reported apart: LastReset)
+        now = time.monotonic()
+        st = next(x for x in router.state.kv_view.status(now) if x.instance == engine.url)  # type: ignore[union-attr]
+        assert st.last_reset_age_s is not None and 0 <= st.last_reset_age_s < 5  # dated when it happened
     finally:
         await router.close()
         await engine.stop()

@@ -237,10 +237,11 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
     stick = max(strategy.stick_units, STICK_FRACTION * size)
     tie = strategy.tie_units
 
-    def continuing(i: int) -> float | None:
+    def continuing(i: int, events_agree: bool = True) -> float | None:
         """Units past candidate ``i``'s saving that a request routed there and continued by
         this one holds too (the partial block it ended with), or ``None`` if it does
-        not continue one."""
+        not continue one (for a precise instance, ``events_agree``: nor while its events
+        do not show that request's blocks)."""
         if not chain:
             return None
         d = approx_depth(i)
@@ -254,7 +255,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         u = unit(d)
         if rest and (u + rest > size_chain or blocks.prefix_hash(u + rest, d) != h):  # type: ignore[attr-defined]
             return None
-        if is_precise is not None and is_precise[i]:
+        if events_agree and is_precise is not None and is_precise[i]:
             # Its events must still show the blocks of the request routed there.
             return float(rest) if raw[i] >= u else None
         return float(rest)
@@ -301,7 +302,9 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
             if not loads or home_load <= SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK:
                 return None
-            if continuing(home) is not None:
+            if continuing(home, events_agree=False) is not None:
+                # A conversation's next turn stays, as the learned rule keeps it, even when
+                # the events hold a little less of its last turn than the router sent.
                 return None
             skip = 0
             for j in homes:

@@ -358,7 +358,7 @@ class KvEventSubscriber:
                     self._failed_at[s.instance] = time.monotonic()
                     log.exception("kv events %s: applying a message failed; resetting its state (logged at most "
                                   "every %.0f s)", s.instance, ERROR_LOG_INTERVAL_S)
-                s.stream.reset("an error while applying a message")
+                s.stream.reset("an error while applying a message", now)
                 more = False
             end = perf()
             self.busy_s[s.instance] += end - start

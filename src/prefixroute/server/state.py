@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -448,7 +449,7 @@ class RouterState:
         told = [pool.forget_cache(instance_id) for _, pool in self.fleet.all_pools()]
         stream = self.kv_view.stream(instance_id) if self.kv_view is not None else None
         if stream is not None:  # its events' state too: a new engine holds nothing until it says so
-            stream.reset("the engine restarted (its scraped counters went back)")
+            stream.reset("the engine restarted (its scraped counters went back)", time.monotonic())
             told.append(True)
         if any(told):
             log.warning("instance %s restarted (its prefix-cache counters went back): the router's view of its "

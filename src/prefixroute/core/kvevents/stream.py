@@ -362,8 +362,11 @@ class InstanceStream:
         self.last_reset = (why, self._now)
         self._reason = "events flowing"
 
-    def reset(self, why: str) -> None:
-        """Forget the instance's state (e.g. its engine was seen restarting by other means)."""
+    def reset(self, why: str, now: float | None = None) -> None:
+        """Forget the instance's state (e.g. its engine was seen restarting by other means);
+        ``now``: the driver's clock (the time of the last message if not given)."""
+        if now is not None:
+            self._now = now
         self._replaying = False
         self._pending = []
         self._backlog.clear()
