@@ -165,6 +165,14 @@ async def test_router_state_follows_the_engines_events(caplog: pytest.LogCapture
             # What only one instance computed, the other does not hold (beyond the shared system prompt).
             other = next(e.url for e in engines if e.url != instance)
             assert held(router, other, body, chat_api) < full_blocks(body, chat_api)
+        # An instance is approximate from its connection until its first message: an engine
+        # the router happened to send nothing to gets a request from another client.
+        for e in engines:
+            if e.url not in {instance for instance, _, _ in served}:
+                await send(e.url, chat("Another client's question about something else entirely"))
+        view = router.state.kv_view
+        assert view is not None
+        await eventually(lambda: all(view.mode(e.url).value == "precise" for e in engines), what="every engine precise")
         async with aiohttp.ClientSession() as session:
             async with session.get(router.admin_url + "/admin/kv-events") as r:
                 doc = await r.json()
