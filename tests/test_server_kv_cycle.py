@@ -49,8 +49,9 @@ class _Stream:
         self.applied.append(self.name)
         return []
 
-    def reset(self, why: str) -> None:
+    def reset(self, why: str, now: float | None = None) -> None:
         self.resets += 1
+        self.reset_at = now
 
 
 @pytest.fixture
@@ -108,6 +109,7 @@ async def test_an_error_applying_one_instances_message_leaves_the_others_ingesti
         await _until(lambda: applied.count("fine") == 3, 2)
         assert applied.count("fine") == 3
         assert broken_stream.resets >= 1  # its state forgotten (it may be wrong), not its socket
+        assert isinstance(broken_stream.reset_at, float)  # dated by the ingest cycle's clock
         assert broken.armed or "broken" in sub._ready
     finally:
         for s in (broken, fine):
