@@ -172,6 +172,29 @@ def test_a_block_is_rendered_only_when_a_walk_reaches_its_parent():
     assert len(view.match_bytes(TB.render(doc + q2))[0]) == d  # type: ignore[index]
 
 
+def test_many_children_of_one_block_are_rendered_at_ingest_not_by_one_walk():
+    """200 conversations behind one system prompt: never RENDER_AT or more wait under one
+    block (the first walk through it would render them all on one request), and every
+    conversation is still found whole."""
+    from prefixroute.core.kvevents.byte_index import RENDER_AT
+
+    view = view_with("a")
+    bx = view.byte_index
+    assert bx is not None
+    system = TOK.encode("You are the assistant of a company; follow these rules. " * 6, add_special_tokens=False)
+    system = system[: len(system) // BS * BS]
+    convs = [TOK.encode(f" conversation {c}: tell me about item {c * 7} in detail, please. " * 2,
+                        add_special_tokens=False) for c in range(200)]
+    for conv in convs:
+        store(view, "a", system + conv)
+    assert max(map(len, bx._pending.values())) < RENDER_AT
+    assert bx.tokens_indexed >= (200 // RENDER_AT) * RENDER_AT * BS  # rendered at ingest, RENDER_AT at a time
+    for c in (0, 77, 199):
+        ids = system + convs[c]
+        keys, _ = view.match_bytes(TB.render(ids))  # type: ignore[misc]
+        assert len(keys) == len(ids) // BS
+
+
 def test_blocks_with_a_media_hash_are_not_indexed_but_an_adapters_name_is_no_obstacle():
     view = view_with("a")
     ids = TOK.encode("an image and its question " * 20, add_special_tokens=False)

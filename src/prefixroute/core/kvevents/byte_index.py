@@ -18,8 +18,9 @@ Definition::
 
     byte_key(block) = xxh3_64(bytes of its tokens, seed=key of its parent)
 
-A block is rendered and hashed only when a walk first reaches its parent: until then
-its token ids wait, packed, under the parent (an event's ingest is a count and a copy
+A block is rendered and hashed only when a walk first reaches its parent, or when
+:data:`RENDER_AT` children wait under it: until then its token ids wait, packed, under
+the parent (an event's ingest is a count and a copy
 per block; the blocks no prompt reaches, such as a unique question's later blocks, are
 never rendered).
 
@@ -133,6 +134,8 @@ class ByteIndex:
                 pending_of[parent] = {key: chunk}
             else:
                 pending[key] = chunk
+                if len(pending) >= RENDER_AT:  # a walk must never meet thousands of them at once
+                    self._render(parent)
 
     def _render(self, parent: int) -> None:
         """Index the children of ``parent`` still waiting (:meth:`ref_blocks`): their
@@ -287,6 +290,11 @@ class ByteIndex:
 
 #: The byte key of a block held with its token ids, not rendered yet (byte keys are >= 0).
 _PENDING = -1
+
+#: Children waiting under one parent that are rendered at once, at ingest (a system prompt
+#: with many conversations behind it): the first walk through a parent renders fewer, at
+#: most this many, about 2 µs each.
+RENDER_AT = 64
 
 #: Forks (two held children whose bytes both follow in the prompt) a walk follows both
 #: ways; past them it takes the first.
