@@ -313,6 +313,17 @@ def test_failed_replay_resets_and_goes_on_with_live_messages() -> None:
     assert st.last_reset_age_s == 12.0 - s.last_reset[1]
 
 
+def test_a_reset_from_outside_the_messages_is_dated_by_the_callers_clock() -> None:
+    frames, _ = two_engines_frames()
+    view = PreciseCacheView(BS)
+    s = view.add_instance("i")
+    feed(s, frames[:2], now=10.0)  # its last message at t=10
+    s.reset("the engine restarted", 700.0)  # seen restarting by its metrics at t=700
+    st = view.status(701.0)[0]
+    assert st.last_reset == "the engine restarted" and st.last_reset_age_s == 1.0
+    assert st.reason == "events flowing" and st.blocks == 0
+
+
 def test_gaps_without_replay_or_too_often_reset() -> None:
     frames, _ = two_engines_frames()
     view = PreciseCacheView(BS, StreamSettings(replay=False))

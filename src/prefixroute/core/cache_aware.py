@@ -532,10 +532,9 @@ class CacheAwareStrategy(Strategy):
         only when the home has more than :data:`SPREAD_SLACK` requests (the usual request
         makes no call and hashes nothing more); ``anchor_block`` is hashed only when the
         home is to be left."""
-        home_load = max(home.in_flight, home.engine_load)  # (the engine's count includes other replicas')
-        loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
-        if not loads or home_load <= SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK:
+        if not self._busy_home(home, candidates, threshold):
             return None
+        home_load = max(home.in_flight, home.engine_load)
         home_bit = home_mask & -home_mask
         for b in _bits(home_mask):
             if by_bit[b] is home:
@@ -549,6 +548,16 @@ class CacheAwareStrategy(Strategy):
         if alt is None or max(alt.in_flight, alt.engine_load) >= home_load:
             return None
         return alt
+
+    @staticmethod
+    def _busy_home(home: InstanceState, candidates: Sequence[InstanceState], threshold: float) -> bool:
+        """Rule 4's test: ``home`` has more than :data:`SPREAD_FACTOR` x the mean requests
+        in flight of the candidates below ``threshold`` plus :data:`SPREAD_SLACK` (each
+        count the larger of the router's and the engine's, which includes other
+        replicas')."""
+        home_load = max(home.in_flight, home.engine_load)
+        loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
+        return bool(loads) and home_load > SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK
 
     def _continuing(self, blocks: BlockChain, mask: int, d_top: int, u_top: int, size: int,
                     by_bit: dict[int, InstanceState]) -> tuple[int, int] | None:

@@ -55,8 +55,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from prefixroute.core.hashing import rendezvous_best
 from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.kvevents.stream import Mode
-from prefixroute.core.placement_rules import (ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, SPREAD_FACTOR, SPREAD_SLACK,
-                                              STICK_FRACTION)
+from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, SPREAD_SLACK, STICK_FRACTION
 from prefixroute.core.strategies import DecisionKind, InstanceState
 from prefixroute.core.tiers import TierCosts
 
@@ -299,8 +298,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             home_load = max(h.in_flight, h.engine_load)
             if not chain or cont or home_load <= SPREAD_SLACK:  # (cont: it continues a routed request)
                 return None
-            loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
-            if not loads or home_load <= SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK:
+            if not strategy._busy_home(h, candidates, threshold):
                 return None
             if continuing(home, events_agree=False) is not None:
                 # A conversation's next turn stays, as the learned rule keeps it, even when
