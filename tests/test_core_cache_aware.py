@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy, _Levels
+from prefixroute.core import placement_rules as rules
 from prefixroute.core.config import ConfigError, RoutingConfig
 from prefixroute.core.keys import block_ends, byte_block_hashes, openai_block_hashes, openai_route, text_block_hashes
 from prefixroute.core.pool import VariantPool
@@ -584,12 +585,9 @@ def _reference_choose(strategy, candidates, blocks):
     def load(c):
         return max(c.in_flight, c.engine_load)
 
-    # A saturated fleet (every candidate at the threshold, by the router's count or the
-    # engine's) weighs a prefill by the requests it delays: uncached x (1 + waiting).
-    saturated = all(load(c) >= strategy.threshold for c in candidates)
-
+    # A prefill is weighed by the requests it delays: uncached x (1 + waiting).
     def uncached_cost(c, units):
-        return units * (1 + max(c.awaiting_first_token, c.engine_waiting)) if saturated else units
+        return units * (1 + max(c.awaiting_first_token, c.engine_waiting))
 
     def spread(home, homes, top_d, u_top, anchor, threshold):
         """A new branch off a shared prefix whose home is markedly busier than the mean
@@ -637,7 +635,9 @@ def _reference_choose(strategy, candidates, blocks):
                 return None
             kind = DecisionKind.AFFINITY if i == rendezvous_best(anchor, tokens) else DecisionKind.OVERFLOW
             return i, kind, size - unit(depth[i])
-        limit = strategy.tie_units + C.REPLICATE_FRACTION * size
+        # a backlogged fleet (every candidate with a request waiting) replicates later
+        backlog = all(max(c.awaiting_first_token, c.engine_waiting) for c in candidates)
+        limit = strategy.tie_units + (C.BACKLOG_REPLICATE_FRACTION if backlog else C.REPLICATE_FRACTION) * size
         costs = [(uncached_cost(candidates[i], size - unit(depth[i]) - extra) + queue(candidates[i]), i) for i in homes
                  if candidates[i].in_flight < threshold]
         if costs:
@@ -690,7 +690,7 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
             for d in range(25)]
     for inst in pool.instances:  # every instance holds the long header (a shared system prompt)
         pool.learn(inst, text_block_hashes(headers[2] + "intro", 16, 131_072, "m"))
-    live, kinds, saturations = [], set(), 0
+    live, kinds, weighted = [], set(), 0
     for i in range(1500):
         text = rng.choice(headers) + rng.choice(docs) + f"question {rng.randrange(30)}" * rng.randrange(1, 20)
         blocks = text_block_hashes(text, 16, 131_072, "m")
@@ -700,7 +700,7 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
                 inst.engine_waiting = rng.randrange(0, inst.engine_load + 1)
         got = _decide_as_the_reference(pool, blocks, i)
         kinds.add(got[1])
-        saturations += pool.strategy.saturated
+        weighted += any(max(c.awaiting_first_token, c.engine_waiting) for c in pool.instances)
         lease = pool.acquire(None, blocks=blocks)
         assert lease.instance is got[0]
         if rng.random() < 0.7:
@@ -709,7 +709,7 @@ def test_decisions_equal_the_exhaustive_rule(threshold, load_weight):
         if len(live) > 3 * threshold or rng.random() < 0.4:
             live.pop(rng.randrange(len(live))).release()
     assert kinds >= {DecisionKind.AFFINITY, DecisionKind.OVERFLOW}
-    assert saturations > 300  # the saturated fleet's rule was exercised too
+    assert weighted > 300  # rule 7's weight (requests waiting) was exercised too
 
 
 @pytest.mark.parametrize("threshold, load_weight", [(2, 0.0), (3, 0.5), (8, 16.0)])
@@ -781,11 +781,11 @@ def test_every_instance_at_the_threshold_is_all_busy_and_keeps_affinity():
         lease.release()
 
 
-def test_a_saturated_fleet_weighs_a_miss_by_the_requests_it_delays():
-    # Two instances, both at the threshold, the document on one whose queue of prefill
-    # is longer: a miss elsewhere costs its whole prompt once for the request and once
-    # for every request waiting there (uncached x (1 + waiting)); the home keeps the
-    # request unless its own queue outweighs that.
+def test_a_prefill_is_weighed_by_the_requests_it_delays():
+    # Two instances, the document on one whose queue of prefill is longer: a miss
+    # elsewhere costs its whole prompt once for the request and once for every request
+    # waiting there (uncached x (1 + waiting)); the home keeps the request unless its own
+    # queue outweighs that. The same whether the fleet is at the threshold or not.
     urls = [f"http://10.9.0.{i}:8000" for i in range(2)]
     pool = VariantPool("v", urls, ca(threshold=2, load_weight=0))
     doc = "document 9\n" + "d" * 8_181
@@ -796,34 +796,66 @@ def test_a_saturated_fleet_weighs_a_miss_by_the_requests_it_delays():
     ask = text_block_hashes(doc + " question?", 64, 131_072, "m")
     size = len(doc + " question?")
 
-    def decide(home_queue: int, waiting: int, *, engine: bool = False):
+    def decide(home_queue: int, waiting: int, *, engine: bool = False, in_flight: int = 3):
         for inst in pool.instances:
-            inst.in_flight = 0 if engine else 3
+            inst.in_flight = 0 if engine else in_flight
             inst.engine_load = 5 if engine else 0
             inst.awaiting_first_token = 0 if engine else waiting
             inst.engine_waiting = waiting if engine else 0
             inst.pending_prefill = 0
         holder.pending_prefill = home_queue
         d = pool.choose(None, blocks=ask)
-        assert pool.strategy.saturated
         return d.instance, d.kind
 
     # nobody waiting: the plain cost (the home's queue exceeds a miss plus the margin)
+    assert 20_000 > size + 32 * 64 + 0.5 * size + 10
     assert decide(20_000, 0) == (other, DecisionKind.ALL_BUSY)
     # 3 waiting on each: the miss would cost 4 x size there, more than the home's queue
     assert 4 * size > 20_000 + 4 * 10
     assert decide(20_000, 3) == (holder, DecisionKind.ALL_BUSY)
-    # a home queue longer than that still moves it
-    assert decide(60_000, 3) == (other, DecisionKind.ALL_BUSY)
-    # the engines' counts saturate the fleet too (another replica's requests): the router
-    # counts none in flight, so ConcurrencyThreshold is honoured and the kinds are plain
+    # every instance has requests waiting (a backlogged fleet): the margin is
+    # BACKLOG_REPLICATE_FRACTION of the request, so a home queue must exceed the miss's
+    # cost there by four requests' length plus the tie band to move it
+    backlog_margin = 32 * 64 + rules.BACKLOG_REPLICATE_FRACTION * size
+    assert 60_000 + 4 * 10 <= 4 * size + backlog_margin < 70_000 + 4 * 10
+    assert decide(60_000, 3) == (holder, DecisionKind.ALL_BUSY)
+    assert decide(70_000, 3) == (other, DecisionKind.ALL_BUSY)
+    # the engines' counts (another replica's requests) weigh the same: the router counts
+    # none in flight, so ConcurrencyThreshold is honoured and the kinds are plain
     assert decide(20_000, 3, engine=True) == (holder, DecisionKind.AFFINITY)
     assert decide(20_000, 0, engine=True) == (other, DecisionKind.OVERFLOW)
-    # below saturation (one instance below the threshold by every count) the plain cost
-    other.engine_load = 0
-    other.in_flight = 0
-    d = pool.choose(None, blocks=ask)
-    assert not pool.strategy.saturated and d.instance is other
+    # below the threshold by every count, requests waiting weigh the same
+    assert decide(20_000, 3, in_flight=1) == (holder, DecisionKind.AFFINITY)
+    assert decide(20_000, 0, in_flight=1) == (other, DecisionKind.OVERFLOW)
+
+
+def test_a_backlogged_fleet_replicates_a_prefix_only_for_a_much_longer_queue():
+    # The document's home has a queue of 16,000 units of prefill; the other instance
+    # none. With requests waiting on the home only, the plain margin (half the request)
+    # replicates the document there; once the other instance has a request waiting too
+    # (every candidate backlogged), the margin is four requests and the home keeps it.
+    urls = [f"http://10.9.0.{i}:8000" for i in range(2)]
+    pool = VariantPool("v", urls, ca(threshold=8, load_weight=0))
+    doc = "document 7\n" + "d" * 4_085
+    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
+    holder = home.instance
+    home.release()
+    other = next(i for i in pool.instances if i is not holder)
+    ask = text_block_hashes(doc + " question?", 64, 131_072, "m")
+    size = len(doc + " question?")
+    holder.pending_prefill, holder.awaiting_first_token = 16_000, 1
+
+    def decide(waiting_elsewhere: int):
+        other.awaiting_first_token = waiting_elsewhere
+        d = pool.choose(None, blocks=ask)
+        return d.instance, d.kind
+
+    # plain margin: home 2 x 10 + 16,000 against size x (1 + waiting) + tie + size / 2
+    assert 2 * 10 + 16_000 > size + 32 * 64 + rules.REPLICATE_FRACTION * size
+    assert decide(0) == (other, DecisionKind.OVERFLOW)
+    # backlogged: the alternative costs 2 x size, the margin four requests
+    assert 2 * 10 + 16_000 <= 2 * size + 32 * 64 + rules.BACKLOG_REPLICATE_FRACTION * size
+    assert decide(1) == (holder, DecisionKind.AFFINITY)
 
 
 def test_awaiting_first_token_counts_requests_until_their_first_token():

@@ -307,12 +307,12 @@ def test_a_conversations_next_turn_stays_on_its_busy_home_though_its_last_block_
     assert learned == (home, DecisionKind.AFFINITY)
 
 
-def test_a_saturated_fleet_weighs_a_prefill_by_the_requests_it_delays_as_the_learned_rule_does():
-    """Every instance at the threshold by the engines' own counts (other replicas'
-    requests), the router's below it: the document's home has 6 requests waiting for
-    their first token, so prefilling this request's long question there delays all 6;
-    the other instance, with none waiting, prefills the whole request sooner (the learned
-    rule's rule 7, from the same decision's state)."""
+def test_a_prefill_is_weighed_by_the_requests_it_delays_as_the_learned_rule_does():
+    """The document's home has 6 requests waiting for their first token (the engine's
+    count: other replicas' requests), so prefilling this request's long question there
+    delays all 6; the other instance, with none waiting, prefills the whole request
+    sooner (the learned rule's rule 7, from the same decision's state), whether or not
+    the fleet is at the threshold."""
     urls = [f"http://10.9.10.{i}:8000" for i in range(2)]
     pool, view = fleet(urls, threshold=4, load_weight=0)
     doc = doc_tokens(11, 600)
@@ -324,16 +324,13 @@ def test_a_saturated_fleet_weighs_a_prefill_by_the_requests_it_delays_as_the_lea
         inst, kind = pool.strategy.choose(None, tuple(pool.instances), blocks)
         return inst.instance_id
 
-    for inst in pool.instances:
-        inst.engine_load = 5
-    home.engine_waiting = 6
-    assert choose() == urls[1] and pool.strategy.saturated
-    home.engine_waiting = 0  # nothing waits there: its holding decides
-    assert choose() == urls[0]
-    for inst in pool.instances:
-        inst.engine_load = 0  # not saturated: the holding decides whatever waits
-    home.engine_waiting = 6
-    assert choose() == urls[0] and not pool.strategy.saturated
+    for load in (5, 0):  # at the threshold by the engines' counts, then below it
+        for inst in pool.instances:
+            inst.engine_load = load
+        home.engine_waiting = 6
+        assert choose() == urls[1]
+        home.engine_waiting = 0  # nothing waits there: its holding decides
+        assert choose() == urls[0]
 
 
 def test_a_request_without_a_full_kv_block_is_decided_on_the_learned_view():

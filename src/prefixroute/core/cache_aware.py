@@ -34,7 +34,10 @@ disagree when several router replicas run (SPEC §5). This strategy:
    the router never sees the answers in between), is a home. The cheapest home keeps the
    request unless its cost exceeds the alternative's by more than :data:`TIE_BLOCKS` plus
    :data:`REPLICATE_FRACTION` of the request: a conversation stays on one instance as it
-   grows, a hot document is replicated only when its queue is clearly longer. A *new*
+   grows, a hot document is replicated only when its queue is clearly longer
+   (:data:`BACKLOG_REPLICATE_FRACTION` of the request when every candidate has a request
+   waiting for its first token: a copy then adds its prefill to a fleet already
+   behind). A *new*
    branch off a shared prefix (a new conversation behind a long system prompt: the match
    does not end where a request routed there ended) leaves a home that has more than
    :data:`SPREAD_FACTOR` x the mean requests in flight plus :data:`SPREAD_SLACK` for its
@@ -53,17 +56,19 @@ disagree when several router replicas run (SPEC §5). This strategy:
    another is below it. When every one is at it (``all_busy``) the threshold cannot be
    honoured and the request goes where it costs least, so an overload does not turn
    into a cascade of cache misses.
-7. **A saturated fleet weighs a prefill by the requests it delays.** When every
-   candidate is at the threshold by the router's count or by the engine's own running
-   plus waiting requests (other replicas' included), a prefill on an instance delays
+7. **A prefill is weighed by the requests it delays.** A prefill on an instance delays
    every request already waiting for its first token there by as long as it lasts, so
-   its cost is ``uncached x (1 + waiting)``: a miss then moves a request off its home
+   its cost is ``uncached x (1 + waiting)``, ``waiting`` the larger of the router's count
+   and the engine's own (other replicas' requests included). An idle fleet has nobody
+   waiting and the cost is Dynamo's; near saturation a miss moves a request off its home
    only when the home's queue outweighs the miss's extra prefill times the requests it
-   would hold up (no constant: the weight is a count). Simulated
-   (``prefixroute simulate --bench-workload W --replica-per session --overhead-ms 3``,
-   the ten workloads x 1, 4, 8 replicas): near-saturation P50 TTFT 1,504 -> 700 ms
-   (1 replica), 2,252 -> 1,554 (4), 2,468 -> 1,429 (8), cache hits +2.9 to +3.8
-   points; the nine others identical (they never saturate the fleet).
+   would hold up (no constant: the weight is a count), so an overload does not turn into
+   a cascade of misses that lengthen every queue. Until 2026-12 this applied only when
+   every candidate was at the threshold; applied always, simulated over the ten
+   workloads x 1, 4, 8 replicas x 5 seeds (medians; docs/SIMULATOR.md): hot-prefix P90
+   72 -> 58 ms (1 replica), 101 -> 95 (4), 118 -> 109 (8); sharegpt-multi-turn P90
+   86 -> 74 (1), 76 -> 61 (8), 71 -> 75 (4); near-saturation P50 963 -> 838 ms (8),
+   960 -> 1,179 (4); the others within 1 ms and 0.2 points.
 
 The constants were chosen with the simulator over the benchmark's ten workloads at 1, 4
 and 8 router replicas (docs/BENCHMARKS.md, docs/SIMULATOR.md).
@@ -94,6 +99,7 @@ from prefixroute.core.placement_rules import (
     BOUND_SLACK_BLOCKS,
     BOUND_SLACK_REQUESTS,
     REPLICATE_FRACTION,
+    BACKLOG_REPLICATE_FRACTION,
     STICK_FRACTION,
     STICK_MIN_BLOCKS,
     TIE_BLOCKS,
@@ -208,7 +214,8 @@ class _Levels:
 
 
 __all__ = ["CacheAwareStrategy", "ApproxPrefixCache", "ViewBudget", "BYTES_PER_BLOCK_ENTRY", "ANCHOR_MIN_BLOCKS",
-           "STICK_MIN_BLOCKS", "STICK_FRACTION", "TIE_BLOCKS", "REPLICATE_FRACTION", "BOUND_FACTOR",
+           "STICK_MIN_BLOCKS", "STICK_FRACTION", "TIE_BLOCKS", "REPLICATE_FRACTION",
+           "BACKLOG_REPLICATE_FRACTION", "BOUND_FACTOR",
            "BOUND_SLACK_REQUESTS", "BOUND_SLACK_BLOCKS"]
 
 # The placement rules' constants live in .placement_rules (shared with .precise_policy).
@@ -238,10 +245,6 @@ class CacheAwareStrategy(Strategy):
     """
 
     name = RoutingStrategy.CACHE_AWARE
-
-    #: Whether the fleet was saturated at the last decision (every candidate at the
-    #: threshold by the router's count or the engine's; see :meth:`_uncached_cost`).
-    saturated = False
 
     def __init__(self, config: RoutingConfig, rng: random.Random) -> None:
         super().__init__(config, rng)
@@ -343,21 +346,25 @@ class CacheAwareStrategy(Strategy):
         return out, mask, by_bit
 
     def _uncached_cost(self, inst: InstanceState, uncached: float) -> float:
-        """What prefilling ``uncached`` units on ``inst`` costs the fleet. Below
-        saturation: the units (Dynamo's cost). When the fleet is saturated (every
-        candidate at the threshold: :attr:`saturated`) a prefill also delays every
-        request already waiting for its first token there, by as long as it lasts, so
-        it counts once for the request and once for each of them:
+        """What prefilling ``uncached`` units on ``inst`` costs the fleet (rule 7): the
+        units once for the request and once for each request already waiting for its
+        first token there, which the prefill delays by as long as it lasts:
         ``uncached x (1 + waiting)``, ``waiting`` the larger of the router's count
         (:attr:`InstanceState.awaiting_first_token`) and the engine's
-        (``vllm:num_requests_waiting``). A miss (the whole prompt) then outweighs a
-        queue unless the home's is longer by the misses' extra prefill times the
-        requests it would delay: a saturated fleet does not turn its overload into a
-        cascade of misses that lengthen every queue. No constant: the weight is
-        the count of delayed requests."""
-        if not self.saturated:
-            return uncached
+        (``vllm:num_requests_waiting``). With nobody waiting it is Dynamo's cost (the
+        units). No constant: the weight is the count of delayed requests."""
         return uncached * (1 + max(inst.awaiting_first_token, inst.engine_waiting))
+
+    @staticmethod
+    def _replicate_fraction(candidates: Sequence[InstanceState]) -> float:
+        """The fraction of a request by which a home's cost must exceed an alternative's
+        (past the tie band) to replicate its prefix there: :data:`REPLICATE_FRACTION`,
+        or :data:`BACKLOG_REPLICATE_FRACTION` when every candidate has a request waiting
+        for its first token by the router's count or the engine's (``all`` stops at the
+        first with none: one check in the usual case)."""
+        if all(c.awaiting_first_token or c.engine_waiting for c in candidates):
+            return BACKLOG_REPLICATE_FRACTION
+        return REPLICATE_FRACTION
 
     def _queue(self, inst: InstanceState) -> float:
         """An instance's queue cost in routing-text units: its pending prefill plus
@@ -381,10 +388,7 @@ class CacheAwareStrategy(Strategy):
             if chosen is not None:
                 return chosen
         # -- end of the precise-mode hook ---------------------------------------------------
-        thr = self.threshold
-        # (all() stops at the first candidate below it: one check in the usual case)
-        self.saturated = all(max(c.in_flight, c.engine_load) >= thr for c in candidates)
-        found = self._decide(candidates, blocks, thr)
+        found = self._decide(candidates, blocks, self.threshold)
         if found is None:
             # Every candidate is at the threshold, so it cannot be honoured: the same rule
             # without it. The engines queue the request; giving up affinity here would
@@ -410,7 +414,6 @@ class CacheAwareStrategy(Strategy):
             size = n * bs
             unit = lambda d: d * bs  # noqa: E731
         bits, cmask, by_bit = self._bits_of(candidates)
-        busy = self.saturated  # (always so for all_busy: every candidate at the threshold)
         amin = min(ANCHOR_MIN_BLOCKS, n - 1)
         held = self._index.get(get(0), 0) & cmask
         if not held:  # no candidate holds even the first block: a new prefix
@@ -426,11 +429,12 @@ class CacheAwareStrategy(Strategy):
             # tests/test_core_cache_aware.py).
             index = self._index
             d = n if index.get(get(n - 1), 0) & held else n - 1 if n > 1 and index.get(get(n - 2), 0) & held else 0
-            if d and not busy:
+            if d:
                 inst = by_bit[held]
                 u_top = unit(d)
                 if inst.in_flight < threshold and u_top >= max(self.stick_units, STICK_FRACTION * size) and \
-                        size - u_top + self._queue(inst) <= size + self.tie_units + REPLICATE_FRACTION * size:
+                        self._uncached_cost(inst, size - u_top) + self._queue(inst) <= \
+                        size + self.tie_units + self._replicate_fraction(candidates) * size:
                     spread = self._spread(blocks, inst, held, candidates, d, u_top, size, by_bit, threshold,
                                           min(max(d, amin), n - 1)) \
                         if chain and max(inst.in_flight, inst.engine_load) > SPREAD_SLACK else None
@@ -481,7 +485,7 @@ class CacheAwareStrategy(Strategy):
             if inst.in_flight < threshold:
                 m = unit(levels.depth_of(b)) + extra
                 homes.append((self._uncached_cost(inst, size - m) + self._queue(inst), inst, m))
-        limit = tie + REPLICATE_FRACTION * size
+        limit = tie + self._replicate_fraction(candidates) * size
         if homes:
             low = min(c for c, _, _ in homes)
             band = [h for h in homes if h[0] <= low + tie]

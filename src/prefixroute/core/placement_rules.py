@@ -5,6 +5,7 @@
 """
 
 __all__ = ["ANCHOR_MIN_BLOCKS", "STICK_MIN_BLOCKS", "STICK_FRACTION", "TIE_BLOCKS", "REPLICATE_FRACTION",
+           "BACKLOG_REPLICATE_FRACTION",
            "BOUND_FACTOR", "BOUND_SLACK_REQUESTS", "BOUND_SLACK_BLOCKS", "SPREAD_FACTOR", "SPREAD_SLACK"]
 
 #: A prefix is placed by the rendezvous order of its block past the longest match, but
@@ -29,6 +30,15 @@ TIE_BLOCKS = 32
 #: second instance costs its prefill there once and a second copy in the fleet's
 #: caches for as long as it stays, so a queue only moves it when clearly longer.
 REPLICATE_FRACTION = 0.5
+#: :data:`REPLICATE_FRACTION` when every candidate has a request waiting for its first
+#: token (a backlogged fleet: by the router's count or the engine's). A copy's prefill
+#: then takes no idle capacity but adds to a fleet that is already behind, and the
+#: copy evicts other prefixes from caches that the running batches fill, so a queue
+#: moves a request off its home only when longer by four requests' prefill. Simulated
+#: (the ten workloads x 1, 4, 8 replicas x 5 seeds, docs/SIMULATOR.md):
+#: near-saturation P50 TTFT 792 -> 694 ms (1 replica), 1,179 -> 839 (4), 838 -> 740
+#: (8) against 0.5; no other workload changes by more than 0.4 points or 1 ms.
+BACKLOG_REPLICATE_FRACTION = 4.0
 #: Bounded load (Mirrokni et al., "Consistent Hashing with Bounded Loads", SODA 2018):
 #: a prefix is not placed on an instance whose queue cost exceeds this factor times the
 #: mean over the instances below the threshold, plus :data:`BOUND_SLACK_REQUESTS`

@@ -8,7 +8,7 @@ tiers the router must model (``CacheAwareRoutingConfig.KvTiers``), the strategy 
 decision to :func:`choose_precise`, which applies **the same rule** (module docstring of
 :mod:`prefixroute.core.cache_aware`: homes, the cost of uncached prefill plus queue, a new
 branch leaving a busy home (rule 4's spread), bounded-load rendezvous placement,
-ConcurrencyThreshold first, a saturated fleet's prefill weighed by the requests it delays)
+ConcurrencyThreshold first, a prefill weighed by the requests it delays)
 with two changes:
 
 1. **What an instance holds** comes, for each instance whose event stream is
@@ -23,7 +23,8 @@ with two changes:
    above a CPU one above a shared-tier one above a miss. In approximate mode a shared
    tier (``KvTiers.SharedTier``) is modelled: the longest prefix held by any candidate is
    loadable by every other one at the shared tier's cost, and the margin a home keeps
-   its request by (``REPLICATE_FRACTION`` of the request) shrinks by the shared tier's
+   its request by (``REPLICATE_FRACTION`` of the request, ``BACKLOG_REPLICATE_FRACTION`` for a
+   backlogged fleet) shrinks by the shared tier's
    weight, since a copy elsewhere then costs a load, not a prefill: load spreads more
    freely.
 
@@ -55,7 +56,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from prefixroute.core.hashing import rendezvous_best
 from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.kvevents.stream import Mode
-from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, REPLICATE_FRACTION, SPREAD_SLACK, STICK_FRACTION
+from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, SPREAD_SLACK, STICK_FRACTION
 from prefixroute.core.strategies import DecisionKind, InstanceState
 from prefixroute.core.tiers import TierCosts
 
@@ -218,14 +219,11 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                 saved[i] += max(0.0, (top - raw[i]) * ws - lat)
     # With a shared tier a copy elsewhere costs a load, not a prefill: homes keep their
     # requests by a smaller margin.
-    replicate = REPLICATE_FRACTION * (costs.shared_weight if modelled_shared or shared_seen else 1.0)
+    replicate = strategy._replicate_fraction(candidates) * (costs.shared_weight if modelled_shared or shared_seen else 1.0)
 
     tokens = strategy.tokens(candidates)
     bits = strategy._bits_of(candidates)[0]
-    # The learned rule's rule 7: a saturated fleet (every candidate at the threshold by
-    # the router's count or the engine's) weighs a prefill by the requests it delays.
-    thr = strategy.threshold
-    strategy.saturated = all(max(c.in_flight, c.engine_load) >= thr for c in candidates)
+    # The learned rule's rule 7: a prefill is weighed by the requests it delays.
     uncached_cost = strategy._uncached_cost
 
     def cost(i: int, uncached: float) -> float:

@@ -37,12 +37,12 @@ BENCH_DURATION_S = 40.0
 
 def bench_routing(strategy: RoutingStrategy) -> RoutingConfig:
     """The routing bench/policy_vs_peers.py gives ``strategy``: PREFIX_AWARE PrefixLength
-    4,096 with ConcurrencyThreshold 8, CACHE_AWARE ConcurrencyThreshold 32 with
+    4,096 with ConcurrencyThreshold 8, CACHE_AWARE ConcurrencyThreshold 64 with
     InstanceCacheTokens 100,000, the others their defaults."""
     if strategy is RoutingStrategy.PREFIX_AWARE:
         return RoutingConfig.build(strategy, 4096, 8)
     if strategy is RoutingStrategy.CACHE_AWARE:
-        return RoutingConfig.build(strategy, None, 32, instance_cache_tokens=BENCH_KV_TOKENS)
+        return RoutingConfig.build(strategy, None, 64, instance_cache_tokens=BENCH_KV_TOKENS)
     return RoutingConfig.build(strategy)
 
 
