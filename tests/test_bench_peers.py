@@ -317,3 +317,18 @@ def test_a_precise_fleet_with_tiers_serves_every_workload_and_the_router_follows
             doc = json.loads(resp.read())
         assert {row["Mode"] for row in doc["Instances"]} == {"precise"}
         assert sum(row["Blocks"] for row in doc["Instances"]) > 0
+
+
+def test_the_simulators_bench_workloads_route_as_the_benchmark_does():
+    """``prefixroute simulate --bench-workload`` ranks candidates for this benchmark, so
+    its fleet and its PREFIX_AWARE and CACHE_AWARE settings must be the benchmark's."""
+    from prefixroute.core.config import RoutingStrategy
+    from prefixroute.sim.cli import BENCH_INSTANCES, BENCH_KV_TOKENS, bench_routing
+
+    s = bench.BenchSettings()
+    ca = bench_routing(RoutingStrategy.CACHE_AWARE).cache_aware
+    assert (ca.concurrency_threshold, ca.instance_cache_tokens) == (s.cache_aware_threshold, s.kv_capacity_tokens) \
+        == (64, 100_000)
+    pa = bench_routing(RoutingStrategy.PREFIX_AWARE).prefix_aware
+    assert (pa.prefix_length, pa.concurrency_threshold) == (s.prefix_length, s.concurrency_threshold)
+    assert (BENCH_INSTANCES, BENCH_KV_TOKENS) == (s.instances, s.kv_capacity_tokens)

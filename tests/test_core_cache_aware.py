@@ -723,7 +723,7 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
     rng = random.Random(threshold * 7)
     texts = [f"tenant {d}: " + "".join(rng.choice("xy") for _ in range(rng.randrange(1, 600))) for d in range(12)]
     chats = {c: f"chat {c}: " for c in range(8)}
-    live, kinds = [], set()
+    live, kinds, waiting, backlogged = [], set(), 0, 0
     for i in range(1500):
         r = rng.random()  # the text again, a question asked before, a new one, or a chat's next turn
         if r < 0.25:
@@ -733,13 +733,22 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
         else:
             text = rng.choice(texts) + ("" if r < 0.6 else f" question {rng.randrange(3) if r < 0.8 else i}")
         blocks = text_block_hashes(text, 16, 131_072, "m")
+        for inst in pool.instances:  # the engines report requests waiting (other replicas')
+            if rng.random() < 0.05:
+                inst.engine_waiting = rng.choice([0, 0, 1, rng.randrange(0, 30)])
+        counts = [max(c.awaiting_first_token, c.engine_waiting) for c in pool.instances]
+        waiting += any(counts)
+        backlogged += all(counts)
         kinds.add(_decide_as_the_reference(pool, blocks, i)[1])
         lease = pool.acquire(None, blocks=blocks)
-        lease.first_token()
+        if rng.random() < 0.7:  # the others wait for their first token until released
+            lease.first_token()
         live.append(lease)
         if len(live) > 2 * threshold or rng.random() < 0.4:
             live.pop(rng.randrange(len(live))).release()
     assert DecisionKind.AFFINITY in kinds and (DecisionKind.OVERFLOW in kinds or threshold > 3)
+    # rule 7's weight and the backlog margin were exercised (the fast path weighs too)
+    assert waiting > 1000 and backlogged > 50
 
 
 def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():
@@ -827,6 +836,59 @@ def test_a_prefill_is_weighed_by_the_requests_it_delays():
     # below the threshold by every count, requests waiting weigh the same
     assert decide(20_000, 3, in_flight=1) == (holder, DecisionKind.AFFINITY)
     assert decide(20_000, 0, in_flight=1) == (other, DecisionKind.OVERFLOW)
+    # requests waiting on the home only (the fleet below the threshold, not backlogged):
+    # a long new question there is weighed by them, and a plain-cost home loses it
+    long_ask = text_block_hashes(doc + " question " + "q" * 3_000, 64, 131_072, "m")
+    long_size = len(doc + " question " + "q" * 3_000)
+    tail = long_size - len(doc)  # the question: what the home does not hold (the doc is 128 full blocks)
+    for inst in pool.instances:
+        inst.in_flight = inst.engine_load = inst.engine_waiting = inst.awaiting_first_token = 0
+        inst.pending_prefill = 0
+    holder.pending_prefill = 10_000
+    alt_cost = long_size + 32 * 64 + 0.5 * long_size  # nobody waits there: the plain margin
+    assert tail + 10_000 <= alt_cost < 4 * tail + 10_000
+    d = pool.choose(None, blocks=long_ask)
+    assert (d.instance, d.kind) == (holder, DecisionKind.AFFINITY)  # nobody waiting yet
+    holder.engine_load, holder.engine_waiting = 4, 3
+    d = pool.choose(None, blocks=long_ask)
+    assert (d.instance, d.kind) == (other, DecisionKind.OVERFLOW)
+
+
+def test_the_one_holder_shortcut_weighs_the_uncached_tail_by_the_requests_waiting():
+    # One instance holds all of a follow-up but its last block (the shortcut of _decide
+    # that skips the level search); 20 requests wait there for their first token. Its
+    # queue is set so that the tail's plain cost stays within the margin but the tail
+    # weighed by 1 + 20 does not: the shortcut must weigh it as the full rule does.
+    urls = [f"http://10.9.0.{i}:8000" for i in range(2)]
+    pool = VariantPool("v", urls, ca(threshold=8, load_weight=0))
+    strategy = pool.strategy
+    doc = "document 5\n" + "d" * (20_480 - 11)  # ends at a block's end
+    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
+    holder = home.instance
+    home.release()
+    other = next(i for i in pool.instances if i is not holder)
+    ask = text_block_hashes(doc + " question " + "q" * 900, 64, 131_072, "m")
+    size = ask.ends[-1]
+    held = strategy.caches[holder.instance_id].match(ask)
+    assert held == len(ask) - 1  # all but the last block: the shortcut's case
+    tail = size - ask.ends[held - 1]
+    margin = size + strategy.tie_units + rules.REPLICATE_FRACTION * size  # nobody waits elsewhere
+    holder.awaiting_first_token = 20
+    holder.pending_prefill = int(margin - tail)
+    assert tail + holder.pending_prefill <= margin < tail * 21 + holder.pending_prefill
+    d = pool.choose(None, blocks=ask)
+    assert (d.instance, d.kind) == (other, DecisionKind.OVERFLOW)
+
+
+def test_a_holding_beyond_the_request_costs_nothing_however_many_wait():
+    # Precise mode can find more held than the request is long (every block by the
+    # events plus a continued request's partial block by the learned view): that costs
+    # 0, not a negative amount that requests waiting would multiply into a bonus.
+    pool = VariantPool("v", URLS[:2], ca())
+    a, b = pool.instances
+    a.awaiting_first_token, b.engine_waiting = 5, 0
+    assert pool.strategy._uncached_cost(a, -224.0) == pool.strategy._uncached_cost(b, -224.0) == 0.0
+    assert pool.strategy._uncached_cost(a, 100.0) == 600.0 and pool.strategy._uncached_cost(b, 100.0) == 100.0
 
 
 def test_a_backlogged_fleet_replicates_a_prefix_only_for_a_much_longer_queue():

@@ -350,8 +350,10 @@ def test_a_shared_tier_lets_a_hot_document_spread_sooner():
     urls = [f"http://10.9.8.{i}:8000" for i in range(4)]
     text = "hot document " + "h" * 24_000
 
-    def first_overflow(routing: RoutingConfig) -> int:
+    def first_overflow(routing: RoutingConfig, backlog: bool = False) -> int:
         pool = VariantPool("v", urls, routing, seed=1)
+        for inst in pool.instances:  # every engine has a request waiting (another replica's)
+            inst.engine_waiting = int(backlog)
         home = pool.acquire(None, blocks=chain(text + " q0"))
         held = [home]
         for q in range(1, 200):
@@ -364,6 +366,12 @@ def test_a_shared_tier_lets_a_hot_document_spread_sooner():
     plain = first_overflow(ca(threshold=64))
     tiered = first_overflow(ca(threshold=64, kv_tiers=KvTiersConfig(SharedTier=True)))
     assert tiered < plain
+    # a backlogged fleet replicates later (BACKLOG_REPLICATE_FRACTION, shrunk by the
+    # shared tier's weight too), still no later than without the tier (where the busy
+    # home's spread, rule 4, moves it at the same request either way)
+    plain_backlog = first_overflow(ca(threshold=64), backlog=True)
+    tiered_backlog = first_overflow(ca(threshold=64, kv_tiers=KvTiersConfig(SharedTier=True)), backlog=True)
+    assert tiered < tiered_backlog <= plain_backlog == plain
 
 
 def test_a_cpu_tier_makes_the_learned_view_remember_more():

@@ -64,11 +64,12 @@ disagree when several router replicas run (SPEC §5). This strategy:
    only when the home's queue outweighs the miss's extra prefill times the requests it
    would hold up (no constant: the weight is a count), so an overload does not turn into
    a cascade of misses that lengthen every queue. Until 2026-12 this applied only when
-   every candidate was at the threshold; applied always, simulated over the ten
-   workloads x 1, 4, 8 replicas x 5 seeds (medians; docs/SIMULATOR.md): hot-prefix P90
-   72 -> 58 ms (1 replica), 101 -> 95 (4), 118 -> 109 (8); sharegpt-multi-turn P90
-   86 -> 74 (1), 76 -> 61 (8), 71 -> 75 (4); near-saturation P50 963 -> 838 ms (8),
-   960 -> 1,179 (4); the others within 1 ms and 0.2 points.
+   every candidate was at the threshold; with it at any load and the backlog margin
+   (:data:`BACKLOG_REPLICATE_FRACTION`), simulated over the ten workloads x 1, 4, 8
+   replicas x 5 seeds (docs/SIMULATOR.md, "Near saturation"): near-saturation P50 TTFT
+   815 / 960 / 963 -> 694 / 839 / 740 ms, hot-prefix P90 72 / 101 / 118 -> 58 / 95 /
+   109, sharegpt-multi-turn P90 86 / 71 / 76 -> 74 / 75 / 61; the others within 0.5
+   points and 2 ms.
 
 The constants were chosen with the simulator over the benchmark's ten workloads at 1, 4
 and 8 router replicas (docs/BENCHMARKS.md, docs/SIMULATOR.md).
@@ -352,7 +353,12 @@ class CacheAwareStrategy(Strategy):
         ``uncached x (1 + waiting)``, ``waiting`` the larger of the router's count
         (:attr:`InstanceState.awaiting_first_token`) and the engine's
         (``vllm:num_requests_waiting``). With nobody waiting it is Dynamo's cost (the
-        units). No constant: the weight is the count of delayed requests."""
+        units). No constant: the weight is the count of delayed requests. A holding
+        larger than the request (precise mode: the events show every block and the
+        learned view adds a continued request's partial block) costs 0, never less, so
+        requests waiting never make an instance look cheaper."""
+        if uncached <= 0:
+            return 0.0
         return uncached * (1 + max(inst.awaiting_first_token, inst.engine_waiting))
 
     @staticmethod
