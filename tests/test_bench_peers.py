@@ -332,3 +332,22 @@ def test_the_simulators_bench_workloads_route_as_the_benchmark_does():
     pa = bench_routing(RoutingStrategy.PREFIX_AWARE).prefix_aware
     assert (pa.prefix_length, pa.concurrency_threshold) == (s.prefix_length, s.concurrency_threshold)
     assert (BENCH_INSTANCES, BENCH_KV_TOKENS) == (s.instances, s.kv_capacity_tokens)
+
+
+def test_open_loop_arrivals_offer_the_same_tokens_with_the_tiny_tokenizer():
+    """The tiny tokenizer gives the near-saturation workload's text about 0.55 of the
+    default engine's tokens (4 bytes each); precise runs bring its arrivals that much
+    closer in time so the fleet stays at 85 % of its capacity."""
+    from prefixroute.core.model_tokenizer import ModelTokenizer
+    from prefixroute.engine.http_common import chat_prompt_text
+    from prefixroute.engine.tokenizer import count_tokens
+    from prefixroute.workloads.catalog import bench_workload
+
+    wl = bench_workload("near-saturation").make(0)
+    assert bench.arrival_scale(wl, "off") == 1.0
+    scale = bench.arrival_scale(wl, "on")
+    assert bench.arrival_scale(wl, "both") == scale
+    assert 0.5 < scale < 0.6
+    body = next(iter(wl.sessions())).body(0, [])  # one request, measured directly
+    one = len(ModelTokenizer.load("tiny").chat_token_ids(body)) / count_tokens(chat_prompt_text(body, 576))
+    assert abs(one - scale) < 0.02
