@@ -144,7 +144,13 @@ def check_change(sent: list[Sent], before: tuple[float, float], after: tuple[flo
             assert g in moved
     share = len(moved) / len(common)
     expected = abs(n_after - n_before) / max(n_before, n_after)
-    assert abs(share - expected) <= 0.2, (share, expected)
+    # Which groups an instance owns depends on its URL, and the engines' ports change from
+    # run to run: the share moved is a binomial draw (the removed or added instance's
+    # share of the groups), so it is checked within 3.5 standard deviations (one run in
+    # about 2,000 beyond; 0.31 for 24 groups at 1/4). The asserts above check exactness:
+    # only the changed instance's groups move, and all of them.
+    sd = (expected * (1 - expected) / len(common)) ** 0.5
+    assert abs(share - expected) <= max(0.2, 3.5 * sd), (share, expected, len(common))
     return share
 
 
