@@ -224,6 +224,51 @@ async def test_refused_connection_retried_on_another_instance(router, backends, 
     await assert_invariants(router, backends, floor)
 
 
+async def test_a_connect_timeout_counts_as_one_failure_not_as_a_refusal(backends, http, floor, data_plane):
+    """An instance seen up whose listen queue is then full (an overloaded engine): a
+    connect timeout retries the request elsewhere and counts one failure, so with
+    UnhealthyThreshold 2 the instance stays in rotation after the first and goes out
+    after the second in a row (a refused connection takes it out at once, above)."""
+    import socket
+
+    handle = await _router([b.url for b in backends], data_plane=data_plane, unhealthy_threshold=2,
+                           connect_timeout_s=0.3, max_retries=2)
+    hung_backend = backends[0]
+    hung = hung_backend.url
+    await hung_backend.refuse()  # seen up by the first round of checks; now its port hangs
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", hung_backend.port))
+    listener.listen(0)
+    fillers = []
+    for _ in range(3):  # fill the accept queue: the kernel then drops the router's SYNs
+        f = socket.socket()
+        f.setblocking(False)
+        with contextlib.suppress(BlockingIOError):
+            f.connect(("127.0.0.1", hung_backend.port))
+        fillers.append(f)
+    try:
+        pool = handle.fleet.endpoint().variant()
+        timeouts = []
+        for _ in range(30):  # RANDOM (seeded) picks the hung instance now and then
+            out = await call(http, handle, "chat")
+            assert out.status == 200 and out.error is None  # retried on the other instance
+            n = metric_value(await metrics_text(http, handle), "prefixroute_retries_total", endpoint="default",
+                             variant="AllTraffic", reason="connect") or 0
+            if n > len(timeouts):
+                timeouts.append((pool.get(hung).healthy, handle.state.health.state(hung)[0]))
+            if not pool.get(hung).healthy:
+                break
+        # the first timeout: one failure, still in rotation; the second: out
+        assert timeouts[0] == (True, 1)
+        assert timeouts[-1] == (False, 2) and len(timeouts) == 2
+    finally:
+        await handle.close()
+        for f in fillers:
+            f.close()
+        listener.close()
+
+
 @pytest.mark.parametrize("route", ("chat", "native"))
 async def test_all_refusing_is_503(router, backends, http, floor, route):
     for b in backends:

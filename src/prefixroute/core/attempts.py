@@ -110,10 +110,18 @@ class Attempts:
         """Retries left after the attempt under way."""
         return self.max_retries - self.index
 
-    def connect_failed(self, instance: str, exc_name: str) -> Step:
-        """No connection to ``instance`` could be opened (nothing was sent)."""
+    def connect_failed(self, instance: str, exc_name: str, timed_out: bool = False) -> Step:
+        """No connection to ``instance`` could be opened (nothing was sent). Refused or
+        unreachable (``timed_out`` false): out of rotation at once, as the next request
+        would fail the same way. Not accepted within the connect timeout: one passive
+        failure (out after ``unhealthy_threshold`` in a row, a streak any answer ends), as
+        an engine whose listen queue is full under load still answers on the
+        connections it has; taking it out at once took every engine of an overloaded
+        fleet out of rotation on every replica (Envoy too counts connect failures toward
+        ejection rather than ejecting at the first)."""
         self.exclude.add(instance)
-        return Step(Next.RETRY, reason="connect", error_kind="connect", health="definitive",
+        return Step(Next.RETRY, reason="connect", error_kind="connect",
+                    health="failure" if timed_out else "definitive",
                     log=f"instance {instance}: connect failed ({exc_name})")
 
     def lost(self, instance: str, kind: str, sent: bool, reused: bool, after_s: float = 0.0) -> Step:

@@ -574,7 +574,8 @@ class FrontServer:
                             up = (None if fresh else self.upstreams.take(target[:3])) or \
                                 await self._connect(client, target[:3])
                         except (OSError, TimeoutError) as exc:
-                            step = attempts.connect_failed(instance, type(exc).__name__)
+                            step = attempts.connect_failed(instance, type(exc).__name__,
+                                                           timed_out=isinstance(exc, TimeoutError))
                             apply_step(state, rr, instance, decision, step)
                             mark = time.perf_counter()
                             retry = step.reason

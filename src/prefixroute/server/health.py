@@ -7,8 +7,9 @@ mean "alive but busy" (backpressure) and count as neither. Anything else (anothe
 status, refused connection, timeout) is a failure.
 
 Passive detection (:mod:`.proxy` reports what it sees on real requests): a connection
-that cannot be opened (refused, unreachable, connect timeout) takes the instance out of
-rotation at once, as the next request would fail the same way; a reset or a timeout
+that cannot be opened (refused, unreachable) takes the instance out of rotation at once,
+as the next request would fail the same way; a connection not accepted within the
+connect timeout (an engine whose listen queue is full under load), a reset or a timeout
 after the request was sent counts as one failure (only with active checks on, as
 nothing else would bring the instance back). Answers with a status, 4xx, 429 and 5xx
 included, are not failures of the instance: they are the model's answers.

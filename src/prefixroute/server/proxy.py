@@ -318,7 +318,8 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                             "POST", instance + rr.upstream_path, data=_payload(rr.body), headers=up_headers,
                             **kwargs)
                 except CONNECT_ERRORS as exc:
-                    step = attempts.connect_failed(instance, type(exc).__name__)
+                    step = attempts.connect_failed(instance, type(exc).__name__,
+                                                   timed_out=isinstance(exc, aiohttp.ConnectionTimeoutError))
                 except TimeoutError:
                     step = attempts.headers_timeout(instance, settings.response_headers_timeout_s)
                 except aiohttp.ClientResponseError as exc:  # the answer's head could not be parsed
@@ -620,9 +621,9 @@ async def forward_get(state: RouterState, request: web.Request, pool: VariantPoo
             resp.headers[H.INVOKED_VARIANT] = pool.name
             resp.headers[H.INSTANCE] = instance
             return resp
-        except CONNECT_ERRORS:
+        except CONNECT_ERRORS as exc:
             state.metrics.upstream_errors.labels(instance, "connect").inc()
-            state.health.passive_failure(instance, definitive=True)
+            state.health.passive_failure(instance, definitive=not isinstance(exc, aiohttp.ConnectionTimeoutError))
         except _UPSTREAM_ERRORS as exc:
             state.metrics.upstream_errors.labels(instance, _error_kind(exc)).inc()
             state.health.passive_failure(instance)
