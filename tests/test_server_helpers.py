@@ -118,12 +118,20 @@ class FakeInstance:
             await self.runner.cleanup()
 
 
+#: Sockets bound and never listening: their ports refuse connections for as long as the
+#: tests run, and no server started later (a router on port 0) can be given them.
+_REFUSING: list[socket.socket] = []
+
+
 def closed_port_url() -> str:
-    """A loopback URL on which nothing listens (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    """A loopback URL on which nothing listens (connection refused). The port stays bound,
+    not listening, until the process ends: a port merely freed could be given to the next
+    server a test starts on port 0 (once the router under test itself, whose /health then
+    answered for the "dead" instance)."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    _REFUSING.append(s)
+    return f"http://127.0.0.1:{s.getsockname()[1]}"
 
 
 def settings(**kw: Any) -> ServerSettings:
