@@ -790,6 +790,16 @@ def test_every_instance_at_the_threshold_is_all_busy_and_keeps_affinity():
         lease.release()
 
 
+def _doc_on_one(pool: VariantPool, doc: str, question: str) -> tuple:
+    """Route ``doc`` once (the pool's first choice holds it), then the request ``doc +
+    question``: ``(holder, the other instance, its block chain, its length in units)``."""
+    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
+    holder = home.instance
+    home.release()
+    other = next(i for i in pool.instances if i is not holder)
+    return holder, other, text_block_hashes(doc + question, 64, 131_072, "m"), len(doc + question)
+
+
 def test_a_prefill_is_weighed_by_the_requests_it_delays():
     # Two instances, the document on one whose queue of prefill is longer: a miss
     # elsewhere costs its whole prompt once for the request and once for every request
@@ -798,12 +808,7 @@ def test_a_prefill_is_weighed_by_the_requests_it_delays():
     urls = [f"http://10.9.0.{i}:8000" for i in range(2)]
     pool = VariantPool("v", urls, ca(threshold=2, load_weight=0))
     doc = "document 9\n" + "d" * 8_181
-    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
-    holder = home.instance
-    home.release()
-    other = next(i for i in pool.instances if i is not holder)
-    ask = text_block_hashes(doc + " question?", 64, 131_072, "m")
-    size = len(doc + " question?")
+    holder, other, ask, size = _doc_on_one(pool, doc, " question?")
 
     def decide(home_queue: int, waiting: int, *, engine: bool = False, in_flight: int = 3):
         for inst in pool.instances:
@@ -863,12 +868,8 @@ def test_the_one_holder_shortcut_weighs_the_uncached_tail_by_the_requests_waitin
     pool = VariantPool("v", urls, ca(threshold=8, load_weight=0))
     strategy = pool.strategy
     doc = "document 5\n" + "d" * (20_480 - 11)  # ends at a block's end
-    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
-    holder = home.instance
-    home.release()
-    other = next(i for i in pool.instances if i is not holder)
-    ask = text_block_hashes(doc + " question " + "q" * 900, 64, 131_072, "m")
-    size = ask.ends[-1]
+    holder, other, ask, size = _doc_on_one(pool, doc, " question " + "q" * 900)
+    assert size == ask.ends[-1]
     held = strategy.caches[holder.instance_id].match(ask)
     assert held == len(ask) - 1  # all but the last block: the shortcut's case
     tail = size - ask.ends[held - 1]
@@ -899,12 +900,7 @@ def test_a_backlogged_fleet_replicates_a_prefix_only_for_a_much_longer_queue():
     urls = [f"http://10.9.0.{i}:8000" for i in range(2)]
     pool = VariantPool("v", urls, ca(threshold=8, load_weight=0))
     doc = "document 7\n" + "d" * 4_085
-    home = pool.acquire(None, blocks=text_block_hashes(doc, 64, 131_072, "m"))
-    holder = home.instance
-    home.release()
-    other = next(i for i in pool.instances if i is not holder)
-    ask = text_block_hashes(doc + " question?", 64, 131_072, "m")
-    size = len(doc + " question?")
+    holder, other, ask, size = _doc_on_one(pool, doc, " question?")
     holder.pending_prefill, holder.awaiting_first_token = 16_000, 1
 
     def decide(waiting_elsewhere: int):
