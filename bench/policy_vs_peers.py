@@ -153,8 +153,8 @@ class BenchSettings:
         """What the tables say of the fleet: tokenizer, KV events and tiers."""
         parts = []
         if self.precise != "off":
-            parts.append("engines tokenize with the tiny tokenizer and publish KV events (open-loop "
-                         "arrivals sped up to offer the same tokens per second)")
+            parts.append("engines tokenize with the tiny tokenizer and publish KV events (their per-token "
+                         "costs and sizes scaled so a request costs what it does on the default engine)")
         parts.append(f"KV tiers: {self.tiers}")
         return "; ".join(parts)
 
@@ -235,22 +235,42 @@ def cache_aware_specs(s: BenchSettings, extra: tuple[str, ...]) -> list[Prefixro
     return out
 
 
-def engine_args(s: BenchSettings, shared_tier: Path | None) -> list[str]:
-    """The ``prefixroute emulate`` flags every engine of a run gets for precise mode
-    (tokenizer, KV events on free ports) and the tiers."""
-    from prefixroute.core.tiers import TierSpec
+def engine_args(s: BenchSettings, shared_tier: Path | None, token_ratio: float = 1.0) -> list[str]:
+    """The ``prefixroute emulate`` flags every engine of a run gets: its KV capacity, and
+    for precise mode the tiny tokenizer and KV events (on free ports); the tiers.
 
-    out: list[str] = []
+    ``token_ratio`` (:func:`tiny_token_ratio`, < 1 in precise runs) is the workload's tiny
+    tokens per default engine token. Every per-token size and cost of the engine is scaled
+    by it (KV capacity, tiers and the step's token budget times it; prefill and tier loads
+    per token divided by it), so that a tiny token stands for ``1 / token_ratio`` of the
+    model's tokens: a request costs the engine the same modelled time and cache space as
+    on a default engine, the fleet's capacity in requests per second is the same, and
+    precise runs offer the same load as the peers' table (decode, per sequence, is not
+    scaled).
+    """
+    from prefixroute.core.tiers import TierSpec
+    from prefixroute.engine.model import EngineConfig
+
+    r = token_ratio
+    if not 0 < r <= 1:
+        raise ValueError(f"token_ratio must be in (0, 1], got {r!r}")
+    out = ["--kv-capacity-tokens", str(round(s.kv_capacity_tokens * r))]
     if s.precise != "off":
         out += ["--tokenizer", "tiny", "--tokenizer-media-tokens", str(PRECISE_MEDIA_TOKENS), "--kv-events-config",
                 '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:*", '
                 '"replay_endpoint": "tcp://127.0.0.1:*"}']
+    if r != 1.0:
+        d = EngineConfig()
+        out += ["--prefill-s-per-token", repr(d.prefill_s_per_token / r),
+                "--max-num-batched-tokens", str(max(d.max_num_seqs, round(d.max_num_batched_tokens * r))),
+                "--cpu-load-s-per-token", repr(d.cpu_load_s_per_token / r),
+                "--shared-load-s-per-token", repr(d.shared_load_s_per_token / r)]
     tiers = TierSpec.parse(s.tiers)
     if tiers.cpu:
-        out += ["--cpu-tier-tokens", str(tiers.cpu_tokens(s.kv_capacity_tokens))]
+        out += ["--cpu-tier-tokens", str(round(tiers.cpu_tokens(s.kv_capacity_tokens) * r))]
     if tiers.shared and shared_tier is not None:
         out += ["--shared-tier", str(shared_tier),
-                "--shared-tier-tokens", str(tiers.shared_tokens(s.kv_capacity_tokens, s.instances))]
+                "--shared-tier-tokens", str(round(tiers.shared_tokens(s.kv_capacity_tokens, s.instances) * r))]
     return out
 
 
@@ -385,9 +405,10 @@ def median_run(runs: Sequence[RunResult]) -> RunResult:
 _ENGINE_READY = re.compile(r"prefixroute-emulate listening on (http://\S+)")
 
 
-def start_fleet(tracker: ProcessTracker, count: int, s: BenchSettings, python: str = sys.executable
-                ) -> list[tuple[str, str]]:
-    """Start ``count`` emulated engines at once; returns ``[(instance id, url)]``.
+def start_fleet(tracker: ProcessTracker, count: int, s: BenchSettings, python: str = sys.executable,
+                token_ratio: float = 1.0) -> list[tuple[str, str]]:
+    """Start ``count`` emulated engines at once (flags: :func:`engine_args`); returns
+    ``[(instance id, url)]``.
 
     Raises:
         PeerError: an engine exited or did not listen within 60 s.
@@ -398,8 +419,8 @@ def start_fleet(tracker: ProcessTracker, count: int, s: BenchSettings, python: s
         iid = f"instance-{i}"
         procs.append((iid, tracker.start(f"engine-{i}", [
             python, "-m", "prefixroute", "emulate", "--host", "127.0.0.1", "--port", "0", "--instance-id", iid,
-            "--time-scale", str(s.time_scale), "--kv-capacity-tokens", str(s.kv_capacity_tokens),
-            "--log-level", "warning", *engine_args(s, shared_tier)])))
+            "--time-scale", str(s.time_scale), "--log-level", "warning",
+            *engine_args(s, shared_tier, token_ratio)])))
     out = []
     for iid, p in procs:
         found: list[str] = []
@@ -461,8 +482,7 @@ async def _request(http: aiohttp.ClientSession, url: str, body: dict[str, Any], 
 
 async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key: Callable[[Any], str],
                 users: int | None, duration_s: float, time_scale: float,
-                events: Sequence[tuple[float, Callable[[], Any]]] = (), timeout_s: float = 120.0,
-                arrival_scale: float = 1.0) -> tuple[list[RequestResult], float, list[dict[str, Any]]]:
+                events: Sequence[tuple[float, Callable[[], Any]]] = (), timeout_s: float = 120.0) -> tuple[list[RequestResult], float, list[dict[str, Any]]]:
     """Closed-loop users running sessions back to back through the routers, or (``users``
     None) sessions started at their own arrival times (open loop).
 
@@ -471,7 +491,7 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
     Each session's turns follow each other after its think time (model seconds ×
     ``time_scale``); each turn resends the earlier answers as received. No turn starts
     after ``duration_s`` real seconds; an open-loop session starts ``start_s`` model
-    seconds (× ``time_scale`` × ``arrival_scale``) after the run's start. ``events`` are ``(real second,
+    seconds (× ``time_scale``) after the run's start. ``events`` are ``(real second,
     blocking callable)`` run in a thread at that time (membership).
 
     Returns:
@@ -511,7 +531,7 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
     async def arrivals(http: aiohttp.ClientSession) -> None:
         running: set[asyncio.Task[None]] = set()
         for i, s in enumerate(sessions):
-            at = t0 + s.start_s * time_scale * arrival_scale
+            at = t0 + s.start_s * time_scale
             if at >= deadline:
                 break
             await asyncio.sleep(max(0.0, at - time.perf_counter()))
@@ -543,15 +563,13 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
 CALIBRATION_SESSIONS = 64
 
 
-def arrival_scale(wl: Any, precise: str) -> float:
-    """How much closer in time an open-loop workload's arrivals come when the engines
-    tokenize with the tiny tokenizer (``precise`` ``on`` or ``both``): its tokens per
-    request over the default engine's (4 bytes a token, :mod:`prefixroute.engine.tokenizer`),
-    measured on the first :data:`CALIBRATION_SESSIONS` sessions' first requests. The
-    tiny tokenizer gives about 0.55 of the default's tokens for the workloads' text, so
-    without this the near-saturation workload, whose rate is 85 % of the fleet's
-    capacity in default tokens, would offer the engines half that; with it, the engines
-    are offered the same tokens per second either way. 1.0 when ``precise`` is ``off``.
+def tiny_token_ratio(wl: Any, precise: str) -> float:
+    """The workload's tiny tokens per default engine token when the engines tokenize with
+    the tiny tokenizer (``precise`` ``on`` or ``both``): its tokens per request over the
+    default engine's (4 bytes a token, :mod:`prefixroute.engine.tokenizer`), measured on
+    the first :data:`CALIBRATION_SESSIONS` sessions' first requests; about 0.55 for the
+    workloads' text. :func:`engine_args` scales the engines' per-token costs and sizes by
+    it. 1.0 when ``precise`` is ``off``.
     """
     if precise == "off":
         return 1.0
@@ -577,7 +595,9 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
     """
     extra = 1 if workload.membership else 0
     with ProcessTracker(workdir) as tracker:
-        fleet = start_fleet(tracker, s.instances + extra, s)
+        wl = workload.make(s.seed)
+        ratio = tiny_token_ratio(wl, s.precise)
+        fleet = start_fleet(tracker, s.instances + extra, s, token_ratio=ratio)
         ids = [iid for iid, _ in fleet]
         urls = [u for _, u in fleet]
         initial = urls[: s.instances]
@@ -610,17 +630,15 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
 
             events = [(m.add_at * s.duration_s, on_all("add_backend", added)),
                       (m.remove_at * s.duration_s, on_all("remove_backend", removed))]
-        wl = workload.make(s.seed)
         users = None if workload.users is None else max(1, round(workload.users * s.users_scale))
         router_pids = [r.process.proc.pid for r in routers]
         engine_pids = [p.proc.pid for p in tracker.processes if p.name.startswith("engine-")]
         cpu0 = tree_cpu_s(router_pids), tree_cpu_s(engine_pids)
-        scale = arrival_scale(wl, s.precise) if users is None else 1.0
         results, wall, log = asyncio.run(drive([r.url for r in routers], iter(wl.sessions()), workload.session_key,
-                                               users, s.duration_s, s.time_scale, events, arrival_scale=scale))
-        if scale != 1.0:
-            log.append({"at_s": 0.0, "what": f"open-loop arrivals x{1 / scale:.2f} (tiny tokenizer: "
-                                             f"{scale:.3f} of the default engine's tokens)"})
+                                               users, s.duration_s, s.time_scale, events))
+        if ratio != 1.0:
+            log.append({"at_s": 0.0, "what": f"tiny tokenizer: {ratio:.3f} of the default engine's tokens; the "
+                                             f"engines' per-token costs and sizes scaled by it"})
         cpu = tree_cpu_s(router_pids) - cpu0[0], tree_cpu_s(engine_pids) - cpu0[1]
         counters = asyncio.run(scrape_counters(urls, [HIT, QUERIES]))
         # Results name instances by id (X-Emulated-Instance); prefixroute's header is the URL.

@@ -334,20 +334,48 @@ def test_the_simulators_bench_workloads_route_as_the_benchmark_does():
     assert (BENCH_INSTANCES, BENCH_KV_TOKENS) == (s.instances, s.kv_capacity_tokens)
 
 
-def test_open_loop_arrivals_offer_the_same_tokens_with_the_tiny_tokenizer():
-    """The tiny tokenizer gives the near-saturation workload's text about 0.55 of the
-    default engine's tokens (4 bytes each); precise runs bring its arrivals that much
-    closer in time so the fleet stays at 85 % of its capacity."""
+def test_tiny_tokenizer_engines_cost_what_default_engines_cost():
+    """The tiny tokenizer gives the workloads' text about 0.55 of the default engine's
+    tokens (4 bytes each); precise runs scale the engines' per-token costs and sizes by
+    that ratio, so a request's modelled prefill and cache space, and so the fleet's
+    capacity, are those of the peers' runs (the near-saturation workload stays at 85 %)."""
     from prefixroute.core.model_tokenizer import ModelTokenizer
+    import argparse
+
+    from prefixroute.engine.cli import config_from_args, configure_parser
     from prefixroute.engine.http_common import chat_prompt_text
+    from prefixroute.engine.model import EngineConfig, step_duration
     from prefixroute.engine.tokenizer import count_tokens
     from prefixroute.workloads.catalog import bench_workload
 
     wl = bench_workload("near-saturation").make(0)
-    assert bench.arrival_scale(wl, "off") == 1.0
-    scale = bench.arrival_scale(wl, "on")
-    assert bench.arrival_scale(wl, "both") == scale
-    assert 0.5 < scale < 0.6
+    assert bench.tiny_token_ratio(wl, "off") == 1.0
+    r = bench.tiny_token_ratio(wl, "on")
+    assert bench.tiny_token_ratio(wl, "both") == r
+    assert 0.5 < r < 0.6
     body = next(iter(wl.sessions())).body(0, [])  # one request, measured directly
-    one = len(ModelTokenizer.load("tiny").chat_token_ids(body)) / count_tokens(chat_prompt_text(body, 576))
-    assert abs(one - scale) < 0.02
+    tiny = len(ModelTokenizer.load("tiny").chat_token_ids(body))
+    default = count_tokens(chat_prompt_text(body, 576))
+    assert abs(tiny / default - r) < 0.02
+
+    s = bench.BenchSettings(precise="both", tiers="cpu+shared")
+    argv = bench.engine_args(s, Path("/tmp/shared.kv"), r)
+    opts = dict(zip(argv[::2], argv[1::2]))
+    assert int(opts["--kv-capacity-tokens"]) == round(100_000 * r)
+    assert int(opts["--cpu-tier-tokens"]) == round(4 * 100_000 * r)
+    assert int(opts["--shared-tier-tokens"]) == round(4 * 100_000 * 4 * r)
+    assert opts["--tokenizer"] == "tiny"
+    parser = argparse.ArgumentParser()
+    configure_parser(parser)
+    scaled = config_from_args(parser.parse_args(argv))  # the engine's own CLI takes them
+    assert scaled.kv_capacity_tokens == round(100_000 * r) and scaled.cpu_tier_tokens == round(400_000 * r)
+    d = EngineConfig()
+    assert scaled.max_num_batched_tokens == round(8192 * r)
+    # One step prefilling this request's tiny tokens costs what its default tokens cost.
+    chunk = min(tiny, scaled.max_num_batched_tokens)
+    assert step_duration(scaled, chunk, 0) == pytest.approx(step_duration(d, round(chunk / r), 0), rel=1e-3)
+    assert tiny * scaled.prefill_s_per_token == pytest.approx(default * d.prefill_s_per_token, rel=0.05)
+    # Without precise mode the engines are the defaults, at the bench's KV capacity.
+    assert bench.engine_args(bench.BenchSettings(), None) == ["--kv-capacity-tokens", "100000"]
+    with pytest.raises(ValueError):
+        bench.engine_args(s, None, 0.0)
