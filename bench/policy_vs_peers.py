@@ -47,7 +47,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
+import math
 import os
 import re
 import sys
@@ -122,7 +124,8 @@ class BenchSettings:
             or beside, its learned view. With ``on`` or ``both`` every engine of every
             run tokenizes with the bundled tiny tokenizer (an image part as 576 tokens of
             stand-in text) and publishes its KV events, so every router meets the same
-            engines.
+            engines; their per-token costs and sizes are scaled so that a request costs
+            what it does on the default engine (:func:`engine_args`).
         tiers: ``none``, ``cpu``, ``shared`` or ``cpu+shared``: KV tiers in every engine
             (a CPU tier of 4x its KV capacity, a shared tier of 4x the fleet's);
             prefixroute CACHE_AWARE is told of them (``KvTiers``).
@@ -239,8 +242,9 @@ def engine_args(s: BenchSettings, shared_tier: Path | None, token_ratio: float =
     """The ``prefixroute emulate`` flags every engine of a run gets: its KV capacity, and
     for precise mode the tiny tokenizer and KV events (on free ports); the tiers.
 
-    ``token_ratio`` (:func:`tiny_token_ratio`, < 1 in precise runs) is the workload's tiny
-    tokens per default engine token. Every per-token size and cost of the engine is scaled
+    ``token_ratio`` (:func:`tiny_token_ratio`; about 0.55 in precise runs, 3 on the images
+    workload, whose stand-in image text the tiny tokenizer cuts finer) is the workload's
+    tiny tokens per default engine token. Every per-token size and cost of the engine is scaled
     by it (KV capacity, tiers and the step's token budget times it; prefill and tier loads
     per token divided by it), so that a tiny token stands for ``1 / token_ratio`` of the
     model's tokens: a request costs the engine the same modelled time and cache space as
@@ -252,8 +256,8 @@ def engine_args(s: BenchSettings, shared_tier: Path | None, token_ratio: float =
     from prefixroute.engine.model import EngineConfig
 
     r = token_ratio
-    if not 0 < r <= 1:
-        raise ValueError(f"token_ratio must be in (0, 1], got {r!r}")
+    if not 0 < r < math.inf:
+        raise ValueError(f"token_ratio must be a positive number, got {r!r}")
     out = ["--kv-capacity-tokens", str(round(s.kv_capacity_tokens * r))]
     if s.precise != "off":
         out += ["--tokenizer", "tiny", "--tokenizer-media-tokens", str(PRECISE_MEDIA_TOKENS), "--kv-events-config",
@@ -569,7 +573,8 @@ def tiny_token_ratio(wl: Any, precise: str) -> float:
     default engine's (4 bytes a token, :mod:`prefixroute.engine.tokenizer`), measured on
     the first :data:`CALIBRATION_SESSIONS` sessions' first requests; about 0.55 for the
     workloads' text. :func:`engine_args` scales the engines' per-token costs and sizes by
-    it. 1.0 when ``precise`` is ``off``.
+    it. 1.0 when ``precise`` is ``off``. An image part is ``PRECISE_MEDIA_TOKENS`` x 4
+    characters of stand-in text on both sides (about 3 tiny tokens per default token).
     """
     if precise == "off":
         return 1.0
@@ -577,7 +582,8 @@ def tiny_token_ratio(wl: Any, precise: str) -> float:
     from prefixroute.engine.http_common import chat_prompt_text
     from prefixroute.engine.tokenizer import count_tokens
 
-    tok = ModelTokenizer.load("tiny")
+    # (as the engines tokenize: an image part as PRECISE_MEDIA_TOKENS tokens)
+    tok = dataclasses.replace(ModelTokenizer.load("tiny"), media_tokens=PRECISE_MEDIA_TOKENS)
     tiny = default = 0
     for sess in itertools.islice(wl.sessions(), CALIBRATION_SESSIONS):
         body = sess.body(0, [])

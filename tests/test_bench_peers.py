@@ -375,7 +375,12 @@ def test_tiny_tokenizer_engines_cost_what_default_engines_cost():
     chunk = min(tiny, scaled.max_num_batched_tokens)
     assert step_duration(scaled, chunk, 0) == pytest.approx(step_duration(d, round(chunk / r), 0), rel=1e-3)
     assert tiny * scaled.prefill_s_per_token == pytest.approx(default * d.prefill_s_per_token, rel=0.05)
+    # Every workload has a ratio, image parts counted as the engines count them.
+    ratios = {w.name: bench.tiny_token_ratio(w.make(0), "on") for w in bench.WORKLOADS}
+    assert all(0.5 < r < 0.65 for name, r in ratios.items() if name != "images"), ratios
+    assert 2.5 < ratios["images"] < 3.5  # the stand-in text of an image: finer tiny tokens
     # Without precise mode the engines are the defaults, at the bench's KV capacity.
     assert bench.engine_args(bench.BenchSettings(), None) == ["--kv-capacity-tokens", "100000"]
-    with pytest.raises(ValueError):
-        bench.engine_args(s, None, 0.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError):
+            bench.engine_args(s, None, bad)
