@@ -563,7 +563,7 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
     return results, last - first, log
 
 
-#: Sessions whose first request measures :func:`arrival_scale`.
+#: Sessions whose first request measures :func:`tiny_token_ratio`.
 CALIBRATION_SESSIONS = 64
 
 
