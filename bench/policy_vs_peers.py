@@ -563,32 +563,45 @@ async def drive(router_urls: Sequence[str], sessions: Iterator[Any], session_key
     return results, last - first, log
 
 
-#: Sessions whose first request measures :func:`tiny_token_ratio`.
+#: Sessions, and turns of each, whose requests measure :func:`tiny_token_ratio`.
 CALIBRATION_SESSIONS = 64
+CALIBRATION_TURNS = 6
 
 
 def tiny_token_ratio(wl: Any, precise: str) -> float:
     """The workload's tiny tokens per default engine token when the engines tokenize with
-    the tiny tokenizer (``precise`` ``on`` or ``both``): its tokens per request over the
-    default engine's (4 bytes a token, :mod:`prefixroute.engine.tokenizer`), measured on
-    the first :data:`CALIBRATION_SESSIONS` sessions' first requests; about 0.55 for the
-    workloads' text. :func:`engine_args` scales the engines' per-token costs and sizes by
-    it. 1.0 when ``precise`` is ``off``. An image part is ``PRECISE_MEDIA_TOKENS`` x 4
-    characters of stand-in text on both sides (about 3 tiny tokens per default token).
+    the tiny tokenizer (``precise`` ``on`` or ``both``): the prompt tokens of its requests
+    over the default engine's (4 bytes a token, :mod:`prefixroute.engine.tokenizer`),
+    measured on the first :data:`CALIBRATION_TURNS` turns of the first
+    :data:`CALIBRATION_SESSIONS` sessions, each turn after the first resending the answers
+    each engine writes (whole words from the tiny vocabulary, one tiny token each; 4-byte
+    tokens on the default engine); about 0.55 for the workloads' text, up to 0.7 on
+    sharegpt-multi-turn, whose answers are much of its prompts. :func:`engine_args`
+    scales the engines' per-token costs and sizes by it. 1.0 when ``precise`` is
+    ``off``. An image part is ``PRECISE_MEDIA_TOKENS`` x 4 characters of stand-in text on
+    both sides (about 3 tiny tokens per default token). One ratio for every request: a
+    conversation's later turns (more answer text) cost somewhat more than on the default
+    engine and its first turn less.
     """
     if precise == "off":
         return 1.0
     from prefixroute.core.model_tokenizer import ModelTokenizer
     from prefixroute.engine.http_common import chat_prompt_text
-    from prefixroute.engine.tokenizer import count_tokens
+    from prefixroute.engine.tokenizer import count_tokens, decode, output_token_id
 
     # (as the engines tokenize: an image part as PRECISE_MEDIA_TOKENS tokens)
     tok = dataclasses.replace(ModelTokenizer.load("tiny"), media_tokens=PRECISE_MEDIA_TOKENS)
     tiny = default = 0
-    for sess in itertools.islice(wl.sessions(), CALIBRATION_SESSIONS):
-        body = sess.body(0, [])
-        tiny += len(tok.chat_token_ids(body))
-        default += count_tokens(chat_prompt_text(body, PRECISE_MEDIA_TOKENS))
+    for i, sess in enumerate(itertools.islice(wl.sessions(), CALIBRATION_SESSIONS)):
+        tiny_answers: list[str] = []
+        default_answers: list[str] = []
+        for k in range(min(sess.num_turns, CALIBRATION_TURNS)):
+            tiny += len(tok.chat_token_ids(sess.body(k, tiny_answers)))
+            default += count_tokens(chat_prompt_text(sess.body(k, default_answers), PRECISE_MEDIA_TOKENS))
+            n = sess.turn(k).output_tokens
+            seed = i * CALIBRATION_TURNS + k
+            tiny_answers.append(tok.decode([output_token_id(seed, j, tok.output_token_ids) for j in range(n)]))
+            default_answers.append(decode([output_token_id(seed, j) for j in range(n)]))
     return tiny / default
 
 
@@ -891,8 +904,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="workload and router seed")
     p.add_argument("--precise", nargs="?", const="on", choices=("off", "on", "both"), default="off",
                    help="prefixroute CACHE_AWARE in precise mode, on the engines' KV events (every engine then "
-                        "tokenizes with the tiny tokenizer and publishes them); both: beside its learned view "
-                        "(default: off)")
+                        "tokenizes with the tiny tokenizer and publishes them, its per-token costs and sizes scaled "
+                        "so that a request costs what it does on the default engine); both: beside its learned "
+                        "view (default: off)")
     p.add_argument("--tiers", choices=("none", "cpu", "shared", "cpu+shared"), default="none",
                    help="KV tiers in every engine (a CPU tier of 4x its KV capacity, a shared tier of 4x the "
                         "fleet's); prefixroute CACHE_AWARE is told of them (default: none)")
