@@ -48,10 +48,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import functools
 import itertools
 import math
 import os
 import re
+import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -302,6 +304,9 @@ class RunResult:
     #: a router's CPU is taken from the engines' and shows in TTFT.
     router_cpu_s: float = float("nan")
     engine_cpu_s: float = float("nan")
+    #: the prefixroute commit that ran it (:func:`source_commit`), so that a file
+    #: resumed across commits says which runs came from which
+    commit: str = ""
 
     @property
     def busiest_share(self) -> float:
@@ -309,11 +314,12 @@ class RunResult:
 
     def to_json(self) -> dict[str, Any]:
         """SPEC §7 run fields plus ``workload``, ``label``, ``busiest_share``,
-        ``instances`` and ``membership_events``."""
+        ``instances``, ``membership_events``, ``repeat(s)``, CPU seconds and ``commit``."""
         d = asdict(self.summary)
         d.update(workload=self.workload, label=self.label, busiest_share=self.busiest_share,
                  instances=self.instances, membership_events=self.events, repeat=self.repeat,
-                 repeats=self.repeats, router_cpu_s=self.router_cpu_s, engine_cpu_s=self.engine_cpu_s)
+                 repeats=self.repeats, router_cpu_s=self.router_cpu_s, engine_cpu_s=self.engine_cpu_s,
+                 commit=self.commit)
         return d
 
     @classmethod
@@ -326,11 +332,26 @@ class RunResult:
         return cls(d["workload"], d["label"], summary, events=list(d.get("membership_events", [])),
                    instances=list(d.get("instances", [])), repeat=int(d.get("repeat", 0)),
                    repeats=int(d.get("repeats", 1)), router_cpu_s=_num(d.get("router_cpu_s")),
-                   engine_cpu_s=_num(d.get("engine_cpu_s")))
+                   engine_cpu_s=_num(d.get("engine_cpu_s")), commit=str(d.get("commit", "")))
 
 
 def _num(v: Any) -> float:
     return float(v) if isinstance(v, (int, float)) else float("nan")
+
+
+@functools.cache
+def source_commit() -> str:
+    """The short commit of the checkout this benchmark runs from, with ``+dirty`` when
+    tracked files differ from it; ``unknown`` outside a git checkout."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "") if head else "unknown"
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
@@ -364,6 +385,15 @@ def tree_cpu_s(pids: Sequence[int]) -> float:
         total += ticks.get(pid, 0)
         todo += children.get(pid, [])
     return total / _CLK_TCK
+
+
+def resume_commands(path: Path) -> list[str]:
+    """The commands of the invocations whose runs ``path`` holds (the earliest first),
+    for a ``--resume`` to keep; ``[]`` when there is no such file."""
+    if not path.exists():
+        return []
+    doc = orjson.loads(path.read_bytes())
+    return [*doc.get("earlier_commands", []), *([doc["command"]] if doc.get("command") else [])]
 
 
 def resume_runs(path: Path, s: BenchSettings) -> list[RunResult]:
@@ -667,7 +697,7 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
         summary = summarize(spec.strategy, results, wall, s.time_scale, ids, counters[HIT], counters[QUERIES],
                             router=spec.router, replicas=replicas)
         return RunResult(workload.name, spec.label, summary, results, log, ids, router_cpu_s=cpu[0],
-                         engine_cpu_s=cpu[1])
+                         engine_cpu_s=cpu[1], commit=source_commit())
 
 
 # -- verdicts ---------------------------------------------------------------------------------
@@ -856,15 +886,18 @@ def write_plots(out_dir: Path, workloads: Sequence[WorkloadSpec], runs: Sequence
 
 def write_json(path: Path, workloads: Sequence[WorkloadSpec], descriptions: dict[str, str],
                runs: Sequence[RunResult], s: BenchSettings, command: str, skipped: dict[str, str],
-               all_runs: Sequence[RunResult] = ()) -> None:
+               all_runs: Sequence[RunResult] = (), earlier_commands: Sequence[str] = ()) -> None:
     """SPEC §7's object: ``workload`` names the benchmark, each run carries its workload.
-    With repeats, ``runs`` holds the medians and ``repeated_runs`` every run."""
+    With repeats, ``runs`` holds the medians and ``repeated_runs`` every run. ``command``
+    is this invocation's; ``earlier_commands`` those of the invocations a ``--resume``
+    carried on from (their runs are in the file too)."""
     doc = {
         "workload": "policy_vs_peers: " + "; ".join(f"{w.name} ({descriptions.get(w.name, '')})" for w in workloads),
         "runs": [r.to_json() for r in runs],
         "repeated_runs": [r.to_json() for r in all_runs] if len(all_runs) > len(runs) else [],
         "settings": asdict(s),
         "command": command,
+        "earlier_commands": list(earlier_commands),
         "skipped": skipped,
         "comparisons": [asdict(c) | {"wins": c.wins} for c in compare(runs)],
         "precise_comparisons": precise_comparisons(runs),
@@ -1001,6 +1034,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.resume and not args.json:
         raise SystemExit("error: --resume needs --json PATH (the file to resume)")
     done: dict[tuple[str, str, int], list[RunResult]] = {}
+    earlier = resume_commands(Path(args.json)) if args.resume else []
     for r in resume_runs(Path(args.json), s) if args.resume else []:
         done.setdefault((r.workload, r.label, r.summary.replicas), []).append(r)
     if done:
@@ -1036,7 +1070,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if repeats:
             runs.append(median_run(repeats))
         if args.json:  # after every run: an interrupted run resumes from here (--resume)
-            write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped, all_runs)
+            write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped, all_runs, earlier)
     console.print(f"all runs: {time.monotonic() - t_start:.0f} s")
     for wl in workloads:
         wr = [r for r in runs if r.workload == wl.name]
@@ -1058,7 +1092,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         paths = write_plots(Path(args.out_dir), workloads, runs)
         console.print("plots: " + ", ".join(str(p) for p in paths))
     if args.json:
-        write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped, all_runs)
+        write_json(Path(args.json), workloads, descriptions, runs, s, command, skipped, all_runs, earlier)
         console.print(f"results: {args.json}")
     return 0 if runs and all(r.summary.errors == 0 for r in runs) else 1
 

@@ -152,6 +152,27 @@ def test_an_interrupted_run_resumes_from_its_json_with_the_same_settings_only(tm
         bench.resume_runs(out, bench.FULL)
 
 
+def test_a_resumed_file_keeps_each_runs_commit_and_every_command(tmp_path):
+    first = _run("shared-prefix", "prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.1, 0.2)
+    first.commit = "1111111"
+    out = tmp_path / "r.json"
+    bench.write_json(out, bench.WORKLOADS[:1], {"shared-prefix": "d"}, [first], bench.QUICK, "cmd one", {})
+    assert bench.resume_commands(out) == ["cmd one"] and bench.resume_commands(tmp_path / "none.json") == []
+    kept = bench.resume_runs(out, bench.QUICK)
+    assert [r.commit for r in kept] == ["1111111"]
+    second = _run("shared-prefix", "haproxy hash-balance-factor", "hash", 1, 0.8, 0.2, 0.4)
+    second.commit = "2222222+dirty"
+    bench.write_json(out, bench.WORKLOADS[:1], {"shared-prefix": "d"}, [*kept, second], bench.QUICK, "cmd two", {},
+                     earlier_commands=bench.resume_commands(out))
+    doc = json.loads(out.read_text())
+    assert doc["command"] == "cmd two" and doc["earlier_commands"] == ["cmd one"]
+    assert [r["commit"] for r in doc["runs"]] == ["1111111", "2222222+dirty"]
+    assert bench.resume_commands(out) == ["cmd one", "cmd two"]
+    # This checkout's own commit: git's short hash, dirty or not.
+    here = bench.source_commit()
+    assert here == "unknown" or len(here.removesuffix("+dirty")) == 7
+
+
 def test_missing_python_peers_are_reported_not_installed(tmp_path):
     statuses = peers.ensure_python_peers(tmp_path / "no-venv", install=False)
     assert set(statuses) == {"sglang-router", "vllm-router"}
