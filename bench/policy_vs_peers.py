@@ -635,6 +635,18 @@ def tiny_token_ratio(wl: Any, precise: str) -> float:
     return tiny / default
 
 
+_RATIOS: dict[tuple[str, int, str], float] = {}
+
+
+def _ratio_of(name: str, seed: int, precise: str, wl: Any) -> float:
+    """:func:`tiny_token_ratio` once per (workload, seed, mode) of an invocation: every
+    router and replica count of a workload meets the same engines."""
+    key = (name, seed, precise)
+    if key not in _RATIOS:
+        _RATIOS[key] = tiny_token_ratio(wl, precise)
+    return _RATIOS[key]
+
+
 def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSettings, status: PeerStatus | None,
             workdir: Path | None = None) -> RunResult:
     """Fresh fleet, fresh routers, one workload; everything stopped on return.
@@ -645,7 +657,7 @@ def run_one(spec: RouterSpec, workload: WorkloadSpec, replicas: int, s: BenchSet
     extra = 1 if workload.membership else 0
     with ProcessTracker(workdir) as tracker:
         wl = workload.make(s.seed)
-        ratio = tiny_token_ratio(wl, s.precise)
+        ratio = _ratio_of(workload.name, s.seed, s.precise, wl)
         fleet = start_fleet(tracker, s.instances + extra, s, token_ratio=ratio)
         ids = [iid for iid, _ in fleet]
         urls = [u for _, u in fleet]

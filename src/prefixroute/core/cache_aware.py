@@ -66,8 +66,9 @@ disagree when several router replicas run (SPEC §5). This strategy:
    a cascade of misses that lengthen every queue. Until 2026-12 this applied only when
    every candidate was at the threshold; with it at any load and the backlog margin
    (:data:`BACKLOG_REPLICATE_FRACTION`), simulated over the ten workloads x 1, 4, 8
-   replicas x 5 seeds (docs/SIMULATOR.md, "Near saturation"): near-saturation P50 TTFT
-   815 / 960 / 963 -> 694 / 839 / 740 ms, hot-prefix P90 72 / 101 / 118 -> 58 / 95 /
+   replicas x 5 seeds (docs/SIMULATOR.md, "Near saturation"; ConcurrencyThreshold 32):
+   near-saturation P50 TTFT 815 / 960 / 963 -> 694 / 839 / 740 ms (247 with 1 replica at
+   the benchmark's threshold of 64), hot-prefix P90 72 / 101 / 118 -> 58 / 95 /
    109, sharegpt-multi-turn P90 86 / 71 / 76 -> 74 / 75 / 61; the others within 0.5
    points and 2 ms.
 
