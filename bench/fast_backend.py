@@ -48,6 +48,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Sequence
 
 import xxhash
@@ -183,6 +184,8 @@ class _App:
         self.canned = _Canned(opts, "fast-backend")
         self.stats = BackendStats()
         self.logged_paths: set[str] = set()
+        #: The engines' KV events (``--kv-events``: ``bench/kv_stand_in.py``), or ``None``.
+        self.kv: Any = None
 
 
 def wants_stream(body: bytes | bytearray, start: int = 0, end: int | None = None) -> bool:
@@ -413,6 +416,8 @@ class HTTPProtocol(asyncio.BufferedProtocol):
                     d = xxhash.xxh3_64_hexdigest(bytes(body[bstart:bend]))
                     st.bodies[d] = st.bodies.get(d, 0) + 1
                 chat = path != "/v1/completions"
+                if app.kv is not None:
+                    app.kv.on_request(self.port, bytes(body[bstart:bend]), chat)
                 if wants_stream(body, bstart, bend):
                     events = canned.chat_events if chat else canned.completion_events
                     if app.opts.stream_delay_s > 0:
@@ -507,8 +512,10 @@ def raise_nofile_limit() -> int:
     return hard
 
 
-async def serve(host: str, ports: Sequence[int], opts: BackendOptions) -> tuple[list[asyncio.Server], list[int]]:
-    """Listen on every port of ``ports`` (0 picks a free one) with one shared state.
+async def serve(host: str, ports: Sequence[int], opts: BackendOptions,
+                app: "_App | None" = None) -> tuple[list[asyncio.Server], list[int]]:
+    """Listen on every port of ``ports`` (0 picks a free one) with one shared state
+    (``app``, or a new one).
 
     Returns:
         The servers and the ports they listen on, in order.
@@ -516,7 +523,7 @@ async def serve(host: str, ports: Sequence[int], opts: BackendOptions) -> tuple[
     Raises:
         OSError: a port cannot be bound.
     """
-    app = _App(opts)
+    app = _App(opts) if app is None else app
     loop = asyncio.get_running_loop()
     servers, bound = [], []
     for port in ports:
@@ -537,11 +544,23 @@ async def _run(args: argparse.Namespace) -> int:
     opts = BackendOptions(stream_chunks=args.stream_chunks, stream_delay_s=args.stream_delay_ms / 1000.0,
                           record_bodies=args.record_bodies)
     try:
-        servers, ports = await serve(args.host, args.port or [0], opts)
+        app = _App(opts)
+        servers, ports = await serve(args.host, args.port or [0], opts, app)
     except OSError as exc:  # (a port taken: said in one line the bench reads, exit code 3)
         print(f"fast-backend: cannot listen on {args.host} port(s) {', '.join(map(str, args.port)) or '0'}: "
               f"{exc.strerror or exc}", file=sys.stderr, flush=True)
         return EXIT_CANNOT_LISTEN
+    kv = None
+    if args.kv_events:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from kv_stand_in import KvStandIn
+
+        kv = KvStandIn(ports, step_s=args.kv_events_step_ms / 1000.0)
+        await kv.start()
+        app.kv = kv
+        for p in ports:
+            pub, replay = kv.endpoints[p]
+            print(f"fast-backend kv events of http://{args.host}:{p} on {pub} replay {replay}", flush=True)
     for p in ports:
         print(f"fast-backend listening on http://{args.host}:{p}", flush=True)
     stop = asyncio.Event()
@@ -551,6 +570,8 @@ async def _run(args: argparse.Namespace) -> int:
     await stop.wait()
     for s in servers:
         s.close()
+    if kv is not None:
+        await kv.close()
     return 0
 
 
@@ -564,9 +585,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="data events per streamed answer, before data: [DONE] (default: 8)")
     p.add_argument("--stream-delay-ms", type=float, default=0.0,
                    help="milliseconds between two events of a stream (default: 0, all written at once)")
+    p.add_argument("--kv-events", action="store_true",
+                   help="publish KV events per port, as a vLLM engine with a warm, full prefix cache would "
+                        "(bench/kv_stand_in.py; the precise extra): prints 'fast-backend kv events of URL on "
+                        "PUB-ENDPOINT replay REPLAY-ENDPOINT' per port")
+    p.add_argument("--kv-events-step-ms", type=float, default=20.0,
+                   help="with --kv-events: milliseconds between two published batches per port (default: 20, "
+                        "an engine step)")
     p.add_argument("--record-bodies", action="store_true",
                    help="count request bodies by xxh3-64 digest in GET /stats (costs a hash per request)")
     args = p.parse_args(argv)
+    if not args.kv_events_step_ms > 0:
+        p.error("--kv-events-step-ms must be > 0")
     if args.stream_chunks < 1 or not args.stream_delay_ms >= 0 or any(not 0 <= x <= 65535 for x in args.port):
         p.error("--stream-chunks must be >= 1, --stream-delay-ms >= 0 and ports within 0-65535")
     return args

@@ -16,7 +16,12 @@ One program, one fast backend, the same requests for every router:
   ``CACHE_AWARE``; ``prefixroute serve``, its default fast data plane), prefixroute
   ``PREFIX_AWARE`` on the aiohttp data plane (``--data-plane aiohttp``, the reference
   implementation: what the fast one saves), prefixroute ``CACHE_AWARE`` with ``--workers
-  2`` (when ``prefixroute serve`` has that option; else listed as skipped), the **python
+  2`` (when ``prefixroute serve`` has that option; else listed as skipped),
+  prefixroute ``CACHE_AWARE`` in **precise mode** (``prefixroute CACHE_AWARE precise``,
+  measured only when ``--routers`` names it: when it is, the backend's ports publish the KV events of a stand-in engine
+  with a warm, full prefix cache, ``bench/kv_stand_in.py``, one batch per port every 20
+  ms, and the router subscribes to them with the bundled ``tiny`` tokenizer; the
+  events' cost shows in every target's backend CPU), the **python
   relay floor** (``bench/relay_floor.py``: a bare round-robin relay on prefixroute's own
   stack, CPython + uvloop + httptools, with no routing, JSON or bookkeeping: about the
   least a router written this way adds), HAProxy with
@@ -137,6 +142,8 @@ LATENCY_REFERENCE = "haproxy hash-balance-factor"
 THROUGHPUT_REFERENCE = "sglang-router cache_aware"
 #: The reference row of what a bare Python relay costs (bench/relay_floor.py).
 RELAY_FLOOR_LABEL = "python relay floor"
+#: prefixroute CACHE_AWARE in precise mode, on the fast backend's stand-in KV events.
+PRECISE_LABEL = "prefixroute CACHE_AWARE precise"
 DIRECT = "direct"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -456,6 +463,7 @@ def run_wrk(tracker: ProcessTracker, url: str, body_files: Sequence[Path], conne
 # -- processes: the backend and /proc readings ------------------------------------------------
 
 _BACKEND_READY = re.compile(r"fast-backend listening on (http://\S+)")
+_BACKEND_KV = re.compile(r"fast-backend kv events of (http://\S+) on (tcp://\S+) replay (tcp://\S+)")
 
 
 @dataclass
@@ -464,10 +472,19 @@ class FastBackend:
 
     process: ManagedProcess
     urls: list[str]
+    #: With ``kv_events``: per URL, its stand-in engine's (PUB endpoint, replay endpoint).
+    kv_endpoints: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     @property
     def pid(self) -> int:
         return self.process.proc.pid
+
+    def kv_events_section(self, block_size: int = 16, tokenizer: str = "tiny") -> dict[str, Any]:
+        """Precise mode's ``KvEvents`` section for a router in front of this backend
+        (every port's endpoints, the stand-in's block size and tokenizer)."""
+        return {"BlockSize": block_size, "Tokenizer": tokenizer,
+                "Instances": {u: {"Endpoint": pub, "ReplayEndpoint": replay}
+                              for u, (pub, replay) in self.kv_endpoints.items()}}
 
     def stats(self) -> dict[str, Any]:
         """Its ``GET /stats`` counters (see bench/fast_backend.py)."""
@@ -488,11 +505,13 @@ def ports_free(first: int, count: int) -> bool:
 
 
 def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: int = 0, stream_events: int = 8,
-                       stream_delay_ms: float = 0.0, record_bodies: bool = False, python: str = sys.executable,
-                       timeout_s: float = 30.0, log: Callable[[str], None] = print) -> FastBackend:
+                       stream_delay_ms: float = 0.0, record_bodies: bool = False, kv_events: bool = False,
+                       python: str = sys.executable, timeout_s: float = 30.0,
+                       log: Callable[[str], None] = print) -> FastBackend:
     """Start the fast backend on ``ports`` ports and wait until it listens on all: on
     ``first_port`` and the ones after it, or on free ports if ``first_port`` is 0 or
-    one of those is in use (said through ``log``).
+    one of those is in use (said through ``log``). With ``kv_events`` every port
+    publishes the KV events of a stand-in engine (``bench/kv_stand_in.py``).
 
     Raises:
         PeerError: it exited or did not listen in time.
@@ -513,11 +532,16 @@ def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: i
                 "--stream-chunks", str(stream_events), "--stream-delay-ms", str(stream_delay_ms)]
         if record_bodies:
             argv.append("--record-bodies")
+        if kv_events:
+            argv.append("--kv-events")
         proc = tracker.start("fast-backend", argv, env=dict(os.environ, PYTHONUNBUFFERED="1"))
         urls: list[str] = []
+        kv: dict[str, tuple[str, str]] = {}
 
         def ready() -> bool:
-            urls[:] = _BACKEND_READY.findall(proc.tail(ports + 5))
+            text = proc.tail(2 * ports + 5)
+            urls[:] = _BACKEND_READY.findall(text)
+            kv.update({u: (pub, replay) for u, pub, replay in _BACKEND_KV.findall(text)})
             return len(urls) >= ports
 
         try:
@@ -529,7 +553,7 @@ def start_fast_backend(tracker: ProcessTracker, ports: int = 4, *, first_port: i
             log(f"note: the fast backend could not listen on ports {first_port}-{first_port + ports - 1}: {moved}")
             first_port = 0
             continue
-        return FastBackend(proc, urls[:ports])
+        return FastBackend(proc, urls[:ports], kv)
 
 
 def process_tree(root: int) -> list[int]:
@@ -660,6 +684,19 @@ class RelayFloorSpec(RouterSpec):
         return RunningRouter(self, proc, urls[0], backends)
 
 
+def precise_extra_missing(python: str = sys.executable) -> str:
+    """"" when ``python`` has the ``precise`` extra (pyzmq, msgpack, tokenizers, jinja2),
+    else why the precise row is skipped."""
+    code = "import zmq, msgpack, tokenizers, jinja2"
+    try:
+        proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"checking the precise extra failed: {exc}"
+    if proc.returncode:
+        return "the precise extra is not installed (pip install -e '.[precise]'): " + proc.stderr.strip()[-200:]
+    return ""
+
+
 def prefixroute_workers_option(python: str = sys.executable) -> str:
     """"" when ``prefixroute serve`` has ``--workers``, else why the multi-worker row is skipped."""
     try:
@@ -684,6 +721,8 @@ def router_specs(s: OverheadSettings) -> list[RouterSpec]:
                         routing={"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {
                             "PrefixLength": s.prefix_length, "ConcurrencyThreshold": threshold}}),
         PrefixrouteSpec("prefixroute CACHE_AWARE", "prefixroute", "CACHE_AWARE", routing=cache_aware),
+        PrefixrouteSpec(PRECISE_LABEL, "prefixroute", "CACHE_AWARE", routing=cache_aware,
+                        kv_events={"Tokenizer": "tiny"}),
         PrefixrouteSpec("prefixroute PREFIX_AWARE --data-plane aiohttp", "prefixroute", "PREFIX_AWARE",
                         routing={"RoutingStrategy": "PREFIX_AWARE", "PrefixAwareRoutingConfig": {
                             "PrefixLength": s.prefix_length, "ConcurrencyThreshold": threshold}},
@@ -1337,7 +1376,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routers", default="",
                    help="comma-separated router labels or their slugs (prefixroute-cache-aware, "
                         "sglang-router-cache-aware...) or product names (prefixroute, python-relay-floor, haproxy, "
-                        "sglang-router, vllm-router) to measure; direct is always measured (default: all)")
+                        "sglang-router, vllm-router) to measure; direct is always measured (default: all but "
+                        "prefixroute-cache-aware-precise, precise mode on the backend's stand-in KV events, which "
+                        "is measured when named)")
     p.add_argument("--concurrency", default="",
                    help="comma-separated wrk connection counts, e.g. 1,64 (default: 1,8,64,256)")
     p.add_argument("--body-sizes", default="",
@@ -1410,11 +1451,17 @@ def settings_from(args: argparse.Namespace) -> OverheadSettings:
 
 
 def select_routers(specs: Sequence[RouterSpec], wanted: str) -> list[RouterSpec]:
+    """The routers ``--routers`` names (labels, their slugs, or product names), in table
+    order; without names, every router but the precise one (:data:`PRECISE_LABEL`: it
+    makes the backend publish KV events for every target, so it is measured when named,
+    by its label or slug only)."""
     if not wanted:
-        return list(specs)
+        return [r for r in specs if r.label != PRECISE_LABEL]
     keys = [w.strip() for w in wanted.split(",") if w.strip()]
 
     def names(r: RouterSpec) -> list[str]:
+        if r.label == PRECISE_LABEL:
+            return [slug(r.label), r.label]
         return [slug(r.label), r.label, r.router]
 
     unknown = [k for k in keys if not any(k in names(r) for r in specs)]
@@ -1452,6 +1499,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             reason = st.detail if st else "not checked"
         elif isinstance(r, MultiWorkerPrefixrouteSpec):
             reason = prefixroute_workers_option()
+        elif r.label == PRECISE_LABEL:
+            reason = precise_extra_missing()
         if reason:
             skipped[r.label] = reason
             console.print(f"[yellow]SKIPPING {r.label}:[/yellow] {escape(reason)}")
@@ -1472,11 +1521,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             for st in s.streaming:
                 files[(b, st)] = write_bodies(tracker.workdir / "bodies", make_bodies(b, st, s.distinct_bodies, s.seed),
                                               f"body-{b}-{'stream' if st else 'plain'}")
+        precise = any(r.label == PRECISE_LABEL for r in specs)
         backend = start_fast_backend(tracker, s.instances, first_port=s.backend_port, stream_events=s.stream_events,
-                                     log=console.print)
+                                     kv_events=precise, log=console.print)
         backend_urls[:] = backend.urls
+        if precise:
+            console.print(f"the fast backend publishes KV events (bench/kv_stand_in.py) for {PRECISE_LABEL}; "
+                          "every target's backend CPU includes them")
         targets = [Target(DIRECT, "none", "direct to the backend", backend.urls[0], None)]
         for spec in specs:
+            if spec.label == PRECISE_LABEL and isinstance(spec, PrefixrouteSpec):
+                spec = replace(spec, kv_events=backend.kv_events_section())
             try:
                 st = statuses.get(spec.peer)
                 rr = spec.start_retrying(tracker, backend.urls, st.executable if st else "")

@@ -18,6 +18,8 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
+import urllib.request
+
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -509,3 +511,70 @@ def test_machine_facts_say_how_idle_cpus_sleep(tmp_path):
     assert facts["cpus"] >= 1 and facts["platform"]
     bare = overhead.machine_facts(str(tmp_path / "none"))  # not Linux, or no cpuidle: unknown, not an error
     assert (bare["cpuidle_driver"], bare["cpuidle_governor"], bare["guest_halt_poll_ns"]) == (None, None, None)
+
+
+# -- precise mode on the fast backend's stand-in KV events ---------------------------------
+
+
+def test_the_stand_in_cache_stores_a_prompt_once_then_answer_blocks_and_restores_late():
+    import kv_stand_in
+    from prefixroute.core.kvevents.events import BlockRemoved, BlockStored
+    from prefixroute.core.model_tokenizer import ModelTokenizer
+
+    tok = ModelTokenizer.load("tiny")
+    cache = kv_stand_in.PortCache(lambda b, chat: tok.request_token_ids(json.loads(b), chat), restore_s=2.0,
+                                  answer_window=2, answers_per_step=2)
+    body = overhead.make_bodies(1024, False, 1)[0]
+    ids = tok.request_token_ids(json.loads(body), True)
+    first = cache.on_request(body, True, 0.0)
+    prompt, answer = first
+    assert isinstance(prompt, BlockStored) and prompt.parent_block_hash is None
+    assert list(prompt.token_ids) == ids[: len(ids) // 16 * 16] and len(prompt.block_hashes) == len(ids) // 16
+    assert isinstance(answer, BlockStored) and answer.parent_block_hash == prompt.block_hashes[-1]
+    second = cache.on_request(body, True, 1.0)
+    assert [type(e) for e in second] == [BlockStored]  # an answer block only: the prompt is held
+    assert cache.on_request(body, True, 1.5) == []  # two answer blocks this step: no more
+    cache.step()
+    third = cache.on_request(body, True, 1.9)
+    assert [type(e) for e in third] == [BlockStored, BlockRemoved]  # past the window: the oldest goes
+    assert third[1].block_hashes == [answer.block_hashes[0]]
+    cache.step()
+    late = cache.on_request(body, True, 2.1)  # restore_s after it was stored: evicted and stored again
+    assert isinstance(late[0], BlockRemoved) and list(late[0].block_hashes) == list(prompt.block_hashes)
+    assert isinstance(late[1], BlockStored) and list(late[1].token_ids) == list(prompt.token_ids)
+    assert not set(late[1].block_hashes) & set(prompt.block_hashes)
+
+
+def test_precise_prefixroute_routes_on_the_fast_backends_kv_events(tracker, script):
+    # The stand-in's events reach a precise router: every instance precise, each body's
+    # prompt held where it was sent, and the bodies keep their instances.
+    wrk = _wrk()
+    kv_backend = overhead.start_fast_backend(tracker, 2, kv_events=True, record_bodies=True)
+    assert set(kv_backend.kv_endpoints) == set(kv_backend.urls)
+    section = kv_backend.kv_events_section()
+    assert section["Tokenizer"] == "tiny" and set(section["Instances"]) == set(kv_backend.urls)
+    assert overhead.precise_extra_missing() == ""
+    spec = next(r for r in overhead.router_specs(overhead.FULL) if r.label == overhead.PRECISE_LABEL)
+    from dataclasses import replace
+
+    router = replace(spec, kv_events=section).start(tracker, kv_backend.urls)
+    files = overhead.write_bodies(tracker.workdir / "precise", overhead.make_bodies(4096, False, 16), "p")
+    target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid)
+    m = overhead.measure(tracker, target, overhead.Cell(8, 4096, False), files, 2, backend=kv_backend, wrk=wrk,
+                         script=script)
+    assert m.wrk.error_count == 0 and m.wrk.requests > 100
+    assert min(m.instance_requests) > 0
+    with urllib.request.urlopen(router.admin_url + "/admin/kv-events", timeout=10) as r:
+        status = json.loads(r.read())
+    assert [i["Mode"] for i in status["Instances"]] == ["precise", "precise"]
+    assert all(i["Blocks"] > 16 for i in status["Instances"]) and status["ByteIndexBlocks"] > 32
+    assert status["Tokenizer"]["ByteMatchedRequests"] >= 0.9 * m.wrk.requests  # (not before the streams were up)
+    tracker.stop([router.process, kv_backend.process])
+
+
+def test_the_precise_router_is_measured_only_when_named():
+    specs = overhead.router_specs(overhead.FULL)
+    assert overhead.PRECISE_LABEL not in [r.label for r in overhead.select_routers(specs, "")]
+    assert overhead.PRECISE_LABEL not in [r.label for r in overhead.select_routers(specs, "prefixroute")]
+    named = overhead.select_routers(specs, "prefixroute-cache-aware,prefixroute-cache-aware-precise")
+    assert [r.label for r in named] == ["prefixroute CACHE_AWARE", overhead.PRECISE_LABEL]

@@ -373,3 +373,88 @@ def test_shared_tier_eviction_inside_one_event_leaves_nothing_behind():
     assert len(view.byte_index) == len(view.shared)
     view.stream("a").index.apply([BlockRemoved(hs, medium="SHARED")])
     assert len(view.byte_index) == 0
+
+
+# -- walks resumed from an earlier walk's checkpoints ----------------------------------
+
+_LONG_DOCS = [" ".join(random.Random(100 + d).choice(WORDS) for _ in range(900 + 300 * d)) for d in range(3)]
+
+
+def _fresh_walk(view: PreciseCacheView, data: bytes) -> tuple[list[int], list[int]]:
+    """The walk from the root, no checkpoint used (what a walk resumed must equal)."""
+    from prefixroute.core.kvevents.byte_index import MAX_BRANCHES
+    from prefixroute.core.kvevents.chain import chain_root
+
+    keys: list[int] = []
+    ends: list[int] = []
+    view.byte_index._walk(data, chain_root(None), 0, keys, ends, [MAX_BRANCHES])  # type: ignore[union-attr]
+    return keys, ends
+
+
+def test_a_held_document_walked_again_resumes_from_a_checkpoint_with_the_same_keys():
+    from prefixroute.core.kvevents.byte_index import WALK_CHECKPOINT_BYTES
+
+    view = view_with("a", "b")
+    doc = _LONG_DOCS[2]
+    assert len(doc.encode()) > 4 * WALK_CHECKPOINT_BYTES
+    store(view, "a", TOK.encode(doc + " question 1?", add_special_tokens=False))
+    bx = view.byte_index
+    assert bx is not None
+    first = view.match_bytes((doc + " question 2?").encode())
+    assert bx.walks_resumed == 0 and first is not None and len(first[0]) > 60
+    second = view.match_bytes((doc + " question 3?").encode())
+    assert bx.walks_resumed == 1
+    assert second == first == _fresh_walk(view, (doc + " question 3?").encode())
+    # Blocks stored after the checkpoint was taken are found beyond it.
+    store(view, "b", TOK.encode(doc + " question 3? and a long answer to it " * 40, add_special_tokens=False))
+    text = (doc + " question 3? and a long answer to it " * 40 + " next").encode()
+    got = view.match_bytes(text)
+    assert got == _fresh_walk(view, text) and len(got[0]) > len(first[0]) + 20  # type: ignore[index]
+    assert bx.walks_resumed == 2
+
+
+def test_a_checkpoint_whose_last_block_is_gone_everywhere_is_not_used():
+    view = view_with("a")
+    doc = _LONG_DOCS[1]
+    ids = TOK.encode(doc, add_special_tokens=False)
+    hashes = store(view, "a", ids)
+    data = (doc + " what?").encode()
+    full = view.match_bytes(data)
+    assert full is not None and len(full[0]) == len(hashes)
+    # The engine evicts the chain's second half (tail first, as vLLM does).
+    half = len(hashes) // 2
+    view.stream("a").index.apply([BlockRemoved(hashes[half:])])  # type: ignore[union-attr]
+    bx = view.byte_index
+    resumed = bx.walks_resumed  # type: ignore[union-attr]
+    again = view.match_bytes(data)
+    assert again == _fresh_walk(view, data) and again is not None and len(again[0]) == half
+    assert bx.walks_resumed == resumed + 1  # (from a checkpoint within the first half)
+    view.stream("a").index.apply([BlockRemoved(hashes[:half])])  # type: ignore[union-attr]
+    assert view.match_bytes(data) == ([], [])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "evict", "walk"]), st.integers(0, 2), st.integers(0, 3),
+                          st.integers(0, 1), st.integers(1, 60)), min_size=1, max_size=14))
+def test_walks_with_checkpoints_count_what_walks_from_the_root_count(ops):
+    # Whatever was stored, evicted (the chain's tail, any length) and walked before, a
+    # walk gives the holdings a walk from the root gives (and the same keys as long as
+    # nothing was evicted from the middle of a chain it passed).
+    view = view_with("a", "b")
+    chains: dict[tuple[int, int, int], list[int]] = {}
+    for op, d, q, inst, n in ops:
+        text = _LONG_DOCS[d] + f" question {q}?"
+        name = "ab"[inst]
+        if op == "store":
+            chains[(d, q, inst)] = store(view, name, TOK.encode(text, add_special_tokens=False))
+        elif op == "evict" and (d, q, inst) in chains:
+            hs = chains.pop((d, q, inst))
+            view.stream(name).index.apply([BlockRemoved(hs[-n:])])  # type: ignore[union-attr]
+            if hs[:-n]:
+                chains[(d, q, inst)] = hs[:-n]
+        data = text.encode()
+        got = view.match_bytes(data)
+        want = _fresh_walk(view, data)
+        assert got is not None
+        assert view.holdings(got[0]) == view.holdings(want[0])
+        assert len(got[0]) >= len(want[0]) and got[0][: len(want[0])] == want[0]
