@@ -382,13 +382,9 @@ _LONG_DOCS = [" ".join(random.Random(100 + d).choice(WORDS) for _ in range(900 +
 
 def _fresh_walk(view: PreciseCacheView, data: bytes) -> tuple[list[int], list[int]]:
     """The walk from the root, no checkpoint used (what a walk resumed must equal)."""
-    from prefixroute.core.kvevents.byte_index import MAX_BRANCHES
     from prefixroute.core.kvevents.chain import chain_root
 
-    keys: list[int] = []
-    ends: list[int] = []
-    view.byte_index._walk(data, chain_root(None), 0, keys, ends, [MAX_BRANCHES])  # type: ignore[union-attr]
-    return keys, ends
+    return view.byte_index.walk(data, chain_root(None), resume=False)  # type: ignore[union-attr]
 
 
 def test_a_held_document_walked_again_resumes_from_a_checkpoint_with_the_same_keys():

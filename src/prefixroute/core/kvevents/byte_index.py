@@ -24,6 +24,11 @@ the parent (an event's ingest is a count and a copy
 per block; the blocks no prompt reaches, such as a unique question's later blocks, are
 never rendered).
 
+A walk resumes where an earlier walk over the same first bytes was: every
+:data:`WALK_CHECKPOINT_BYTES` of a prompt it records the chained hash of the bytes so
+far and the keys found so far, so a held document sent again costs a hash per
+checkpoint and the walk of its last bytes (:meth:`ByteIndex.walk`).
+
 Where two held children of one block both follow in the prompt (one's bytes a prefix of
 the other's: a chain the engine tokenized differently, such as a sampled answer), each is
 followed and the deeper chain kept (at most :data:`MAX_BRANCHES` such forks a walk).
@@ -219,6 +224,10 @@ class ByteIndex:
                 if not lengths:
                     del self._lengths[parent]
 
+    def clear_checkpoints(self) -> None:
+        """Forget where earlier walks were (the blocks stay): the next walks start at the root."""
+        self._memo.clear()
+
     def clear(self) -> None:
         """Forget every block."""
         self._by_bytes.clear()
@@ -234,8 +243,19 @@ class ByteIndex:
             return self.bytes_indexed / self.tokens_indexed
         return self.token_bytes.bytes_per_token
 
-    def walk(self, data: bytes, root: int) -> tuple[list[int], list[int]]:
+    def walk(self, data: bytes, root: int, *, resume: bool = True) -> tuple[list[int], list[int]]:
         """The prompt's leading blocks some instance holds.
+
+        A walk records where it was at every :data:`WALK_CHECKPOINT_BYTES` of the prompt
+        (the chained hash of the bytes so far -> the keys so far); a later prompt with the
+        same first bytes resumes from its deepest such checkpoint whose last block some
+        instance still holds, and walks on from there (``resume=False``: from the root,
+        nothing recorded). What resuming may count that a walk from the root would not:
+        blocks past one that every instance evicted while a later block stayed (vLLM
+        evicts a sequence's last blocks first), which no instance's leading run reaches
+        (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.holdings` is unchanged), and,
+        where the held chain forks before the checkpoint, the branch the earlier walk
+        kept.
 
         Args:
             data: the prompt's bytes as the engine's tokens render them (the chat
@@ -256,7 +276,7 @@ class ByteIndex:
         marks: list[int] = []  # chained hash of data[:(i + 1) * step], per whole checkpoint
         parent, pos = root, 0
         first = 0  # the first checkpoint this walk records
-        if n >= step:
+        if n >= step and resume:
             digest = xxhash.xxh3_64_intdigest
             view = memoryview(data)
             seed = root
