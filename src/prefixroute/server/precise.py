@@ -50,13 +50,14 @@ def attach_precise(state: "RouterState", payload: Mapping[str, Any], chat: bool,
     if chat and _has_media(payload):
         return False
     off_path = state.kv_tokenize
-    kv = state.config.kv_events
-    inline = kv.inline_tokenize_chars if kv is not None and off_path is not None and off_path.usable() else None
     try:
         lora = view.lora_name(payload.get("model"))
         if keyer.token_bytes is not None and view.byte_index is not None:  # Matching: bytes
             keys, tokens = keyer.match_bytes(payload, chat, view, lora)
         else:
+            kv = state.config.kv_events
+            inline = (kv.inline_tokenize_chars if kv is not None and off_path is not None and off_path.usable()
+                      else None)
             keys, tokens = keyer.keys(payload, chat, lora, inline_chars=inline)
     except TokenizeLater as later:  # a new document: on the learned view while a thread tokenizes it
         assert off_path is not None
