@@ -15,7 +15,12 @@ One process, one uvloop event loop, a raw :class:`asyncio.Protocol` HTTP/1.1 ser
   {...}`` events, each its own HTTP chunk and its own write, ``--stream-delay-ms`` apart
   (0: all at once), then ``data: [DONE]``. The body is never parsed as JSON, nor
   copied: bytes are received straight into a per-connection buffer
-  (:class:`asyncio.BufferedProtocol`), so a 256 KB body costs little more than a 1 KB one.
+  (:class:`asyncio.BufferedProtocol`), so a 256 KB body costs little more than a 1 KB one
+  (except with ``--kv-events``: each body is then copied and hashed, and parsed and
+  tokenized the first time it arrives).
+* ``--kv-events``: every port publishes the KV events of a stand-in engine with a warm,
+  full prefix cache (``bench/kv_stand_in.py``; the ``precise`` extra), for a router in
+  precise mode; ``GET /stats`` then has their counters under ``kv_events``.
 * ``GET /health``, ``/ping``, ``/health_generate``: 200, empty body (vLLM's and SGLang's
   liveness). ``GET /v1/models``: one model. ``GET /metrics``: a short Prometheus text.
   ``GET /info``, ``/model_info``, ``/get_model_info``, ``/server_info``,
@@ -32,6 +37,7 @@ Usage::
 
     python bench/fast_backend.py --port 0 --port 0 --port 0 --port 0
     python bench/fast_backend.py --port 9001 --stream-chunks 20 --stream-delay-ms 100
+    python bench/fast_backend.py --port 0 --port 0 --kv-events
 
 Prints ``fast-backend listening on http://HOST:PORT`` once per port, then serves until
 SIGTERM or SIGINT. RLIMIT_NOFILE is raised to its hard limit at start.
@@ -448,7 +454,10 @@ class HTTPProtocol(asyncio.BufferedProtocol):
                 elif path in _INFO_PATHS:
                     t.write(canned.info)
                 elif path == "/stats":
-                    t.write(_response(200, "application/json", _json(app.stats.to_json())))
+                    doc = app.stats.to_json()
+                    if app.kv is not None:
+                        doc["kv_events"] = app.kv.stats()
+                    t.write(_response(200, "application/json", _json(doc)))
                 else:
                     t.write(canned.empty)
         else:
@@ -597,6 +606,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.kv_events_step_ms > 0:
         p.error("--kv-events-step-ms must be > 0")
+    if args.kv_events_step_ms != 20.0 and not args.kv_events:
+        p.error("--kv-events-step-ms needs --kv-events")
     if args.stream_chunks < 1 or not args.stream_delay_ms >= 0 or any(not 0 <= x <= 65535 for x in args.port):
         p.error("--stream-chunks must be >= 1, --stream-delay-ms >= 0 and ports within 0-65535")
     return args

@@ -13,7 +13,7 @@ and a model of a warm, full prefix cache:
   stores it again under new block hashes (a cache under pressure drops and recomputes a
   document now and then; a router that subscribed late catches up within ``restore_s``).
 * **Answer blocks**: a request stores one block under its prompt's last full block (16
-  fixed tokens; a new block hash each time) and, past ``answer_window`` of them, the
+  tokens of its own, :func:`answer_tokens`; a new block hash) and, past ``answer_window`` of them, the
   oldest is removed (an engine that evicts as much as it stores); at most
   ``answers_per_step`` a step (a step of a batch of 64 sequences fills about 4 blocks:
   one every 16 decode steps per sequence), so that the event rate is an engine's, not
@@ -23,8 +23,9 @@ and a model of a warm, full prefix cache:
   large model at a full batch), not one message per request. The replay socket keeps
   the last ``buffer_steps`` batches (200: 4 s).
 
-A body is parsed and tokenized once (the first time it arrives, on the backend's event
-loop); after that a request costs a digest of its body and two events. The cost to
+A body is parsed and tokenized once (the first time it arrives on any port, on the
+backend's event loop: about 130 ms for 256 KB); after that a request costs a copy and a
+digest of its body and at most three events. The cost to
 the backend is counted in its CPU per request, which ``bench/overhead.py`` reports.
 
 Needs the ``precise`` extra (pyzmq, msgpack, tokenizers, jinja2).
@@ -41,10 +42,17 @@ from typing import Any, Sequence
 
 import xxhash
 
-__all__ = ["KvStandIn", "PortCache", "ANSWER_TOKENS"]
+__all__ = ["KvStandIn", "PortCache", "answer_tokens"]
 
-#: The answer block's token ids (any 16 ids the tiny tokenizer has).
-ANSWER_TOKENS = tuple(range(100, 116))
+#: Token ids answers are drawn from (the tiny tokenizer's vocabulary has 810).
+_ANSWER_IDS = range(100, 800)
+
+
+def answer_tokens(n: int, block_size: int = 16) -> list[int]:
+    """The ``n``-th answer block's token ids: a different block for each ``n`` (up to
+    700 ** 2 of them), as sampled answers are."""
+    span = len(_ANSWER_IDS)
+    return [_ANSWER_IDS[(n + i * (n // span + 1)) % span] for i in range(block_size)]
 
 
 @dataclass
@@ -64,6 +72,7 @@ class PortCache:
         answer_window: answer blocks held before the oldest is removed, >= 1.
         answers_per_step: answer blocks stored per step (:meth:`step`), >= 0.
         hash_base: the first engine block hash (one per port, so ports never share one).
+        token_cache: body digest -> token ids, shared by the ports (a body is tokenized once).
     """
 
     token_ids: Any
@@ -73,7 +82,7 @@ class PortCache:
     answers_per_step: int = 4
     hash_base: int = 1 << 40
     chains: dict[int, _Chain] = field(default_factory=dict)
-    _ids: dict[int, list[int]] = field(default_factory=dict)
+    token_cache: dict[int, list[int]] = field(default_factory=dict)
     _answers: deque[int] = field(default_factory=deque)
     _next: int = 0
     _answered: int = 0
@@ -91,9 +100,9 @@ class PortCache:
         from prefixroute.core.kvevents.events import BlockRemoved, BlockStored
 
         digest = xxhash.xxh3_64_intdigest(body)
-        ids = self._ids.get(digest)
+        ids = self.token_cache.get(digest)
         if ids is None:
-            ids = self._ids[digest] = self.token_ids(body, chat)
+            ids = self.token_cache[digest] = self.token_ids(body, chat)
         bs = self.block_size
         n = len(ids) // bs
         events: list[Any] = []
@@ -108,7 +117,8 @@ class PortCache:
         if self._answered < self.answers_per_step:
             self._answered += 1
             h = self._new_hash()
-            events.append(BlockStored([h], chain.hashes[-1] if chain.hashes else None, list(ANSWER_TOKENS), bs))
+            events.append(BlockStored([h], chain.hashes[-1] if chain.hashes else None, answer_tokens(self._next, bs),
+                                      bs))
             self._answers.append(h)
             if len(self._answers) > self.answer_window:
                 events.append(BlockRemoved([self._answers.popleft()]))
@@ -145,8 +155,9 @@ class KvStandIn:
 
         self.step_s = step_s
         self.buffer_steps = buffer_steps
+        shared: dict[int, list[int]] = {}
         self.caches = {p: PortCache(token_ids, restore_s=restore_s, answer_window=answer_window,
-                                    answers_per_step=answers_per_step, hash_base=(i + 1) << 48)
+                                    answers_per_step=answers_per_step, hash_base=(i + 1) << 48, token_cache=shared)
                        for i, p in enumerate(ports)}
         self._pending: dict[int, list[Any]] = {p: [] for p in ports}
         self._publishers: dict[int, Any] = {}
@@ -193,6 +204,11 @@ class KvStandIn:
         while True:
             await asyncio.sleep(self.step_s)
             self.flush()
+
+    def stats(self) -> dict[str, int]:
+        """Counters for the backend's ``GET /stats``."""
+        return {"batches": self.batches, "events": self.events, "untokenizable": self.untokenizable,
+                "bodies_tokenized": len(next(iter(self.caches.values())).token_cache) if self.caches else 0}
 
     async def close(self) -> None:
         if self._task is not None:

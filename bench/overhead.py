@@ -755,6 +755,8 @@ class Target:
         url: base URL (``http://127.0.0.1:PORT``).
         pid: the router's process (its tree is measured), None for direct.
         workers: router worker processes (1 unless multi-worker).
+        kv_admin_url: a precise router's admin API (its ``GET /admin/kv-events`` is read
+            around each measurement), else ``None``.
     """
 
     label: str
@@ -763,6 +765,7 @@ class Target:
     url: str
     pid: int | None
     workers: int = 1
+    kv_admin_url: str | None = None
 
 
 @dataclass
@@ -785,6 +788,9 @@ class Measurement:
     #: For a direct measurement taken right before one router's (paired direct), that
     #: router's label; None for the round's own direct measurement and for routers.
     paired_with: str | None = None
+    #: For a precise router: each instance's mode after the run and the share of the
+    #: run's requests matched on the events (:func:`precise_check`); else ``None``.
+    precise: dict[str, Any] | None = None
 
     @property
     def router_cpu_us_per_request(self) -> float | None:
@@ -809,7 +815,8 @@ class Measurement:
                 "this measurement" if self.peak_rss_reset else "since the router started",
                 "backend_cpu_s": self.backend_cpu_s, "backend_cpu_us_per_request": self.backend_cpu_us_per_request,
                 "backend_requests": self.backend_requests, "instance_requests": self.instance_requests,
-                "backend_unknown_requests": self.backend_unknown, "paired_with": self.paired_with}
+                "backend_unknown_requests": self.backend_unknown, "paired_with": self.paired_with,
+                **({"precise": self.precise} if self.precise is not None else {})}
 
 
 def run_order(targets: Sequence[Target], round_index: int, paired: bool) -> list[tuple[Target, str | None]]:
@@ -839,6 +846,7 @@ def measure(tracker: ProcessTracker, target: Target, cell: Cell, body_files: Seq
         PeerError: wrk failed.
     """
     before = backend.stats()
+    kv_before = _kv_status(target.kv_admin_url) if target.kv_admin_url else None
     backend_cpu0 = tree_cpu_seconds(backend.pid)
     cpu0, reset = None, False
     if target.pid is not None:
@@ -856,8 +864,35 @@ def measure(tracker: ProcessTracker, target: Target, cell: Cell, body_files: Seq
     per_port = [after["by_port"].get(p, 0) - before["by_port"].get(p, 0) for p in ports]
     unknown = {k: v - before["unknown"].get(k, 0) for k, v in after["unknown"].items()
                if v - before["unknown"].get(k, 0) > 0}
-    return Measurement(target.label, round_index, cell, result, cpu, rss, reset, backend_cpu, per_port,
-                       after["requests"] - before["requests"], unknown)
+    m = Measurement(target.label, round_index, cell, result, cpu, rss, reset, backend_cpu, per_port,
+                    after["requests"] - before["requests"], unknown)
+    if target.kv_admin_url:
+        m.precise = precise_check(kv_before, _kv_status(target.kv_admin_url), result.requests)
+    return m
+
+
+def _kv_status(admin_url: str) -> dict[str, Any] | None:
+    try:
+        with urllib.request.urlopen(admin_url + "/admin/kv-events", timeout=10) as r:
+            return json.loads(r.read())
+    except (OSError, ValueError):
+        return None
+
+
+def precise_check(before: dict[str, Any] | None, after: dict[str, Any] | None, requests: int) -> dict[str, Any]:
+    """What a precise router's ``GET /admin/kv-events`` says of one measurement: each
+    instance's mode at its end (``modes``), and the share of its ``requests`` matched on
+    the engines' events (``matched_share``: ``Tokenizer.ByteMatchedRequests`` counted
+    during the run, over ``requests``; ``None`` when the status could not be read)."""
+    if after is None:
+        return {"modes": None, "matched_share": None}
+    modes = [i.get("Mode") for i in after.get("Instances", [])]
+    tok_after = (after.get("Tokenizer") or {}).get("ByteMatchedRequests")
+    tok_before = ((before or {}).get("Tokenizer") or {}).get("ByteMatchedRequests")
+    share = None
+    if requests and isinstance(tok_after, int) and isinstance(tok_before, int):
+        share = round((tok_after - tok_before) / requests, 3)
+    return {"modes": modes, "matched_share": share}
 
 
 def _settled_stats(backend: FastBackend, timeout_s: float = 3.0) -> dict[str, Any]:
@@ -1378,7 +1413,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "sglang-router-cache-aware...) or product names (prefixroute, python-relay-floor, haproxy, "
                         "sglang-router, vllm-router) to measure; direct is always measured (default: all but "
                         "prefixroute-cache-aware-precise, precise mode on the backend's stand-in KV events, which "
-                        "is measured when named)")
+                        "is measured only when named by its label or slug)")
     p.add_argument("--concurrency", default="",
                    help="comma-separated wrk connection counts, e.g. 1,64 (default: 1,8,64,256)")
     p.add_argument("--body-sizes", default="",
@@ -1540,7 +1575,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 console.print(f"[red]{spec.label} did not start:[/red] {escape(str(exc))}")
                 continue
             targets.append(Target(spec.label, spec.router, spec.strategy, rr.url, rr.process.proc.pid,
-                                  getattr(spec, "workers", 1)))
+                                  getattr(spec, "workers", 1),
+                                  getattr(rr, "admin_url", None) if spec.label == PRECISE_LABEL else None))
         procs = {t.label: next((p for p in tracker.processes if p.proc.pid == t.pid), None) for t in targets}
         by_label = {t.label: t for t in targets}
         total = sum(s.rounds * len(run_order(targets, 1, c.concurrency <= s.paired_direct_up_to)) for c in cells)
@@ -1609,7 +1645,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"p99 {w.p99_ms:7.2f} ms  {w.rps:8,.0f} req/s  "
                         + (f"CPU {cpu:6,.0f} us/req  " if cpu is not None else "")
                         + f"{w.error_count} err" + (f"  [dim]backend saw {m.backend_unknown}[/dim]"
-                                                   if m.backend_unknown else ""))
+                                                   if m.backend_unknown else "")
+                        + (f"  matched on events {m.precise['matched_share']:.0%}"
+                           if m.precise and m.precise["matched_share"] is not None else ""))
+                    if m.precise is not None and (m.precise["matched_share"] is None or m.precise["matched_share"] < 0.9
+                                                  or any(x != "precise" for x in m.precise["modes"] or [None])):
+                        console.print(f"[yellow]warning: {t.label} was not in precise mode throughout: "
+                                      f"{escape(str(m.precise))}[/yellow]")
         console.print(f"measurements: {time.monotonic() - t_start:.0f} s")
         for t in targets:
             if t.pid is not None:

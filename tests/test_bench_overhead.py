@@ -533,6 +533,7 @@ def test_the_stand_in_cache_stores_a_prompt_once_then_answer_blocks_and_restores
     assert isinstance(answer, BlockStored) and answer.parent_block_hash == prompt.block_hashes[-1]
     second = cache.on_request(body, True, 1.0)
     assert [type(e) for e in second] == [BlockStored]  # an answer block only: the prompt is held
+    assert second[0].parent_block_hash == prompt.block_hashes[-1] and second[0].token_ids != answer.token_ids
     assert cache.on_request(body, True, 1.5) == []  # two answer blocks this step: no more
     cache.step()
     third = cache.on_request(body, True, 1.9)
@@ -559,10 +560,15 @@ def test_precise_prefixroute_routes_on_the_fast_backends_kv_events(tracker, scri
 
     router = replace(spec, kv_events=section).start(tracker, kv_backend.urls)
     files = overhead.write_bodies(tracker.workdir / "precise", overhead.make_bodies(4096, False, 16), "p")
-    target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid)
+    target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid,
+                             kv_admin_url=router.admin_url)
     m = overhead.measure(tracker, target, overhead.Cell(8, 4096, False), files, 2, backend=kv_backend, wrk=wrk,
                          script=script)
     assert m.wrk.error_count == 0 and m.wrk.requests > 100
+    assert m.precise is not None and m.to_json()["precise"] == m.precise
+    assert m.precise["matched_share"] >= 0.9 and m.precise["modes"] == ["precise", "precise"]
+    kv = kv_backend.stats()["kv_events"]
+    assert kv["untokenizable"] == 0 and kv["bodies_tokenized"] == 16 and kv["events"] > kv["batches"] > 10
     assert min(m.instance_requests) > 0
     with urllib.request.urlopen(router.admin_url + "/admin/kv-events", timeout=10) as r:
         status = json.loads(r.read())
@@ -578,3 +584,11 @@ def test_the_precise_router_is_measured_only_when_named():
     assert overhead.PRECISE_LABEL not in [r.label for r in overhead.select_routers(specs, "prefixroute")]
     named = overhead.select_routers(specs, "prefixroute-cache-aware,prefixroute-cache-aware-precise")
     assert [r.label for r in named] == ["prefixroute CACHE_AWARE", overhead.PRECISE_LABEL]
+
+
+def test_precise_check_reads_modes_and_the_share_matched_on_events():
+    before = {"Instances": [{"Mode": "precise"}], "Tokenizer": {"ByteMatchedRequests": 100}}
+    after = {"Instances": [{"Mode": "precise"}, {"Mode": "approximate"}], "Tokenizer": {"ByteMatchedRequests": 280}}
+    assert overhead.precise_check(before, after, 200) == {"modes": ["precise", "approximate"], "matched_share": 0.9}
+    assert overhead.precise_check(before, None, 200) == {"modes": None, "matched_share": None}
+    assert overhead.precise_check(None, after, 200)["matched_share"] is None

@@ -429,28 +429,96 @@ def test_a_checkpoint_whose_last_block_is_gone_everywhere_is_not_used():
     assert view.match_bytes(data) == ([], [])
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["store", "evict", "walk"]), st.integers(0, 2), st.integers(0, 3),
-                          st.integers(0, 1), st.integers(1, 60)), min_size=1, max_size=14))
-def test_walks_with_checkpoints_count_what_walks_from_the_root_count(ops):
-    # Whatever was stored, evicted (the chain's tail, any length) and walked before, a
-    # walk gives the holdings a walk from the root gives (and the same keys as long as
-    # nothing was evicted from the middle of a chain it passed).
+def _first_blocks_two_ways() -> tuple[list[int], list[int]]:
+    """One block's worth of text tokenized two ways (same bytes, other token ids)."""
+    ids = _id_of()
+    t1, t2 = _two_byte_tokens(2)
+    fill = _doc_ids(1)[:13]
+    x = [ids[t1], ids[t2[:1]], ids[t2[1:]]] + fill
+    y = [ids[t1[:1]], ids[t1[1:]], ids[t2]] + fill
+    assert TB.render(x) == TB.render(y) and x != y
+    return x, y
+
+
+def _ids(text: str) -> list[int]:
+    ids = TOK.encode(text, add_special_tokens=False)
+    return ids[: len(ids) // BS * BS]
+
+
+def test_a_block_gone_everywhere_in_the_middle_of_a_walked_path_ends_the_resumed_walk_there():
+    # leading_holdings (what the policy reads) bisects: a resumed walk must stop where a
+    # walk from the root stops, not count the blocks after a gap.
+    from prefixroute.core.precise_policy import leading_holdings
+
+    view = view_with("a")
+    doc = _ids(_LONG_DOCS[2])
+    hashes = store(view, "a", doc)
+    data = TB.render(doc) + b" next question?"  # type: ignore[operator]
+    view.match_bytes(data)
+    view.stream("a").index.apply([BlockRemoved(hashes[5:6])])  # type: ignore[union-attr]
+    got = view.match_bytes(data)
+    assert got == _fresh_walk(view, data) and got is not None and len(got[0]) == 5
+    a = [InstanceState("a")]
+    assert leading_holdings(view, got[0], a)["a"].gpu_tokens == 5 * BS
+
+
+@pytest.mark.parametrize("case", ["fork-before", "fork-then-tail-evicted", "other-tokenization-stored-after"])
+def test_where_the_held_chain_forks_a_resumed_walk_follows_the_branch_a_walk_from_the_root_follows(case):
+    x, y = _first_blocks_two_ways()
+    doc = _ids(_LONG_DOCS[2])
+    view = view_with("a", "b")
+    if case == "fork-before":  # a: x + D + X, b: y + D + Y; walk D + X, then D + Y
+        tail_x, tail_y = _ids(" and then the X part goes on " * 40), _ids(" but the Y part is different " * 40)
+        store(view, "a", x + doc + tail_x)
+        store(view, "b", y + doc + tail_y)
+        view.match_bytes(TB.render(x + doc + tail_x))  # type: ignore[arg-type]
+        data = TB.render(y + doc + tail_y)
+    elif case == "fork-then-tail-evicted":  # a keeps the deeper branch, then evicts its tail; b holds it all
+        ha = store(view, "a", x + doc)
+        store(view, "b", y + doc[: 10 * BS])
+        data = TB.render(x + doc)
+        view.match_bytes(data)  # type: ignore[arg-type]
+        view.stream("a").index.apply([BlockRemoved(ha[len(ha) // 2:])])  # type: ignore[union-attr]
+        store(view, "b", y + doc)
+    else:  # no fork when walked; then the same bytes stored under other token ids, nothing evicted
+        store(view, "a", x + doc[: 40 * BS])
+        data = TB.render(x + doc)
+        view.match_bytes(data)  # type: ignore[arg-type]
+        store(view, "b", y + doc)
+    assert data is not None
+    got = view.match_bytes(data)
+    assert got == _fresh_walk(view, data)
+    assert got is not None and view.holdings(got[0])["b"].total_tokens > 40 * BS
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["store", "store-other", "evict", "walk"]), st.integers(0, 2),
+                          st.integers(0, 3), st.integers(0, 1), st.integers(0, 80), st.integers(1, 40)),
+                min_size=1, max_size=16))
+def test_walks_with_checkpoints_give_what_walks_from_the_root_give(ops):
+    # Whatever was stored (under either tokenization of the first block), evicted (any run
+    # of a chain, the middle too) and walked before, a walk gives the keys a walk from the
+    # root gives, and so the same holdings to the policy.
+    from prefixroute.core.precise_policy import leading_holdings
+
+    x, y = _first_blocks_two_ways()
     view = view_with("a", "b")
     chains: dict[tuple[int, int, int], list[int]] = {}
-    for op, d, q, inst, n in ops:
+    candidates = [InstanceState("a"), InstanceState("b")]
+    for op, d, q, inst, start, length in ops:
         text = _LONG_DOCS[d] + f" question {q}?"
         name = "ab"[inst]
-        if op == "store":
-            chains[(d, q, inst)] = store(view, name, TOK.encode(text, add_special_tokens=False))
+        if op in ("store", "store-other"):
+            chains[(d, q, inst)] = store(view, name, (x if op == "store" else y) + _ids(text))
         elif op == "evict" and (d, q, inst) in chains:
-            hs = chains.pop((d, q, inst))
-            view.stream(name).index.apply([BlockRemoved(hs[-n:])])  # type: ignore[union-attr]
-            if hs[:-n]:
-                chains[(d, q, inst)] = hs[:-n]
-        data = text.encode()
+            hs = chains[(d, q, inst)]
+            gone = hs[start:start + length]
+            if gone:
+                view.stream(name).index.apply([BlockRemoved(gone)])  # type: ignore[union-attr]
+                chains[(d, q, inst)] = [h for h in hs if h not in gone]
+        data = TB.render(x + _ids(text))
+        assert data is not None
         got = view.match_bytes(data)
         want = _fresh_walk(view, data)
-        assert got is not None
-        assert view.holdings(got[0]) == view.holdings(want[0])
-        assert len(got[0]) >= len(want[0]) and got[0][: len(want[0])] == want[0]
+        assert got == want
+        assert leading_holdings(view, got[0], candidates) == leading_holdings(view, want[0], candidates)  # type: ignore[index]

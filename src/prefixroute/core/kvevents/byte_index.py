@@ -48,6 +48,8 @@ from __future__ import annotations
 
 import struct
 from bisect import bisect_right
+from collections import OrderedDict, deque
+from itertools import islice
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -86,9 +88,14 @@ class ByteIndex:
         self._unpack = struct.Struct(f"<{block_size}Q").unpack
         self.tokens_indexed = 0
         self.bytes_indexed = 0
-        # chained hash of a prompt's first (i + 1) * WALK_CHECKPOINT_BYTES bytes -> (keys,
-        # ends, how many of them end within those bytes): where a walk resumes (walk()).
-        self._memo: dict[int, tuple[tuple[int, ...], tuple[int, ...], int]] = {}
+        # chained hash of a prompt's first (i + 1) * WALK_CHECKPOINT_BYTES bytes -> (the
+        # walk's path, how many of its blocks end within those bytes): where a walk resumes.
+        self._memo: OrderedDict[int, tuple[_WalkPath, int]] = OrderedDict()
+        self._memo_blocks = 0  # blocks of the paths the checkpoints hold
+        # parents with more than one child indexed or waiting (where a walk may fork)
+        self._multi: set[int] = set()
+        self._gone: deque[int] = deque(maxlen=GONE_LOG)  # the keys forgotten last
+        self._gone_total = 0  # keys forgotten since start
         #: Walks that resumed from a checkpoint of an earlier walk.
         self.walks_resumed = 0
 
@@ -143,6 +150,8 @@ class ByteIndex:
             pending = pending_of.get(parent)
             if pending is None:
                 pending_of[parent] = {key: chunk}
+                if parent in self._lengths:  # (an indexed child and now a waiting one)
+                    self._multi.add(parent)
             else:
                 pending[key] = chunk
                 if len(pending) >= RENDER_AT:  # a walk must never meet thousands of them at once
@@ -183,6 +192,18 @@ class ByteIndex:
                 lengths[n] = lengths.get(n, 0) + 1
             self.tokens_indexed += self.block_size
             self.bytes_indexed += n
+        self._check_multi(parent)
+
+    def _check_multi(self, parent: int) -> None:
+        """Keep ``parent`` in :attr:`_multi` while it has more than one child indexed or waiting."""
+        lengths = self._lengths.get(parent)
+        children = sum(lengths.values()) if lengths else 0
+        if children < 2 and self._pending.get(parent):
+            children += 1
+        if children > 1:
+            self._multi.add(parent)
+        else:
+            self._multi.discard(parent)
 
     def unref(self, key: int) -> None:
         """One holder fewer of ``key`` (the last: the block is forgotten); an unknown key
@@ -194,6 +215,8 @@ class ByteIndex:
         if info[0] > 0:
             return
         del self._info[key]
+        self._gone.append(key)
+        self._gone_total += 1
         _, bkey, parent, n = info
         if bkey is None:
             return
@@ -203,6 +226,8 @@ class ByteIndex:
                 pending.pop(key, None)
                 if not pending:
                     del self._pending[parent]
+            if parent in self._multi:
+                self._check_multi(parent)
             return
         more = self._more.get(bkey)
         if self._by_bytes.get(bkey) == key:
@@ -223,10 +248,13 @@ class ByteIndex:
                 lengths.pop(n, None)
                 if not lengths:
                     del self._lengths[parent]
+            if parent in self._multi:
+                self._check_multi(parent)
 
     def clear_checkpoints(self) -> None:
         """Forget where earlier walks were (the blocks stay): the next walks start at the root."""
         self._memo.clear()
+        self._memo_blocks = 0
 
     def clear(self) -> None:
         """Forget every block."""
@@ -235,7 +263,8 @@ class ByteIndex:
         self._info.clear()
         self._lengths.clear()
         self._pending.clear()
-        self._memo.clear()
+        self.clear_checkpoints()
+        self._multi.clear()
 
     def bytes_per_token(self) -> float:
         """Bytes per token of the blocks indexed so far (the probes' figure before any)."""
@@ -247,15 +276,15 @@ class ByteIndex:
         """The prompt's leading blocks some instance holds.
 
         A walk records where it was at every :data:`WALK_CHECKPOINT_BYTES` of the prompt
-        (the chained hash of the bytes so far -> the keys so far); a later prompt with the
-        same first bytes resumes from its deepest such checkpoint whose last block some
-        instance still holds, and walks on from there (``resume=False``: from the root,
-        nothing recorded). What resuming may count that a walk from the root would not:
-        blocks past one that every instance evicted while a later block stayed (vLLM
-        evicts a sequence's last blocks first), which no instance's leading run reaches
-        (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.holdings` is unchanged), and,
-        where the held chain forks before the checkpoint, the branch the earlier walk
-        kept.
+        (the chained hash of the bytes so far -> the keys so far, up to the first fork
+        it met); a later prompt with the same first bytes resumes from its deepest such
+        checkpoint, after checking that the path there is still the one a walk from the
+        root would take: every block on it still held by some instance (else it resumes
+        before the first one gone), and at every block of it with more than one child
+        indexed or waiting, only one child's bytes following in the prompt (else it
+        resumes before that block, and the walk follows both branches from there). So a
+        resumed walk gives the keys a walk from the root gives; ``resume=False`` walks
+        from the root and records nothing.
 
         Args:
             data: the prompt's bytes as the engine's tokens render them (the chat
@@ -271,11 +300,9 @@ class ByteIndex:
         keys: list[int] = []
         ends: list[int] = []
         n = len(data)
-        memo = self._memo
         step = WALK_CHECKPOINT_BYTES
         marks: list[int] = []  # chained hash of data[:(i + 1) * step], per whole checkpoint
         parent, pos = root, 0
-        first = 0  # the first checkpoint this walk records
         if n >= step and resume:
             digest = xxhash.xxh3_64_intdigest
             view = memoryview(data)
@@ -283,33 +310,114 @@ class ByteIndex:
             for off in range(0, n - step + 1, step):
                 seed = digest(view[off:off + step], seed)
                 marks.append(seed)
-            info = self._info
-            for i in range(len(marks) - 1, -1, -1):  # the deepest checkpoint walked before
-                hit = memo.pop(marks[i], None)
-                if hit is not None and hit[0][hit[2] - 1] in info:
-                    memo[marks[i]] = hit  # (the most recently used, last to be forgotten)
-                    ks, es, count = hit
-                    keys, ends = list(ks[:count]), list(es[:count])
+            if self._memo:
+                self._resume(data, root, marks, keys, ends)
+                if keys:
                     parent, pos = keys[-1], ends[-1]
-                    first = i + 1
-                    self.walks_resumed += 1
-                    break
-        self._walk(data, parent, pos, keys, ends, [MAX_BRANCHES])
-        if len(marks) > first and ends and ends[-1] > (first + 1) * step:
-            ks, es = tuple(keys), tuple(ends)
-            last = es[-1]
-            for i in range(first, len(marks)):
-                boundary = (i + 1) * step
-                if last <= boundary:
-                    break
-                j = bisect_right(es, boundary)
-                if j:
-                    memo[marks[i]] = (ks, es, j)
-            while len(memo) > WALK_MEMO_ENTRIES:
-                del memo[next(iter(memo))]
+        fork = [n + 1]  # where the first fork the walk met is (bytes)
+        self._walk(data, parent, pos, keys, ends, [MAX_BRANCHES], fork)
+        if marks and ends:
+            self._record(marks, pos // step, keys, ends, fork[0])
         return keys, ends
 
-    def _walk(self, data: bytes, parent: int, pos: int, keys: list[int], ends: list[int], budget: list[int]) -> None:
+    def _resume(self, data: bytes, root: int, marks: list[int], keys: list[int], ends: list[int]) -> None:
+        """Fill ``keys`` and ``ends`` from the deepest checkpoint of ``marks`` recorded,
+        cut before the first block no longer held or the first fork (see :meth:`walk`)."""
+        memo, info = self._memo, self._info
+        for i in range(len(marks) - 1, -1, -1):
+            entry = memo.get(marks[i])
+            if entry is None:
+                continue
+            memo.move_to_end(marks[i])  # (the most recently used, the last forgotten)
+            path, count = entry
+            since = self._gone_total - path.checked
+            if since and not (since <= len(self._gone)
+                              and path.keyset.isdisjoint(islice(self._gone, len(self._gone) - since, None))):
+                if all(map(info.__contains__, path.keys)):
+                    path.checked = self._gone_total
+                else:
+                    count = min(count, next(j for j, k in enumerate(path.keys) if k not in info))
+            else:
+                path.checked = self._gone_total
+            count = self._unforked(data, root, path, count)
+            if count:
+                keys.extend(path.keys[:count])
+                ends.extend(path.ends[:count])
+                self.walks_resumed += 1
+            return
+
+    def _unforked(self, data: bytes, root: int, path: "_WalkPath", count: int) -> int:
+        """How many of ``path``'s first ``count`` blocks a walk from the root reaches
+        before a fork: the blocks under a parent with several children indexed or
+        waiting are checked as the walk would check them."""
+        multi = self._multi
+        if not count or not multi:
+            return count
+        if root in multi and self._forks_at(data, root, 0):
+            return 0
+        parents = path.keys[:count - 1]  # block j + 1's parent is block j
+        if (path.keyset.isdisjoint(multi) if len(multi) < len(parents) else multi.isdisjoint(parents)):
+            return count
+        ends = path.ends
+        for j, p in enumerate(parents):
+            if p in multi and self._forks_at(data, p, ends[j]):
+                return j + 1
+        return count
+
+    def _forks_at(self, data: bytes, parent: int, pos: int) -> bool:
+        """Whether more than one held child of ``parent`` has bytes that follow ``pos`` in ``data``."""
+        if parent in self._pending:
+            self._render(parent)
+        lengths = self._lengths.get(parent)
+        if not lengths:
+            return False
+        digest, by_bytes, more_of = xxhash.xxh3_64_intdigest, self._by_bytes, self._more
+        n, found = len(data), 0
+        for length in lengths:
+            end = pos + length
+            if end <= n:
+                bkey = digest(data[pos:end], parent)
+                if bkey in by_bytes:
+                    found += 1 + len(more_of.get(bkey, ()))
+                    if found > 1:
+                        return True
+        return False
+
+    def _record(self, marks: list[int], first: int, keys: list[int], ends: list[int], fork: int) -> None:
+        """Remember, for every checkpoint from ``first`` the walk passed before its first
+        fork (at byte ``fork``), the keys that end within it."""
+        limit = bisect_right(ends, fork)
+        if not limit:
+            return
+        last = ends[limit - 1]
+        step = WALK_CHECKPOINT_BYTES
+        memo = self._memo
+        path: _WalkPath | None = None
+        for i in range(first, len(marks)):
+            boundary = (i + 1) * step
+            if last <= boundary:  # (the walk did not pass it before the fork)
+                break
+            j = bisect_right(ends, boundary)
+            if not j:
+                continue
+            if path is None:
+                path = _WalkPath(tuple(keys[:limit]), tuple(ends[:limit]), self._gone_total)
+                self._memo_blocks += limit
+            old = memo.pop(marks[i], None)
+            if old is not None:
+                self._forget(old[0])
+            memo[marks[i]] = (path, j)
+            path.refs += 1
+        while memo and (len(memo) > WALK_MEMO_ENTRIES or self._memo_blocks > WALK_MEMO_BLOCKS):
+            self._forget(memo.popitem(last=False)[1][0])
+
+    def _forget(self, path: "_WalkPath") -> None:
+        path.refs -= 1
+        if not path.refs:
+            self._memo_blocks -= len(path.keys)
+
+    def _walk(self, data: bytes, parent: int, pos: int, keys: list[int], ends: list[int], budget: list[int],
+              fork: list[int]) -> None:
         lengths_of = self._lengths.get
         by_bytes = self._by_bytes.get
         pending = self._pending
@@ -334,12 +442,14 @@ class ByteIndex:
                             found.extend((k, end) for k in more)
             if not found:
                 return
+            if len(found) > 1 and pos < fork[0]:
+                fork[0] = pos
             if len(found) > 1 and budget[0] > 0:  # a fork: follow each, keep the deeper
                 budget[0] -= 1
                 best: tuple[list[int], list[int]] = ([], [])
                 for key, end in found:
                     k2, e2 = [key], [end]
-                    self._walk(data, key, end, k2, e2, budget)
+                    self._walk(data, key, end, k2, e2, budget, fork)
                     if len(k2) > len(best[0]):
                         best = (k2, e2)
                 keys.extend(best[0])
@@ -369,6 +479,27 @@ MAX_BRANCHES = 8
 #: per block (about 0.6 µs a block: 300 µs for 32 KB).
 WALK_CHECKPOINT_BYTES = 1024
 
-#: Checkpoints remembered (the oldest forgotten first); each holds references to its
-#: walk's keys, shared by that walk's checkpoints.
+#: Checkpoints remembered (the least recently used forgotten first); a walk's checkpoints
+#: share one copy of its path (about 90 bytes a block: the keys are the index's own).
 WALK_MEMO_ENTRIES = 16_384
+
+#: Forgotten keys remembered, so that a path checked since need not be checked whole.
+GONE_LOG = 4096
+
+#: Blocks of the paths the checkpoints hold, at most (about 45 MB): past it the least
+#: recently used checkpoints are forgotten.
+WALK_MEMO_BLOCKS = 500_000
+
+
+class _WalkPath:
+    """The keys and byte ends of one walk, shared by its checkpoints."""
+
+    __slots__ = ("keys", "ends", "keyset", "refs", "checked")
+
+    def __init__(self, keys: tuple[int, ...], ends: tuple[int, ...], checked: int) -> None:
+        self.keys = keys
+        self.ends = ends
+        self.keyset = frozenset(keys)
+        self.refs = 0
+        #: ByteIndex._gone_total when every key was last seen held.
+        self.checked = checked
