@@ -592,3 +592,19 @@ def test_precise_check_reads_modes_and_the_share_matched_on_events():
     assert overhead.precise_check(before, after, 200) == {"modes": ["precise", "approximate"], "matched_share": 0.9}
     assert overhead.precise_check(before, None, 200) == {"modes": None, "matched_share": None}
     assert overhead.precise_check(None, after, 200)["matched_share"] is None
+
+
+def test_the_stand_in_stores_chains_again_no_faster_than_an_engine_prefills():
+    import kv_stand_in
+
+    ids = list(range(100, 100 + 16 * 100))  # 1,600 tokens a body
+    cache = kv_stand_in.PortCache(lambda b, chat: ids, restore_s=1.0, prefill_tokens_per_s=2_000.0)
+    for b in range(4):
+        assert len(cache.on_request(bytes([b]), True, 0.0)) == 2  # first stores always happen
+    restored = []
+    for t in range(1, 11):  # ten seconds later, every second, each body asks again
+        cache.step()
+        restored.append(sum(len(cache.on_request(bytes([b]), True, float(t))) > 1 for b in range(4)))
+    # 6,400 tokens stored at 0 at 2,000 a second: the first chain again at 4 s, then one a
+    # second (the budget holds at most a second's worth), not four
+    assert restored == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
