@@ -462,8 +462,14 @@ def test_a_block_gone_everywhere_in_the_middle_of_a_walked_path_ends_the_resumed
     assert leading_holdings(view, got[0], a)["a"].gpu_tokens == 5 * BS
 
 
-@pytest.mark.parametrize("case", ["fork-before", "fork-then-tail-evicted", "other-tokenization-stored-after"])
-def test_where_the_held_chain_forks_a_resumed_walk_follows_the_branch_a_walk_from_the_root_follows(case):
+@pytest.mark.parametrize("few", [0, 64])  # (parents with several children found from the path, or the other way)
+@pytest.mark.parametrize("case", ["fork-before", "fork-then-tail-evicted", "other-tokenization-stored-after",
+                                  "fork-inside"])
+def test_where_the_held_chain_forks_a_resumed_walk_follows_the_branch_a_walk_from_the_root_follows(
+        case, few, monkeypatch):
+    from prefixroute.core.kvevents import byte_index
+
+    monkeypatch.setattr(byte_index, "_FEW_PARENTS", few)
     x, y = _first_blocks_two_ways()
     doc = _ids(_LONG_DOCS[2])
     view = view_with("a", "b")
@@ -480,11 +486,17 @@ def test_where_the_held_chain_forks_a_resumed_walk_follows_the_branch_a_walk_fro
         view.match_bytes(data)  # type: ignore[arg-type]
         view.stream("a").index.apply([BlockRemoved(ha[len(ha) // 2:])])  # type: ignore[union-attr]
         store(view, "b", y + doc)
-    else:  # no fork when walked; then the same bytes stored under other token ids, nothing evicted
+    elif case == "other-tokenization-stored-after":  # no fork when walked; then the same bytes under other ids
         store(view, "a", x + doc[: 40 * BS])
         data = TB.render(x + doc)
         view.match_bytes(data)  # type: ignore[arg-type]
         store(view, "b", y + doc)
+    else:  # a fork deep in the walked path: b holds a's first 21 blocks, then the same bytes otherwise
+        d1, d2, more = doc[: 20 * BS], doc[20 * BS: 60 * BS], doc[60 * BS:]
+        store(view, "a", x + d1 + x + d2)
+        data = TB.render(x + d1 + x + d2 + more)
+        view.match_bytes(data)  # type: ignore[arg-type]
+        store(view, "b", x + d1 + y + d2 + more)
     assert data is not None
     got = view.match_bytes(data)
     assert got == _fresh_walk(view, data)

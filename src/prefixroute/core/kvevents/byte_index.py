@@ -303,6 +303,7 @@ class ByteIndex:
         step = WALK_CHECKPOINT_BYTES
         marks: list[int] = []  # chained hash of data[:(i + 1) * step], per whole checkpoint
         parent, pos = root, 0
+        first = 0  # the first checkpoint to record
         if n >= step and resume:
             digest = xxhash.xxh3_64_intdigest
             view = memoryview(data)
@@ -311,25 +312,28 @@ class ByteIndex:
                 seed = digest(view[off:off + step], seed)
                 marks.append(seed)
             if self._memo:
-                self._resume(data, root, marks, keys, ends)
+                first = self._resume(data, root, marks, keys, ends)
                 if keys:
                     parent, pos = keys[-1], ends[-1]
         fork = [n + 1]  # where the first fork the walk met is (bytes)
         self._walk(data, parent, pos, keys, ends, [MAX_BRANCHES], fork)
-        if marks and ends:
-            self._record(marks, pos // step, keys, ends, fork[0])
+        if len(marks) > first and ends:
+            self._record(marks, first, keys, ends, fork[0])
         return keys, ends
 
-    def _resume(self, data: bytes, root: int, marks: list[int], keys: list[int], ends: list[int]) -> None:
+    def _resume(self, data: bytes, root: int, marks: list[int], keys: list[int], ends: list[int]) -> int:
         """Fill ``keys`` and ``ends`` from the deepest checkpoint of ``marks`` recorded,
-        cut before the first block no longer held or the first fork (see :meth:`walk`)."""
+        cut before the first block no longer held or the first fork (see :meth:`walk`);
+        returns the first checkpoint the walk is to record (the ones before are recorded
+        as they are)."""
         memo, info = self._memo, self._info
         for i in range(len(marks) - 1, -1, -1):
             entry = memo.get(marks[i])
             if entry is None:
                 continue
             memo.move_to_end(marks[i])  # (the most recently used, the last forgotten)
-            path, count = entry
+            path, recorded = entry
+            count = recorded
             since = self._gone_total - path.checked
             if since and not (since <= len(self._gone)
                               and path.keyset.isdisjoint(islice(self._gone, len(self._gone) - since, None))):
@@ -344,7 +348,8 @@ class ByteIndex:
                 keys.extend(path.keys[:count])
                 ends.extend(path.ends[:count])
                 self.walks_resumed += 1
-            return
+            return i + 1 if count == recorded else (ends[-1] if count else 0) // WALK_CHECKPOINT_BYTES
+        return 0
 
     def _unforked(self, data: bytes, root: int, path: "_WalkPath", count: int) -> int:
         """How many of ``path``'s first ``count`` blocks a walk from the root reaches
@@ -355,12 +360,16 @@ class ByteIndex:
             return count
         if root in multi and self._forks_at(data, root, 0):
             return 0
-        parents = path.keys[:count - 1]  # block j + 1's parent is block j
-        if (path.keyset.isdisjoint(multi) if len(multi) < len(parents) else multi.isdisjoint(parents)):
-            return count
-        ends = path.ends
-        for j, p in enumerate(parents):
-            if p in multi and self._forks_at(data, p, ends[j]):
+        keys, ends = path.keys, path.ends  # block j + 1's parent is block j
+        if len(multi) <= _FEW_PARENTS:
+            keyset = path.keyset
+            at = sorted(keys.index(p) for p in multi if p in keyset)
+        else:
+            at = [j for j, p in enumerate(keys[:count - 1]) if p in multi]
+        for j in at:
+            if j >= count - 1:
+                break
+            if self._forks_at(data, keys[j], ends[j]):
                 return j + 1
         return count
 
@@ -482,6 +491,10 @@ WALK_CHECKPOINT_BYTES = 1024
 #: Checkpoints remembered (the least recently used forgotten first); a walk's checkpoints
 #: share one copy of its path (about 90 bytes a block: the keys are the index's own).
 WALK_MEMO_ENTRIES = 16_384
+
+#: At most this many parents with several children are looked up in a path's keys;
+#: with more, the path's keys are looked up in them.
+_FEW_PARENTS = 64
 
 #: Forgotten keys remembered, so that a path checked since need not be checked whole.
 GONE_LOG = 4096
