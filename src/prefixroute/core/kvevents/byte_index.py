@@ -336,7 +336,7 @@ class ByteIndex:
             count = recorded
             since = self._gone_total - path.checked
             if since and not (since <= len(self._gone)
-                              and path.keyset.isdisjoint(islice(self._gone, len(self._gone) - since, None))):
+                              and path.index.keys().isdisjoint(islice(self._gone, len(self._gone) - since, None))):
                 if all(map(info.__contains__, path.keys)):
                     path.checked = self._gone_total
                 else:
@@ -362,8 +362,8 @@ class ByteIndex:
             return 0
         keys, ends = path.keys, path.ends  # block j + 1's parent is block j
         if len(multi) <= _FEW_PARENTS:
-            keyset = path.keyset
-            at = sorted(keys.index(p) for p in multi if p in keyset)
+            index = path.index
+            at = sorted(index[p] for p in multi if p in index)
         else:
             at = [j for j, p in enumerate(keys[:count - 1]) if p in multi]
         for j in at:
@@ -489,7 +489,7 @@ MAX_BRANCHES = 8
 WALK_CHECKPOINT_BYTES = 1024
 
 #: Checkpoints remembered (the least recently used forgotten first); a walk's checkpoints
-#: share one copy of its path (about 90 bytes a block: the keys are the index's own).
+#: share one copy of its path (about 150 bytes a block: the keys are the index's own).
 WALK_MEMO_ENTRIES = 16_384
 
 #: At most this many parents with several children are looked up in a path's keys;
@@ -501,18 +501,18 @@ GONE_LOG = 4096
 
 #: Blocks of the paths the checkpoints hold, at most (about 45 MB): past it the least
 #: recently used checkpoints are forgotten.
-WALK_MEMO_BLOCKS = 500_000
+WALK_MEMO_BLOCKS = 300_000
 
 
 class _WalkPath:
     """The keys and byte ends of one walk, shared by its checkpoints."""
 
-    __slots__ = ("keys", "ends", "keyset", "refs", "checked")
+    __slots__ = ("keys", "ends", "index", "refs", "checked")
 
     def __init__(self, keys: tuple[int, ...], ends: tuple[int, ...], checked: int) -> None:
         self.keys = keys
         self.ends = ends
-        self.keyset = frozenset(keys)
+        self.index = {k: i for i, k in enumerate(keys)}  # key -> its place in keys
         self.refs = 0
         #: ByteIndex._gone_total when every key was last seen held.
         self.checked = checked
