@@ -462,14 +462,14 @@ def test_a_block_gone_everywhere_in_the_middle_of_a_walked_path_ends_the_resumed
     assert leading_holdings(view, got[0], a)["a"].gpu_tokens == 5 * BS
 
 
-@pytest.mark.parametrize("few", [0, 64])  # (parents with several children found from the path, or the other way)
+@pytest.mark.parametrize("few", [0, 10**9])  # (parents with several children looked up in the path, or the other way)
 @pytest.mark.parametrize("case", ["fork-before", "fork-then-tail-evicted", "other-tokenization-stored-after",
                                   "fork-inside"])
 def test_where_the_held_chain_forks_a_resumed_walk_follows_the_branch_a_walk_from_the_root_follows(
         case, few, monkeypatch):
     from prefixroute.core.kvevents import byte_index
 
-    monkeypatch.setattr(byte_index, "_FEW_PARENTS", few)
+    monkeypatch.setattr(byte_index, "_MULTI_LOOKUP_COST", few)
     x, y = _first_blocks_two_ways()
     doc = _ids(_LONG_DOCS[2])
     view = view_with("a", "b")
@@ -501,6 +501,50 @@ def test_where_the_held_chain_forks_a_resumed_walk_follows_the_branch_a_walk_fro
     got = view.match_bytes(data)
     assert got == _fresh_walk(view, data)
     assert got is not None and view.holdings(got[0])["b"].total_tokens > 40 * BS
+
+
+@pytest.mark.parametrize("deep", [False, True])
+def test_a_path_evicted_and_stored_again_under_two_tokenizations_before_any_walk_forks_as_from_the_root(deep):
+    # Every block of the walked path forgotten, then stored again (waiting to be
+    # rendered) twice over, under either tokenization of the same bytes: the parent has
+    # no child indexed and two waiting, a fork the walk from the root takes.
+    x, y = _first_blocks_two_ways()
+    doc = _ids(_LONG_DOCS[2])
+    more = _ids(" and a long sampled answer that goes on " * 10)
+    view = view_with("a", "b")
+    if deep:
+        d1, d2 = doc[: 20 * BS], doc[20 * BS:]
+        ha = store(view, "a", x + d1 + x + d2)
+        data = TB.render(x + d1 + x + d2 + more)
+        view.match_bytes(data)  # type: ignore[arg-type]
+        view.stream("a").index.apply([BlockRemoved(ha[21:])])  # type: ignore[union-attr]
+        store(view, "b", x + d1 + x + d2)
+        store(view, "b", x + d1 + y + d2 + more)
+    else:
+        ha = store(view, "a", x + doc)
+        data = TB.render(x + doc + more)
+        view.match_bytes(data)  # type: ignore[arg-type]
+        view.stream("a").index.apply([BlockRemoved(ha)])  # type: ignore[union-attr]
+        store(view, "b", x + doc)
+        store(view, "b", y + doc + more)
+    assert data is not None
+    got = view.match_bytes(data)
+    assert got == _fresh_walk(view, data) and got is not None and len(got[0]) > len(ha)
+
+
+def test_a_path_block_held_again_without_its_tokens_is_not_walked_through():
+    view = view_with("a")
+    doc = _ids(_LONG_DOCS[1])
+    hashes = store(view, "a", doc)
+    data = TB.render(doc) + b" next?"  # type: ignore[operator]
+    keys = view.match_bytes(data)[0]  # type: ignore[index]
+    bx = view.byte_index
+    assert bx is not None and len(keys) == len(hashes)
+    parents = {k: bx._info[k][2] for k in keys}
+    view.stream("a").index.apply([BlockRemoved(hashes)])  # type: ignore[union-attr]
+    for k in keys:  # held again by a holder whose events carry no token ids
+        bx.ref(k, parents[k])
+    assert view.match_bytes(data) == _fresh_walk(view, data) == ([], [])
 
 
 @settings(max_examples=60, deadline=None)

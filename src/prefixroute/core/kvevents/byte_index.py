@@ -132,6 +132,8 @@ class ByteIndex:
             if token_ids is None or parent is None or (indexable is not None and start >= indexable):
                 if info is None:
                     info_of[key] = [1, None, parent, 0]
+                    self._gone.append(key)  # (held, not indexed: as good as gone to a walk's path)
+                    self._gone_total += 1
                 continue
             if packed is None:
                 try:
@@ -142,6 +144,8 @@ class ByteIndex:
             if len(chunk) != bs * 8:
                 if info is None:
                     info_of[key] = [1, None, parent, 0]
+                    self._gone.append(key)
+                    self._gone_total += 1
                 continue
             if info is None:
                 info_of[key] = [1, _PENDING, parent, 0]
@@ -153,6 +157,7 @@ class ByteIndex:
                 if parent in self._lengths:  # (an indexed child and now a waiting one)
                     self._multi.add(parent)
             else:
+                self._multi.add(parent)  # (two waiting children at least)
                 pending[key] = chunk
                 if len(pending) >= RENDER_AT:  # a walk must never meet thousands of them at once
                     self._render(parent)
@@ -197,9 +202,7 @@ class ByteIndex:
     def _check_multi(self, parent: int) -> None:
         """Keep ``parent`` in :attr:`_multi` while it has more than one child indexed or waiting."""
         lengths = self._lengths.get(parent)
-        children = sum(lengths.values()) if lengths else 0
-        if children < 2 and self._pending.get(parent):
-            children += 1
+        children = (sum(lengths.values()) if lengths else 0) + len(self._pending.get(parent, ()))
         if children > 1:
             self._multi.add(parent)
         else:
@@ -333,17 +336,22 @@ class ByteIndex:
                 continue
             memo.move_to_end(marks[i])  # (the most recently used, the last forgotten)
             path, recorded = entry
-            count = recorded
             since = self._gone_total - path.checked
-            if since and not (since <= len(self._gone)
-                              and path.index.keys().isdisjoint(islice(self._gone, len(self._gone) - since, None))):
-                if all(map(info.__contains__, path.keys)):
-                    path.checked = self._gone_total
-                else:
-                    count = min(count, next(j for j, k in enumerate(path.keys) if k not in info))
-            else:
+            if since:  # keys forgotten (or held without their tokens) since the path was checked
+                index, gone = path.index, self._gone
+                if since <= len(gone):
+                    touched = [index[k] for k in set(islice(reversed(gone), since)) if k in index]
+                else:  # (more than the log holds: every key)
+                    touched = range(path.valid)
+                for j in sorted(touched):
+                    if j >= path.valid:
+                        break
+                    held = info.get(path.keys[j])
+                    if held is None or held[1] is None:
+                        path.valid = j  # (a block stored again later is found by the walk from there)
+                        break
                 path.checked = self._gone_total
-            count = self._unforked(data, root, path, count)
+            count = self._unforked(data, root, path, min(recorded, path.valid))
             if count:
                 keys.extend(path.keys[:count])
                 ends.extend(path.ends[:count])
@@ -361,7 +369,7 @@ class ByteIndex:
         if root in multi and self._forks_at(data, root, 0):
             return 0
         keys, ends = path.keys, path.ends  # block j + 1's parent is block j
-        if len(multi) <= _FEW_PARENTS:
+        if len(multi) * _MULTI_LOOKUP_COST < count:  # (look the fewer up in the other)
             index = path.index
             at = sorted(index[p] for p in multi if p in index)
         else:
@@ -492,12 +500,13 @@ WALK_CHECKPOINT_BYTES = 1024
 #: share one copy of its path (about 150 bytes a block: the keys are the index's own).
 WALK_MEMO_ENTRIES = 16_384
 
-#: At most this many parents with several children are looked up in a path's keys;
-#: with more, the path's keys are looked up in them.
-_FEW_PARENTS = 64
+#: How many of a path's keys looking one parent with several children up costs (one
+#: dictionary read against one): the cheaper side is looked up in the other.
+_MULTI_LOOKUP_COST = 1
 
-#: Forgotten keys remembered, so that a path checked since need not be checked whole.
-GONE_LOG = 4096
+#: Keys forgotten (or held again without their tokens) remembered, so that a path need
+#: not be checked whole when fewer than this went since its last check (about 3 MB).
+GONE_LOG = 65_536
 
 #: Blocks of the paths the checkpoints hold, at most (about 45 MB): past it the least
 #: recently used checkpoints are forgotten.
@@ -507,12 +516,14 @@ WALK_MEMO_BLOCKS = 300_000
 class _WalkPath:
     """The keys and byte ends of one walk, shared by its checkpoints."""
 
-    __slots__ = ("keys", "ends", "index", "refs", "checked")
+    __slots__ = ("keys", "ends", "index", "refs", "checked", "valid")
 
     def __init__(self, keys: tuple[int, ...], ends: tuple[int, ...], checked: int) -> None:
         self.keys = keys
         self.ends = ends
         self.index = {k: i for i, k in enumerate(keys)}  # key -> its place in keys
         self.refs = 0
-        #: ByteIndex._gone_total when every key was last seen held.
+        #: ByteIndex._gone_total when the keys were last checked.
         self.checked = checked
+        #: How many of the first keys are held and indexed, as of that check.
+        self.valid = len(keys)
