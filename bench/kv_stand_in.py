@@ -47,6 +47,9 @@ import xxhash
 
 __all__ = ["KvStandIn", "PortCache", "answer_tokens"]
 
+#: Distinct request bodies a stand-in engine remembers (see :class:`PortCache`).
+MAX_BODIES = 4096
+
 #: Token ids answers are drawn from (the tiny tokenizer's vocabulary has 810).
 _ANSWER_IDS = range(100, 800)
 
@@ -77,6 +80,10 @@ class PortCache:
         prefill_tokens_per_s: tokens a second a chain may be stored again at, > 0.
         hash_base: the first engine block hash (one per port, so ports never share one).
         token_cache: body digest -> token ids, shared by the ports (a body is tokenized once).
+
+    At most :data:`MAX_BODIES` distinct bodies are remembered (tokens and chains; the
+    oldest forgotten first, as an engine's cache forgets them): a run with endless
+    distinct bodies does not grow the backend without bound.
     """
 
     token_ids: Any
@@ -110,6 +117,8 @@ class PortCache:
         ids = self.token_cache.get(digest)
         if ids is None:
             ids = self.token_cache[digest] = self.token_ids(body, chat)
+            while len(self.token_cache) > MAX_BODIES:
+                del self.token_cache[next(iter(self.token_cache))]
         bs = self.block_size
         n = len(ids) // bs
         events: list[Any] = []
@@ -129,6 +138,10 @@ class PortCache:
             if hashes:
                 events.append(BlockStored(hashes, None, ids[:n * bs], bs))
             chain = self.chains[digest] = _Chain(hashes, now)
+            while len(self.chains) > MAX_BODIES:  # (its blocks are evicted with it)
+                old = self.chains.pop(next(iter(self.chains)))
+                if old.hashes:
+                    events.append(BlockRemoved(old.hashes))
         if self._answered < self.answers_per_step:
             self._answered += 1
             h = self._new_hash()

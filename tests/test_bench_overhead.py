@@ -608,3 +608,19 @@ def test_the_stand_in_stores_chains_again_no_faster_than_an_engine_prefills():
     # 6,400 tokens stored at 0 at 2,000 a second: the first chain again at 4 s, then one a
     # second (the budget holds at most a second's worth), not four
     assert restored == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+
+
+def test_the_stand_in_forgets_the_oldest_bodies_past_its_bound(monkeypatch):
+    import kv_stand_in
+    from prefixroute.core.kvevents.events import BlockRemoved
+
+    monkeypatch.setattr(kv_stand_in, "MAX_BODIES", 3)
+    ids = list(range(100, 100 + 32))
+    cache = kv_stand_in.PortCache(lambda b, chat: ids)
+    first = cache.on_request(b"0", True, 0.0)[0]
+    for b in (b"1", b"2"):
+        cache.on_request(b, True, 0.0)
+    fourth = cache.on_request(b"3", True, 0.0)
+    assert len(cache.chains) == 3 and len(cache.token_cache) == 3
+    # body 0's prompt blocks are evicted with it (its answer block stays: the answer window's)
+    assert [e for e in fourth if isinstance(e, BlockRemoved)] == [BlockRemoved(first.block_hashes)]

@@ -339,9 +339,9 @@ class ByteIndex:
             since = self._gone_total - path.checked
             if since:  # keys forgotten (or held without their tokens) since the path was checked
                 index, gone = path.index, self._gone
-                if since <= len(gone):
-                    touched = [index[k] for k in set(islice(reversed(gone), since)) if k in index]
-                else:  # (more than the log holds: every key)
+                if since <= len(gone) and since < 2 * path.valid:  # (the cheaper side: the log or the path)
+                    touched = [index[k] for k in islice(reversed(gone), since) if k in index]
+                else:  # (more than the log holds, or than the path: every key)
                     touched = range(path.valid)
                 for j in sorted(touched):
                     if j >= path.valid:
