@@ -610,7 +610,9 @@ async def test_a_new_long_document_is_matched_by_its_bytes_on_its_first_request(
             assert await send_decided(router.url, follow) == (holder, "affinity")
         keyer = router.state.kv_keyer
         assert keyer is not None
-        assert keyer.stats() == {"pieces": 0, "hits": 0, "misses": 0, "deferred": 0, "byte_matched": 3}
+        assert keyer.stats() == {"pieces": 0, "hits": 0, "misses": 0, "deferred": 0, "byte_matched": 3,
+                                  "template_shapes": 1, "template_substituted": 1, "template_rendered": 2,
+                                  "template_mismatches": 0}
         async with aiohttp.ClientSession() as session:
             async with session.get(router.admin_url + "/admin/kv-events") as r:
                 doc_status = await r.json()

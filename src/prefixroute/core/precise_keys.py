@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import xxhash
 
+from prefixroute.core.chat_skeleton import ChatSkeletons
 from prefixroute.core.kvevents.chain import block_keys, chain_root
 from prefixroute.core.model_tokenizer import ModelTokenizer
 from prefixroute.core.routing_text import completion_prompt
@@ -124,6 +125,8 @@ class RequestKeyer:
         self.token_bytes: TokenBytes | None = None
         #: Requests matched by bytes.
         self.byte_matched = 0
+        #: The chat template applied by substitution, once per conversation shape.
+        self.skeletons = ChatSkeletons(tokenizer)
         if cache_pieces:
             self._prepare()
 
@@ -199,7 +202,7 @@ class RequestKeyer:
         tok = self.tokenizer
         root = chain_root(lora_name)
         if chat:
-            text = tok.render_chat(payload)
+            text = self.skeletons.render(payload)
             prefix: list[int] = []
         else:
             prompt = completion_prompt(payload)
@@ -229,7 +232,7 @@ class RequestKeyer:
         if tb is None or bx is None:
             raise ValueError("this keyer or view does not match by bytes")
         if chat:
-            data = tb.text_bytes(self.tokenizer.render_chat(payload))
+            data = tb.text_bytes(self.skeletons.render(payload))
         else:
             prompt = completion_prompt(payload)
             if not isinstance(prompt, str):  # token ids, used as given
@@ -345,9 +348,13 @@ class RequestKeyer:
 
     def stats(self) -> dict[str, int]:
         """Pieces cached, cache hits and misses, requests deferred and requests matched by
-        bytes since start."""
+        bytes since start, and the chat template's renders (``template_*``:
+        :meth:`ChatSkeletons.stats`)."""
+        sk = self.skeletons.stats()
         return {"pieces": len(self._cache), "hits": self.hits, "misses": self.misses, "deferred": self.deferred,
-                "byte_matched": self.byte_matched}
+                "byte_matched": self.byte_matched, "template_shapes": sk["shapes"],
+                "template_substituted": sk["hits"], "template_rendered": sk["renders"],
+                "template_mismatches": sk["mismatches"]}
 
 
 #: A space (as a byte-level or SentencePiece vocabulary writes it: " ", "Ġ", "▁") after a

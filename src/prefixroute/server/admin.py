@@ -103,12 +103,16 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
     "LastResetAgeS"}, ...],
     "Matching": "bytes" | "tokens" | None, "ByteIndexBlocks": int,
     "Tokenizer": {"CachedPieces", "Hits", "Misses", "DeferredRequests", "OffPathPieces",
-    "ByteMatchedRequests"} | None}``
+    "ByteMatchedRequests", "TemplateShapes", "TemplateSubstituted", "TemplateRendered",
+    "TemplateMismatches"} | None}``
     (``Matching``: how requests are matched, ``KvEvents.Matching``, ``None`` without a
     tokenizer; ``ByteIndexBlocks``: distinct held blocks indexed by their bytes;
     ``DeferredRequests``: routed on the learned view while their new text was tokenized
     off the request path, ``InlineTokenizeChars``; ``LastReset``: why the instance's
-    state was last reset, ``LastResetAgeS`` how long ago, both ``None`` if never).
+    state was last reset, ``LastResetAgeS`` how long ago, both ``None`` if never;
+    ``Template*``: chat requests whose template was applied by substitution into a
+    skeleton of their shape or rendered whole, and checks that found the two differ,
+    :mod:`prefixroute.core.chat_skeleton`).
     """
     view = state.kv_view
     if view is None:
@@ -129,7 +133,9 @@ def kv_events_document(state: RouterState) -> dict[str, Any]:
         st = keyer.stats()
         tokenizer = {"CachedPieces": st["pieces"], "Hits": st["hits"], "Misses": st["misses"],
                      "DeferredRequests": st["deferred"], "OffPathPieces": state.kv_tokenize.learned,
-                     "ByteMatchedRequests": st["byte_matched"]}
+                     "ByteMatchedRequests": st["byte_matched"], "TemplateShapes": st["template_shapes"],
+                     "TemplateSubstituted": st["template_substituted"], "TemplateRendered": st["template_rendered"],
+                     "TemplateMismatches": st["template_mismatches"]}
     bx = view.byte_index
     return {"Enabled": True, "BlockSize": view.block_size, "SharedTierBlocks": len(view.shared), "Instances": rows,
             "Matching": "bytes" if bx is not None else "tokens" if keyer is not None else None,

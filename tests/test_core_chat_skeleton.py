@@ -1,0 +1,178 @@
+"""The chat template applied by substitution (core.chat_skeleton): equal to a whole render
+for templates that place contents as they are, and falling back to whole renders where a
+template reads, transforms, repeats or drops a content."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixroute.core.chat_skeleton import ChatSkeletons
+from prefixroute.core.keys import InvalidRequest
+from prefixroute.core.model_tokenizer import ModelTokenizer
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# reads the content: a reasoning model's template drops what precedes </think> in an answer
+THINK = ("{% for m in messages %}<|im_start|>{{ m.role }}\n"
+         "{% if m.role == 'assistant' and '</think>' in m.content %}{{ m.content.split('</think>')[-1] | trim }}"
+         "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}")
+REPEATS = "{{ messages[0].content }}|{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}"
+DROPS = "{% for m in messages %}{% if m.role != 'system' %}{{ m.role }}:{{ m.content }};{% endif %}{% endfor %}"
+REVERSED = "{% for m in messages | reverse %}{{ m.role }}:{{ m.content }};{% endfor %}"
+STRIP_ANSWERS = ("{% for m in messages %}{{ m.role }}:{% if m.role == 'assistant' %}{{ m.content.strip() }}"
+                 "{% else %}{{ m.content }}{% endif %};{% endfor %}")
+LENGTH = "{% for m in messages %}{{ m.role }}({{ m.content | length }}):{{ m.content }};{% endfor %}"
+
+
+@pytest.fixture(scope="module")
+def tiny() -> ModelTokenizer:
+    return ModelTokenizer.load("tiny")
+
+
+def with_template(tok: ModelTokenizer, template: str) -> ModelTokenizer:
+    return dataclasses.replace(tok, chat_template=template)
+
+
+def chat(*contents: Any, roles: tuple[str, ...] = ("system", "user", "assistant", "user", "assistant", "user"),
+         **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": [{"role": roles[i], "content": c} for i, c in enumerate(contents)], **extra}
+
+
+def test_substitution_equals_the_whole_render(tiny: ModelTokenizer) -> None:
+    sk = ChatSkeletons(tiny, verify_every=0)
+    system = "You answer questions about the cache router. " * 20
+    for i in range(10):
+        payload = chat(system.strip(), f"Question {i}: what is a KV block?")
+        assert sk.render(payload) == tiny.render_chat(payload)
+    # one shape: built once, checked on its first two uses, substituted after
+    assert sk.stats() == {"shapes": 1, "hits": 8, "renders": 2, "mismatches": 0}
+    longer = chat(system.strip(), "Q?", "An answer.", "And then?", add_generation_prompt=False)
+    assert sk.render(longer) == tiny.render_chat(longer) and len(sk) == 2
+
+
+def test_trimmed_edges_and_empty_contents_keep_their_own_shapes(tiny: ModelTokenizer) -> None:
+    # the tiny template trims each content: a content with white space at an edge has a
+    # shape of its own, whose skeleton strips it; an empty one is rendered as itself
+    sk = ChatSkeletons(tiny, verify_first=0, verify_every=0)
+    for payload in (chat("sys", "plain"), chat(" sys\n", "plain"), chat("", "plain"), chat("sys", "plain\n\n"),
+                    chat("\u3000sys\u2003", " \n ")):
+        for _ in range(3):
+            assert sk.render(payload) == tiny.render_chat(payload)
+    assert sk.mismatches == 0 and sk.hits == 15 and sk.renders == 0 and len(sk) == 5
+    # a template that keeps one edge space and not the other is rendered whole
+    half = with_template(tiny, "{% for m in messages %}[{{ m.content | trim(' ') }}]{% endfor %}")
+    sk = ChatSkeletons(half, verify_first=0, verify_every=0)
+    payload = chat("sys", "plain ")
+    assert sk.render(payload) == half.render_chat(payload) and sk.renders == 1
+
+
+def test_untrimmed_template_substitutes_edge_spaces(tiny: ModelTokenizer) -> None:
+    tok = with_template(tiny, CHATML)
+    sk = ChatSkeletons(tok, verify_first=0, verify_every=0)
+    payload = chat("  system\n", "\tuser ", "")
+    for _ in range(3):
+        assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.hits == 3 and sk.renders == 0
+
+
+@pytest.mark.parametrize("template", [REPEATS, DROPS, REVERSED])
+def test_templates_that_repeat_drop_or_reorder_contents_render_whole(tiny: ModelTokenizer, template: str) -> None:
+    tok = with_template(tiny, template)
+    sk = ChatSkeletons(tok, verify_first=0, verify_every=0)
+    payload = chat("the system prompt", "a question")
+    for _ in range(3):
+        assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.hits == 0 and sk.renders == 3
+
+
+def test_a_template_that_reads_the_content_is_caught_by_the_checks(tiny: ModelTokenizer) -> None:
+    tok = with_template(tiny, LENGTH)
+    sk = ChatSkeletons(tok)  # default checks: the first use differs (lengths of the sentinels)
+    payload = chat("sys", "question")
+    assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.mismatches == 1
+    for _ in range(3):
+        assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.hits == 0 and sk.mismatches == 1  # rendered whole from then on, not checked again
+
+    # a dependence the first uses do not show is caught by the sampled check
+    tok = with_template(tiny, THINK)
+    sk = ChatSkeletons(tok, verify_first=1, verify_every=4)
+    plain = chat("sys", "q", "an answer", "q2")
+    thinking = chat("sys", "q", "<think>hmm</think> the answer", "q2")
+    assert sk.render(plain) == tok.render_chat(plain)
+    wrong = [sk.render(thinking) != tok.render_chat(thinking) for _ in range(4)]
+    assert wrong == [True, True, True, False] and sk.mismatches == 1  # the fourth was checked
+    assert all(sk.render(thinking) == tok.render_chat(thinking) for _ in range(5))
+    assert sk.render(plain) == tok.render_chat(plain)
+
+
+@pytest.mark.parametrize("payload", [
+    chat("sys", "q", tools=[{"type": "function", "function": {"name": "f"}}]),
+    chat("sys", "q", chat_template_kwargs={"x": 1}),
+    {"model": "m", "messages": [{"role": "user", "content": "q", "name": "ann"}]},
+    chat("sys", [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+])
+def test_requests_with_more_than_roles_and_text_render_whole(tiny: ModelTokenizer, payload: dict[str, Any]) -> None:
+    tok = dataclasses.replace(tiny, media_tokens=8)
+    sk = ChatSkeletons(tok, verify_first=0, verify_every=0)
+    assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.renders == 1 and len(sk) == 0
+
+
+def test_text_parts_are_joined_as_the_template_sees_them(tiny: ModelTokenizer) -> None:
+    sk = ChatSkeletons(tiny, verify_first=0, verify_every=0)
+    payload = chat("sys", [{"type": "text", "text": "first"}, "second"])
+    assert sk.render(payload) == tiny.render_chat(payload) and sk.hits == 1
+    assert "first\nsecond" in sk.render(payload)
+
+
+@pytest.mark.parametrize("payload, message", [
+    ({"model": "m"}, "'messages' must be a list"),
+    ({"model": "m", "messages": [{"content": "x"}]}, "string 'role'"),
+    (chat("sys", "q", add_generation_prompt="yes"), "'add_generation_prompt' must be a boolean"),
+])
+def test_malformed_requests_raise_as_the_whole_render_does(tiny: ModelTokenizer, payload: dict[str, Any],
+                                                           message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message):
+        ChatSkeletons(tiny).render(payload)
+
+
+def test_sentinel_characters_in_a_content_render_whole(tiny: ModelTokenizer) -> None:
+    sk = ChatSkeletons(tiny, verify_first=0, verify_every=0)
+    payload = chat("sys \ue0000\ue001 x", "q")
+    assert sk.render(payload) == tiny.render_chat(payload) and sk.renders == 1
+
+
+def test_shapes_kept_are_bounded(tiny: ModelTokenizer) -> None:
+    sk = ChatSkeletons(tiny, shapes=3, verify_first=0, verify_every=0)
+    for n in range(1, 7):
+        payload = chat(*[f"m{i}" for i in range(n)])
+        assert sk.render(payload) == tiny.render_chat(payload)
+    assert len(sk) == 3
+    with pytest.raises(ValueError):
+        ChatSkeletons(tiny, shapes=-1)
+
+
+_text = st.lists(st.sampled_from(list("ab <>|{}%\n\t\u00e9\u3000\r") + ["</think>", "\ue000", "\ue001"]),
+                 max_size=12).map("".join)
+
+
+@settings(max_examples=300, deadline=None)
+@given(convs=st.lists(st.tuples(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), _text),
+                                         min_size=1, max_size=4), st.booleans()), min_size=1, max_size=8),
+       template=st.sampled_from(["tiny", CHATML, STRIP_ANSWERS, THINK]))
+def test_property_never_wrong_for_templates_that_place_contents_as_they_are(
+        tiny: ModelTokenizer, convs: list[tuple[list[tuple[str, str]], bool]], template: str) -> None:
+    """For the tiny (trimming), ChatML and STRIP_ANSWERS templates every answer equals the
+    whole render, unchecked; for THINK, checked on every use, every answer does too."""
+    tok = tiny if template == "tiny" else with_template(tiny, template)
+    sk = ChatSkeletons(tok, verify_first=0, verify_every=1 if template == THINK else 0)
+    for messages, agp in convs:
+        payload = {"messages": [{"role": r, "content": c} for r, c in messages], "add_generation_prompt": agp}
+        assert sk.render(payload) == tok.render_chat(payload)
