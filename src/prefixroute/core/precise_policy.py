@@ -55,14 +55,16 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from prefixroute.core.hashing import rendezvous_best
 from prefixroute.core.block_chain import BlockChain
+from prefixroute.core.kvevents.index import CPU_UNIT
 from prefixroute.core.kvevents.stream import Mode
+from prefixroute.core.kvevents.view import PrefixHolding
 from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, SPREAD_SLACK, STICK_FRACTION
 from prefixroute.core.strategies import DecisionKind, InstanceState
 from prefixroute.core.tiers import TierCosts
 
 if TYPE_CHECKING:
     from prefixroute.core.cache_aware import CacheAwareStrategy
-    from prefixroute.core.kvevents.view import PreciseCacheView, PrefixHolding
+    from prefixroute.core.kvevents.view import PreciseCacheView
 
 __all__ = ["UNITS_PER_TOKEN", "DEFAULT_TIER_COSTS", "PreciseRequest", "choose_precise", "decide",
            "leading_holdings", "Speculative"]
@@ -385,25 +387,30 @@ def leading_holdings(view: "PreciseCacheView", keys: Sequence[int], candidates: 
     block an engine still lists after its parent went is one it can no longer find; it
     would count here (rare: it goes first under LRU). Exact holdings:
     ``view.holdings``."""
-    from prefixroute.core.kvevents.index import CPU_UNIT
-    from prefixroute.core.kvevents.view import PrefixHolding
-
     bs = view.block_size
     n = len(keys)
     shared = view.shared.held
     gpu_mask = CPU_UNIT - 1
     out: dict[str, PrefixHolding] = {}
+    stream_of = view.stream
+    first = keys[0] if n else None
     for c in candidates:
-        stream = view.stream(c.instance_id)
+        stream = stream_of(c.instance_id)
         if stream is None:
-            out[c.instance_id] = PrefixHolding()
+            out[c.instance_id] = _NONE_HELD
             continue
         get = stream.index.held.get
+        if first is None or (not get(first, 0) and not (shared and first in shared)):
+            out[c.instance_id] = _NONE_HELD  # (the usual answer for all but a prompt's home)
+            continue
         g = _run_end(keys, 0, n, lambda k: bool(get(k, 0) & gpu_mask))
         cpu = _run_end(keys, g, n, lambda k: get(k, 0) >= CPU_UNIT)
         sh = _run_end(keys, cpu, n, shared.__contains__) if shared else cpu
         out[c.instance_id] = PrefixHolding(g * bs, (cpu - g) * bs, (sh - cpu) * bs)
     return out
+
+
+_NONE_HELD = PrefixHolding()
 
 
 class Speculative:

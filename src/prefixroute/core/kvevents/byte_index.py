@@ -25,7 +25,8 @@ per block; the blocks no prompt reaches, such as a unique question's later block
 never rendered).
 
 A walk resumes where an earlier walk over the same first bytes was: every
-:data:`WALK_CHECKPOINT_BYTES` of a prompt it records the chained hash of the bytes so
+:data:`WALK_CHECKPOINT_BYTES` of a prompt (every :data:`WALK_FIRST_CHECKPOINT_BYTES`
+within the first KB) it records the chained hash of the bytes so
 far and the keys found so far, so a held document sent again costs a hash per
 checkpoint and the walk of its last bytes (:meth:`ByteIndex.walk`).
 
@@ -88,7 +89,7 @@ class ByteIndex:
         self._unpack = struct.Struct(f"<{block_size}Q").unpack
         self.tokens_indexed = 0
         self.bytes_indexed = 0
-        # chained hash of a prompt's first (i + 1) * WALK_CHECKPOINT_BYTES bytes -> (the
+        # chained hash of a prompt's first _boundary(i) bytes -> (the
         # walk's path, how many of its blocks end within those bytes): where a walk resumes.
         self._memo: OrderedDict[int, tuple[_WalkPath, int]] = OrderedDict()
         self._memo_blocks = 0  # blocks of the paths the checkpoints hold
@@ -279,7 +280,7 @@ class ByteIndex:
         """The prompt's leading blocks some instance holds.
 
         A walk records where it was at every :data:`WALK_CHECKPOINT_BYTES` of the prompt
-        (the chained hash of the bytes so far -> the keys so far, up to the first fork
+        (every :data:`WALK_FIRST_CHECKPOINT_BYTES` within the first KB; the chained hash of the bytes so far -> the keys so far, up to the first fork
         it met); a later prompt with the same first bytes resumes from its deepest such
         checkpoint, after checking that the path there is still the one a walk from the
         root would take: every block on it still held by some instance (else it resumes
@@ -303,17 +304,25 @@ class ByteIndex:
         keys: list[int] = []
         ends: list[int] = []
         n = len(data)
-        step = WALK_CHECKPOINT_BYTES
-        marks: list[int] = []  # chained hash of data[:(i + 1) * step], per whole checkpoint
+        marks: list[int] = []  # chained hash of data[:_boundary(i)], per whole checkpoint
         parent, pos = root, 0
         first = 0  # the first checkpoint to record
-        if n >= step and resume:
+        if n >= WALK_FIRST_CHECKPOINT_BYTES and resume:
             digest = xxhash.xxh3_64_intdigest
             view = memoryview(data)
             seed = root
-            for off in range(0, n - step + 1, step):
-                seed = digest(view[off:off + step], seed)
+            off = 0
+            for end in _BOUNDARIES:
+                if end > n:
+                    break
+                seed = digest(view[off:end], seed)
                 marks.append(seed)
+                off = end
+            else:
+                for end in range(off + WALK_CHECKPOINT_BYTES, n + 1, WALK_CHECKPOINT_BYTES):
+                    seed = digest(view[off:end], seed)
+                    marks.append(seed)
+                    off = end
             if self._memo:
                 first = self._resume(data, root, marks, keys, ends)
                 if keys:
@@ -356,7 +365,7 @@ class ByteIndex:
                 keys.extend(path.keys[:count])
                 ends.extend(path.ends[:count])
                 self.walks_resumed += 1
-            return i + 1 if count == recorded else (ends[-1] if count else 0) // WALK_CHECKPOINT_BYTES
+            return i + 1 if count == recorded else _checkpoints_within(ends[-1] if count else 0)
         return 0
 
     def _unforked(self, data: bytes, root: int, path: "_WalkPath", count: int) -> int:
@@ -407,11 +416,10 @@ class ByteIndex:
         if not limit:
             return
         last = ends[limit - 1]
-        step = WALK_CHECKPOINT_BYTES
         memo = self._memo
         path: _WalkPath | None = None
         for i in range(first, len(marks)):
-            boundary = (i + 1) * step
+            boundary = _boundary(i)
             if last <= boundary:  # (the walk did not pass it before the fork)
                 break
             j = bisect_right(ends, boundary)
@@ -490,11 +498,31 @@ RENDER_AT = 64
 #: ways; past them it takes the first.
 MAX_BRANCHES = 8
 
-#: Bytes between two checkpoints of a walk (:meth:`ByteIndex.walk`): a prompt whose
-#: first k checkpoints' bytes an earlier walk passed resumes where that walk was, so a
-#: held document costs a hash per checkpoint and the walk of its last bytes, not a step
-#: per block (about 0.6 µs a block: 300 µs for 32 KB).
+#: Bytes between two checkpoints of a walk (:meth:`ByteIndex.walk`) past the first
+#: KB: a prompt whose first k checkpoints' bytes an earlier walk passed resumes where that
+#: walk was, so a held document costs a hash per checkpoint and the walk of its last
+#: bytes, not a step per block (about 0.6 µs a block: 300 µs for 32 KB).
 WALK_CHECKPOINT_BYTES = 1024
+
+#: Within the first KB the checkpoints are this far apart, so that a short prompt (a
+#: system prompt and a question) resumes too: at 256, 512, 768 and 1,024 bytes, then every
+#: :data:`WALK_CHECKPOINT_BYTES`.
+WALK_FIRST_CHECKPOINT_BYTES = 256
+
+_BOUNDARIES = tuple(range(WALK_FIRST_CHECKPOINT_BYTES, WALK_CHECKPOINT_BYTES + 1, WALK_FIRST_CHECKPOINT_BYTES))
+
+
+def _boundary(i: int) -> int:
+    """Where checkpoint ``i`` (from 0) ends in a prompt, bytes."""
+    fine = len(_BOUNDARIES)
+    return _BOUNDARIES[i] if i < fine else WALK_CHECKPOINT_BYTES * (i - fine + 2)
+
+
+def _checkpoints_within(pos: int) -> int:
+    """How many checkpoints end at or before byte ``pos``."""
+    if pos < WALK_CHECKPOINT_BYTES:
+        return pos // WALK_FIRST_CHECKPOINT_BYTES
+    return len(_BOUNDARIES) + pos // WALK_CHECKPOINT_BYTES - 1
 
 #: Checkpoints remembered (the least recently used forgotten first); a walk's checkpoints
 #: share one copy of its path (about 150 bytes a block: the keys are the index's own).
