@@ -409,6 +409,39 @@ def test_a_held_document_walked_again_resumes_from_a_checkpoint_with_the_same_ke
     assert bx.walks_resumed == 2
 
 
+def test_a_short_prompt_resumes_from_the_checkpoints_of_its_first_kb_and_shares_the_path():
+    from prefixroute.core.kvevents.byte_index import WALK_CHECKPOINT_BYTES, WALK_FIRST_CHECKPOINT_BYTES, KeyRun
+
+    view = view_with("a")
+    system = " ".join(random.Random(3).choices(WORDS[:6], k=400))[:600]
+    # the whole prompt under 1 KB (no checkpoint there before the first KB had its own), past 512 bytes
+    assert 2 * WALK_FIRST_CHECKPOINT_BYTES < len(system.encode()) < len((system + " question 2?").encode()) \
+        < WALK_CHECKPOINT_BYTES
+    store(view, "a", TOK.encode(system + " question 1?", add_special_tokens=False))
+    bx = view.byte_index
+    assert bx is not None
+    first = view.match_bytes((system + " question 2?").encode())
+    second = view.match_bytes((system + " question 3?").encode())
+    assert first is not None and second is not None and bx.walks_resumed == 1
+    assert second == first == _fresh_walk(view, (system + " question 3?").encode())
+    keys, ends = second
+    assert isinstance(keys, KeyRun) and keys.count > 0  # the checkpoint's path, shared
+    assert ends[keys.count - 1] <= len(system.encode()) // WALK_FIRST_CHECKPOINT_BYTES * WALK_FIRST_CHECKPOINT_BYTES
+
+
+def test_a_key_run_reads_as_one_sequence():
+    from prefixroute.core.kvevents.byte_index import KeyRun
+
+    run = KeyRun((1, 2, 3, 4), 2, [7, 8])
+    assert len(run) == 4 and list(run) == [1, 2, 7, 8] and run == [1, 2, 7, 8] and run == (1, 2, 7, 8)
+    assert run[0] == 1 and run[2] == 7 and run[-1] == 8 and run[-4] == 1 and run[1:3] == [2, 7]
+    assert run != [1, 2, 3, 4] and KeyRun((), 0, []) == [] and not KeyRun((5,), 0, [])
+    with pytest.raises(IndexError):
+        run[4]
+    with pytest.raises(IndexError):
+        run[-5]
+
+
 def test_a_checkpoint_whose_last_block_is_gone_everywhere_is_not_used():
     view = view_with("a")
     doc = _LONG_DOCS[1]

@@ -217,7 +217,7 @@ class RequestKeyer:
         return self._keys_of(text, prefix, root, inline_chars)
 
     def match_bytes(self, payload: Mapping[str, Any], chat: bool, view: "PreciseCacheView",
-                    lora_name: str | None = None) -> tuple[list[int], int]:
+                    lora_name: str | None = None) -> tuple[Sequence[int], int]:
         """A request's keys by its bytes, without tokenizing it: the keys of its leading
         blocks some instance holds (:meth:`~prefixroute.core.kvevents.view.PreciseCacheView.match_bytes`)
         and its prompt tokens, those blocks' plus an estimate of the rest (its bytes over

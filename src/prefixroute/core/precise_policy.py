@@ -46,7 +46,6 @@ Sans-I/O: the view is asked, never waited for.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from bisect import bisect_right
 from collections import deque
@@ -463,8 +462,10 @@ class Speculative:
     def _drop(self, instance_id: str, anchor: int, entry: list) -> None:
         group = self.entries.get(instance_id, {}).get(anchor)
         if group is not None:
-            with contextlib.suppress(ValueError):
-                group.remove(entry)
+            for k, e in enumerate(group):
+                if e is entry:  # (by identity: list.remove compares every hash of equal chains)
+                    del group[k]
+                    break
             if not group:
                 del self.entries[instance_id][anchor]
 

@@ -137,7 +137,7 @@ class PreciseCacheView:
             for key in self.shared.held:
                 bx.ref(key, None)
 
-    def match_bytes(self, data: bytes, lora_name: str | None = None) -> tuple[list[int], list[int]] | None:
+    def match_bytes(self, data: bytes, lora_name: str | None = None) -> tuple[Sequence[int], Sequence[int]] | None:
         """The router keys of a prompt's leading blocks that some instance holds, and
         where each ends in ``data``, found from its bytes
         (:meth:`~.byte_index.ByteIndex.walk`); ``None`` when blocks are not indexed by
