@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Sequence, Union
 
 __all__ = [
+    "EVENT_KINDS",
     "MEDIUM_GPU",
     "MEDIUM_CPU",
     "MEDIUM_SHARED",
@@ -121,6 +122,12 @@ class AllBlocksCleared:
 
 
 KvEvent = Union[BlockStored, BlockRemoved, AllBlocksCleared]
+
+#: Event class -> ``"stored"``, ``"removed"`` or ``"cleared"``: what
+#: :meth:`~prefixroute.core.kvevents.index.InstanceIndex.apply` dispatches on. The
+#: structs :mod:`~prefixroute.core.kvevents.fast_codec` decodes into (same field names)
+#: are added when it is first used.
+EVENT_KINDS: dict[type, str] = {BlockStored: "stored", BlockRemoved: "removed", AllBlocksCleared: "cleared"}
 
 
 @dataclass(frozen=True, slots=True)

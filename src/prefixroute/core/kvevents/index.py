@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from prefixroute.core.kvevents.byte_index import ByteIndex
 from prefixroute.core.kvevents.chain import block_keys, chain_root, pack_token_ids
 from prefixroute.core.kvevents.events import (
-    AllBlocksCleared,
+    EVENT_KINDS,
     BlockRemoved,
     BlockStored,
     EngineBlockHash,
@@ -173,13 +173,16 @@ class InstanceIndex:
         self.keys.clear()
 
     def apply(self, events: Sequence[KvEvent]) -> None:
-        """Apply one batch's events, in order."""
+        """Apply one batch's events, in order (:data:`~.events.EVENT_KINDS`: the event
+        classes, or the structs :mod:`~.fast_codec` decodes into)."""
+        kinds = EVENT_KINDS
         for e in events:
-            if type(e) is BlockStored:
-                self._stored(e)
-            elif type(e) is BlockRemoved:
-                self._removed(e)
-            elif type(e) is AllBlocksCleared:
+            kind = kinds.get(type(e))
+            if kind == "stored":
+                self._stored(e)  # type: ignore[arg-type]
+            elif kind == "removed":
+                self._removed(e)  # type: ignore[arg-type]
+            elif kind == "cleared":
                 self.clear()
                 self.counters.clears += 1
         self.counters.batches += 1

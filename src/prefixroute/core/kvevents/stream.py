@@ -41,6 +41,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from prefixroute.core.kvevents.codec import MalformedBatch, decode_batch
+from prefixroute.core.kvevents.fast_codec import decode_events
 from prefixroute.core.kvevents.index import InstanceIndex
 
 __all__ = ["Mode", "RequestReplay", "StreamSettings", "InstanceStream", "WARN_INTERVAL_S"]
@@ -333,6 +334,10 @@ class InstanceStream:
     def _apply(self, seq: int, payload: bytes) -> None:
         self.expected = seq + 1
         index = self.index
+        events = decode_events(payload)  # (in C, for a well-formed batch)
+        if events is not None:
+            index.apply(events)
+            return
         try:
             decoded = decode_batch(payload)
         except MalformedBatch as exc:
