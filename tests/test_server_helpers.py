@@ -177,3 +177,17 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
         if all(got.get(k) == v for k, v in labels.items()):
             return float(value)
     return None
+
+
+def test_gc_tuning_freezes_start_up_objects_and_raises_the_young_threshold() -> None:
+    import json
+    import subprocess
+    import sys
+
+    code = ("import gc, json; import prefixroute.server.runner; from prefixroute.server import gc_tuning as t; "
+            "before = [gc.get_threshold()[0], gc.get_freeze_count()]; t.tune(); "
+            "print(json.dumps([before, [gc.get_threshold()[0], gc.get_freeze_count()], t.GEN0_THRESHOLD]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    before, after, gen0 = json.loads(out)
+    assert before == [700, 0]
+    assert after[0] == gen0 == 10_000 and after[1] > 10_000  # the modules, classes and functions loaded

@@ -32,6 +32,7 @@ from prefixroute.core.counters import MAX_WORKERS
 from prefixroute.discovery.flags import configure_discovery_flags
 from prefixroute.server.settings import DATA_PLANES
 from prefixroute.server.runner import RouterHandle, reload_logged, start_router
+from prefixroute.server import gc_tuning
 from prefixroute.server.settings import DEFAULT_CLIENT_KEEPALIVE_S, DEFAULT_MAX_BODY_BYTES, ServerSettings
 from prefixroute.server.summary import draining_message, startup_summary
 from prefixroute.server.cli_config import build_config, kv_events_from_flags
@@ -435,6 +436,7 @@ async def _serve(config: FleetConfig, settings: ServerSettings) -> int:
     if held & set(_STOPS):
         on_stop()  # told to stop while starting: it never served
     else:
+        gc_tuning.tune()
         print(f"prefixroute-serve listening on {handle.url}", flush=True)
         if handle.admin_url:
             print(f"prefixroute-admin listening on {handle.admin_url}", flush=True)

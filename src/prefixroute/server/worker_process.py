@@ -21,6 +21,7 @@ from aiohttp import web
 from prefixroute.eventloop import loop_factory
 from prefixroute import signals
 from prefixroute.core.config import ConfigError, FleetConfig
+from prefixroute.server import gc_tuning
 from prefixroute.server.settings import ServerSettings
 from prefixroute.server.shared_counters import SharedCounters
 
@@ -127,6 +128,7 @@ async def _worker_serve(spec: WorkerSpec, conn: Connection) -> int:
         parent = multiprocessing.parent_process()
         if parent is not None:  # the supervisor died: stop too (its pipe reads EOF)
             loop.add_reader(parent.sentinel, stop.set)
+        gc_tuning.tune()
         conn.send(("ready", os.getpid(), handle.admin_url))
         conn.close()
         try:

@@ -81,8 +81,10 @@ class ByteIndex:
         self.block_size = block_size
         self._by_bytes: dict[int, int] = {}  # byte key -> router key
         self._more: dict[int, list[int]] = {}  # byte key -> the other keys with those bytes (rare)
-        # router key -> [holders, byte key (None: not indexed), parent key, byte length]
-        self._info: dict[int, list] = {}
+        # router key -> (holders, byte key (None: not indexed), parent key, byte length):
+        # tuples of ints, which the garbage collector stops tracking (a list per held block
+        # made every full collection walk them all: a quarter of a busy replica's time)
+        self._info: dict[int, tuple] = {}
         self._lengths: dict[int, dict[int, int]] = {}  # parent key -> {child's byte length: children}
         # parent key -> {child key: its token ids packed}: held, not yet rendered (_render)
         self._pending: dict[int, dict[int, bytes]] = {}
@@ -127,12 +129,12 @@ class ByteIndex:
         for key, parent, start in blocks:
             info = info_of.get(key)
             if info is not None:
-                info[0] += 1
+                info = info_of[key] = (info[0] + 1, *info[1:])
                 if info[1] is not None:  # indexed, or waiting to be
                     continue
             if token_ids is None or parent is None or (indexable is not None and start >= indexable):
                 if info is None:
-                    info_of[key] = [1, None, parent, 0]
+                    info_of[key] = (1, None, parent, 0)
                     self._gone.append(key)  # (held, not indexed: as good as gone to a walk's path)
                     self._gone_total += 1
                 continue
@@ -144,14 +146,14 @@ class ByteIndex:
             chunk = packed[start * 8:(start + bs) * 8]
             if len(chunk) != bs * 8:
                 if info is None:
-                    info_of[key] = [1, None, parent, 0]
+                    info_of[key] = (1, None, parent, 0)
                     self._gone.append(key)
                     self._gone_total += 1
                 continue
             if info is None:
-                info_of[key] = [1, _PENDING, parent, 0]
+                info_of[key] = (1, _PENDING, parent, 0)
             else:  # held before without its tokens: indexed now
-                info[1:] = [_PENDING, parent, 0]
+                info_of[key] = (info[0], _PENDING, parent, 0)
             pending = pending_of.get(parent)
             if pending is None:
                 pending_of[parent] = {key: chunk}
@@ -182,13 +184,12 @@ class ByteIndex:
             except IndexError:  # an id the vocabulary lacks
                 parts = None
             if parts is None or None in parts:
-                info[1] = None  # counted, not indexed
+                info_of[key] = (info[0], None, info[2], info[3])  # counted, not indexed
                 continue
             data = b"".join(parts)
             bkey = digest(data, parent)
             n = len(data)
-            info[1] = bkey
-            info[3] = n
+            info_of[key] = (info[0], bkey, info[2], n)
             other = by_bytes.setdefault(bkey, key)
             if other != key:
                 more_of.setdefault(bkey, []).append(key)
@@ -215,8 +216,8 @@ class ByteIndex:
         info = self._info.get(key)
         if info is None:
             return
-        info[0] -= 1
-        if info[0] > 0:
+        if info[0] > 1:
+            self._info[key] = (info[0] - 1, *info[1:])
             return
         del self._info[key]
         self._gone.append(key)
