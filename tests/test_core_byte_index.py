@@ -425,8 +425,8 @@ def test_a_short_prompt_resumes_from_the_checkpoints_of_its_first_kb_and_shares_
     assert first is not None and second is not None and bx.walks_resumed == 1
     assert second == first == _fresh_walk(view, (system + " question 3?").encode())
     keys, ends = second
-    assert isinstance(keys, KeyRun) and keys.count > 0  # the checkpoint's path, shared
-    assert ends[keys.count - 1] <= len(system.encode()) // WALK_FIRST_CHECKPOINT_BYTES * WALK_FIRST_CHECKPOINT_BYTES
+    assert isinstance(keys, KeyRun) and keys.shared > 0  # the checkpoint's path, not copied
+    assert ends[keys.shared - 1] <= len(system.encode()) // WALK_FIRST_CHECKPOINT_BYTES * WALK_FIRST_CHECKPOINT_BYTES
 
 
 def test_a_key_run_reads_as_one_sequence():
@@ -436,6 +436,7 @@ def test_a_key_run_reads_as_one_sequence():
     assert len(run) == 4 and list(run) == [1, 2, 7, 8] and run == [1, 2, 7, 8] and run == (1, 2, 7, 8)
     assert run[0] == 1 and run[2] == 7 and run[-1] == 8 and run[-4] == 1 and run[1:3] == [2, 7]
     assert run != [1, 2, 3, 4] and KeyRun((), 0, []) == [] and not KeyRun((5,), 0, [])
+    assert run.count(7) == 1 and run.index(7) == 2 and 8 in run  # (Sequence's methods)
     with pytest.raises(IndexError):
         run[4]
     with pytest.raises(IndexError):

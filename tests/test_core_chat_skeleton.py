@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.core.chat_skeleton import ChatSkeletons
+from prefixroute.core.chat_skeleton import ChatSkeletons, reads_content
 from prefixroute.core.keys import InvalidRequest
 from prefixroute.core.model_tokenizer import ModelTokenizer
 
@@ -49,66 +49,92 @@ def test_substitution_equals_the_whole_render(tiny: ModelTokenizer) -> None:
     for i in range(10):
         payload = chat(system.strip(), f"Question {i}: what is a KV block?")
         assert sk.render(payload) == tiny.render_chat(payload)
-    # one shape: built once, checked on its first two uses, substituted after
+    # one shape: rendered whole when first seen, built and checked when seen again, substituted after
     assert sk.stats() == {"shapes": 1, "hits": 8, "renders": 2, "mismatches": 0}
     longer = chat(system.strip(), "Q?", "An answer.", "And then?", add_generation_prompt=False)
     assert sk.render(longer) == tiny.render_chat(longer) and len(sk) == 2
 
 
-def test_trimmed_edges_and_empty_contents_keep_their_own_shapes(tiny: ModelTokenizer) -> None:
+def test_edge_white_space_and_empty_contents_keep_their_own_shapes(tiny: ModelTokenizer) -> None:
     # the tiny template trims each content: a content with white space at an edge has a
-    # shape of its own, whose skeleton strips it; an empty one is rendered as itself
-    sk = ChatSkeletons(tiny, verify_first=0, verify_every=0)
-    for payload in (chat("sys", "plain"), chat(" sys\n", "plain"), chat("", "plain"), chat("sys", "plain\n\n"),
-                    chat("\u3000sys\u2003", " \n ")):
-        for _ in range(3):
+    # shape of its own, whose skeleton strips it; an empty or blank one is rendered as itself
+    sk = ChatSkeletons(tiny, verify_every=0)
+    payloads = (chat("sys", "plain"), chat(" sys\n", "plain"), chat("", "plain"), chat("sys", "plain\n\n"),
+                chat("\u3000sys\u2003", " \n "))
+    for payload in payloads:
+        for _ in range(4):
             assert sk.render(payload) == tiny.render_chat(payload)
-    assert sk.mismatches == 0 and sk.hits == 15 and sk.renders == 0 and len(sk) == 5
-    # a template that keeps one edge space and not the other is rendered whole
-    half = with_template(tiny, "{% for m in messages %}[{{ m.content | trim(' ') }}]{% endfor %}")
-    sk = ChatSkeletons(half, verify_first=0, verify_every=0)
-    payload = chat("sys", "plain ")
-    assert sk.render(payload) == half.render_chat(payload) and sk.renders == 1
+    assert sk.mismatches == 0 and sk.hits == 10 and sk.renders == 10 and len(sk) == 5
 
 
 def test_untrimmed_template_substitutes_edge_spaces(tiny: ModelTokenizer) -> None:
     tok = with_template(tiny, CHATML)
-    sk = ChatSkeletons(tok, verify_first=0, verify_every=0)
-    payload = chat("  system\n", "\tuser ", "")
-    for _ in range(3):
+    sk = ChatSkeletons(tok, verify_every=0)
+    payload = chat("  system\n", "\tuser ", "", " \n")
+    for _ in range(4):
         assert sk.render(payload) == tok.render_chat(payload)
-    assert sk.hits == 3 and sk.renders == 0
+    assert sk.hits == 2 and sk.renders == 2 and sk.mismatches == 0
+
+
+@pytest.mark.parametrize("template", [
+    "{% for m in messages %}[{{ m.content | trim(' ') }}]{% endfor %}",  # trims spaces, keeps new lines
+    "{% for m in messages %}{% if loop.last %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %};{% endfor %}",
+])
+def test_partial_or_positional_strips_are_substituted_only_where_they_agree(tiny: ModelTokenizer,
+                                                                             template: str) -> None:
+    tok = with_template(tiny, template)
+    sk = ChatSkeletons(tok, verify_every=0)
+    for payload in (chat("sys", "plain "), chat("sys", "plain\n"), chat("sys ", "plain \n"), chat("s\n", " q")):
+        for _ in range(3):
+            assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.mismatches == 0
 
 
 @pytest.mark.parametrize("template", [REPEATS, DROPS, REVERSED])
 def test_templates_that_repeat_drop_or_reorder_contents_render_whole(tiny: ModelTokenizer, template: str) -> None:
     tok = with_template(tiny, template)
-    sk = ChatSkeletons(tok, verify_first=0, verify_every=0)
+    sk = ChatSkeletons(tok, verify_every=0)
     payload = chat("the system prompt", "a question")
     for _ in range(3):
         assert sk.render(payload) == tok.render_chat(payload)
     assert sk.hits == 0 and sk.renders == 3
 
 
-def test_a_template_that_reads_the_content_is_caught_by_the_checks(tiny: ModelTokenizer) -> None:
-    tok = with_template(tiny, LENGTH)
-    sk = ChatSkeletons(tok)  # default checks: the first use differs (lengths of the sentinels)
-    payload = chat("sys", "question")
-    assert sk.render(payload) == tok.render_chat(payload)
-    assert sk.mismatches == 1
-    for _ in range(3):
-        assert sk.render(payload) == tok.render_chat(payload)
-    assert sk.hits == 0 and sk.mismatches == 1  # rendered whole from then on, not checked again
+@pytest.mark.parametrize("template, reads", [
+    (THINK, True), (LENGTH, True), ("{{ messages[0].content | tojson }}", True),
+    ("{% set content = m.content %}{% if '<x>' in content %}{% endif %}", True),
+    ("{% if message['content'] == '' %}x{% endif %}", True), ("{{ message['content'][0]['text'] }}", True),
+    ("{{ m.content.strip() }}", True), (CHATML, False),
+    ("{% if message.content is string %}{{ message.content | trim }}{% endif %}", False),
+    ("{{ '<tool_response>\\n' + message.content + '\\n</tool_response>' }}", False),
+])
+def test_templates_that_read_the_content_are_found_and_rendered_whole(tiny: ModelTokenizer, template: str,
+                                                                      reads: bool) -> None:
+    assert reads_content(template) is reads
+    tok = with_template(tiny, template)
+    sk = ChatSkeletons(tok)
+    assert sk.enabled is not reads
+    assert reads_content(tiny.chat_template) is False
 
-    # a dependence the first uses do not show is caught by the sampled check
-    tok = with_template(tiny, THINK)
-    sk = ChatSkeletons(tok, verify_first=1, verify_every=4)
-    plain = chat("sys", "q", "an answer", "q2")
+
+def test_a_dependence_on_the_content_is_caught_by_the_checks_of_each_shape(tiny: ModelTokenizer) -> None:
+    # a template that reads the content where the heuristic cannot see it (an alias
+    # made with a namespace), on every 4th use of each shape
+    sneaky = ("{% set ns = namespace(c='') %}{% for m in messages %}{% set ns.c = m['con' + 'tent'] %}"
+              "{{ m.role }}:{% if ns.c.startswith('<think>') %}THOUGHT{% else %}{{ m['content'] }}{% endif %};"
+              "{% endfor %}")
+    tok = with_template(tiny, sneaky)
+    sk = ChatSkeletons(tok, verify_every=4)
+    assert sk.enabled
+    plain, other = chat("sys", "q", "an answer", "q2"), chat("sys", "q")
     thinking = chat("sys", "q", "<think>hmm</think> the answer", "q2")
-    assert sk.render(plain) == tok.render_chat(plain)
-    wrong = [sk.render(thinking) != tok.render_chat(thinking) for _ in range(4)]
-    assert wrong == [True, True, True, False] and sk.mismatches == 1  # the fourth was checked
-    assert all(sk.render(thinking) == tok.render_chat(thinking) for _ in range(5))
+    for _ in range(2):
+        assert sk.render(plain) == tok.render_chat(plain) and sk.render(other) == tok.render_chat(other)
+    wrong = []
+    for _ in range(6):
+        wrong.append(sk.render(thinking) != tok.render_chat(thinking))
+        sk.render(other)  # another shape's uses do not delay this shape's checks
+    assert wrong == [True, True, True, False, False, False] and sk.mismatches == 1  # the 4th use of the shape: checked
     assert sk.render(plain) == tok.render_chat(plain)
 
 
@@ -117,19 +143,24 @@ def test_a_template_that_reads_the_content_is_caught_by_the_checks(tiny: ModelTo
     chat("sys", "q", chat_template_kwargs={"x": 1}),
     {"model": "m", "messages": [{"role": "user", "content": "q", "name": "ann"}]},
     chat("sys", [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]),
+    {"model": "m", "messages": [{"role": "r" * 65, "content": "q"}]},
+    {"model": "m", "messages": [{"role": "user", "content": "q"}] * 513},
+    chat("sys", "q" + " " * 17),
 ])
 def test_requests_with_more_than_roles_and_text_render_whole(tiny: ModelTokenizer, payload: dict[str, Any]) -> None:
     tok = dataclasses.replace(tiny, media_tokens=8)
-    sk = ChatSkeletons(tok, verify_first=0, verify_every=0)
-    assert sk.render(payload) == tok.render_chat(payload)
-    assert sk.renders == 1 and len(sk) == 0
+    sk = ChatSkeletons(tok, verify_every=0)
+    for _ in range(3):
+        assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.renders == 3 and len(sk) == 0
 
 
 def test_text_parts_are_joined_as_the_template_sees_them(tiny: ModelTokenizer) -> None:
-    sk = ChatSkeletons(tiny, verify_first=0, verify_every=0)
+    sk = ChatSkeletons(tiny, verify_every=0)
     payload = chat("sys", [{"type": "text", "text": "first"}, "second"])
-    assert sk.render(payload) == tiny.render_chat(payload) and sk.hits == 1
-    assert "first\nsecond" in sk.render(payload)
+    for _ in range(3):
+        assert sk.render(payload) == tiny.render_chat(payload)
+    assert sk.hits == 1 and "first\nsecond" in sk.render(payload)
 
 
 @pytest.mark.parametrize("payload, message", [
@@ -144,35 +175,49 @@ def test_malformed_requests_raise_as_the_whole_render_does(tiny: ModelTokenizer,
 
 
 def test_sentinel_characters_in_a_content_render_whole(tiny: ModelTokenizer) -> None:
-    sk = ChatSkeletons(tiny, verify_first=0, verify_every=0)
+    sk = ChatSkeletons(tiny, verify_every=0)
     payload = chat("sys \ue0000\ue001 x", "q")
-    assert sk.render(payload) == tiny.render_chat(payload) and sk.renders == 1
+    for _ in range(2):
+        assert sk.render(payload) == tiny.render_chat(payload)
+    assert sk.renders == 2 and len(sk) == 0
 
 
-def test_shapes_kept_are_bounded(tiny: ModelTokenizer) -> None:
-    sk = ChatSkeletons(tiny, shapes=3, verify_first=0, verify_every=0)
+def test_shapes_and_template_text_kept_are_bounded(tiny: ModelTokenizer) -> None:
+    sk = ChatSkeletons(tiny, shapes=3, verify_every=0)
     for n in range(1, 7):
         payload = chat(*[f"m{i}" for i in range(n)])
-        assert sk.render(payload) == tiny.render_chat(payload)
+        for _ in range(2):
+            assert sk.render(payload) == tiny.render_chat(payload)
     assert len(sk) == 3
+    small = ChatSkeletons(tiny, verify_every=0, max_bytes=200)
+    for n in range(1, 7):
+        payload = chat(*[f"m{i}" for i in range(n)])
+        for _ in range(3):
+            assert small.render(payload) == tiny.render_chat(payload)
+    assert small._bytes <= 200 and small.hits > 0  # noqa: SLF001 (the bound itself)
     with pytest.raises(ValueError):
         ChatSkeletons(tiny, shapes=-1)
 
 
-_text = st.lists(st.sampled_from(list("ab <>|{}%\n\t\u00e9\u3000\r") + ["</think>", "\ue000", "\ue001"]),
+_text = st.lists(st.sampled_from(list("ab <>|{}%\n\t\u00e9\u3000\r\x0b\xa0\u2028") + ["</think>", "\ue000", "\ue001"]),
                  max_size=12).map("".join)
+PARTIAL = "{% for m in messages %}{{ m.role }}[{{ m.content | trim(' \\n') }}]{% endfor %}"
 
 
 @settings(max_examples=300, deadline=None)
 @given(convs=st.lists(st.tuples(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), _text),
-                                         min_size=1, max_size=4), st.booleans()), min_size=1, max_size=8),
-       template=st.sampled_from(["tiny", CHATML, STRIP_ANSWERS, THINK]))
-def test_property_never_wrong_for_templates_that_place_contents_as_they_are(
+                                         min_size=1, max_size=4), st.booleans()), min_size=1, max_size=10),
+       template=st.sampled_from(["tiny", CHATML, PARTIAL,
+                                 "{% for m in messages %}{% if loop.last %}{{ m.content | trim }}{% else %}"
+                                 "{{ m.content }}{% endif %}|{% endfor %}"]))
+def test_property_never_wrong_unchecked_for_templates_that_place_or_trim_contents(
         tiny: ModelTokenizer, convs: list[tuple[list[tuple[str, str]], bool]], template: str) -> None:
-    """For the tiny (trimming), ChatML and STRIP_ANSWERS templates every answer equals the
-    whole render, unchecked; for THINK, checked on every use, every answer does too."""
+    """For templates that place contents as they are, trim them (wholly, partly, or by
+    position), every answer equals the whole render, with no check after the first."""
     tok = tiny if template == "tiny" else with_template(tiny, template)
-    sk = ChatSkeletons(tok, verify_first=0, verify_every=1 if template == THINK else 0)
-    for messages, agp in convs:
+    sk = ChatSkeletons(tok, verify_every=0)
+    assert sk.enabled
+    for messages, agp in convs + convs:  # (every shape seen again: substituted)
         payload = {"messages": [{"role": r, "content": c} for r, c in messages], "add_generation_prompt": agp}
         assert sk.render(payload) == tok.render_chat(payload)
+    assert sk.mismatches == 0

@@ -125,3 +125,14 @@ def test_the_index_ends_in_the_same_state_either_way() -> None:
                 slow_ix.apply(decode_batch(payload).batch.events)
             assert fast_ix.held == slow_ix.held and fast_ix.keys == slow_ix.keys
             assert fast_ix.counters == slow_ix.counters and len(fast_ix.held) > 0
+
+
+def test_an_extension_type_in_extra_keys_takes_the_tolerant_path_which_keys_it_as_before() -> None:
+    event = ["BlockStored", [1], None, [0] * 16, 16, None, "GPU", None, [[msgpack.ExtType(5, b"xy")]]]
+    payload = msgpack.packb([1.0, [event]])
+    assert decode_events(payload) is None
+    slow = decode_batch(payload)
+    assert slow.malformed == slow.unknown == 0 and slow.batch.events[0].extra_keys == [[msgpack.ExtType(5, b"xy")]]
+    plain = msgpack.packb([1.0, [event[:8] + [[["mm-hash", 3, b"\x01", 0.5, None, True, ["nested"]]]]]])
+    fast = decode_events(plain)
+    assert fast is not None and [fields(e) for e in fast] == [fields(e) for e in decode_batch(plain).batch.events]

@@ -499,24 +499,24 @@ _NO_HEAD: tuple[tuple[int, ...], tuple[int, ...], int] = ((), (), 0)
 
 
 class KeyRun(Sequence):
-    """A walk's keys (or byte ends): the first ``count`` of a recorded path's, shared,
-    then the ones the walk found past them. A read-only sequence of ints: ``len``,
+    """A walk's keys (or byte ends): the first ``shared`` of a recorded path's, not
+    copied, then the ones the walk found past them. A read-only sequence of ints: ``len``,
     indexing (negative too), slicing (a list), iteration, ``==`` with a list or tuple."""
 
-    __slots__ = ("head", "count", "tail")
+    __slots__ = ("head", "shared", "tail")
 
-    def __init__(self, head: Sequence[int], count: int, tail: list[int]) -> None:
+    def __init__(self, head: Sequence[int], shared: int, tail: list[int]) -> None:
         self.head = head
-        self.count = count
+        self.shared = shared  # how many of head's come first
         self.tail = tail
 
     def __len__(self) -> int:
-        return self.count + len(self.tail)
+        return self.shared + len(self.tail)
 
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
             return list(self)[i]
-        c = self.count
+        c = self.shared
         if i < 0:
             i += c + len(self.tail)
             if i < 0:
@@ -526,7 +526,7 @@ class KeyRun(Sequence):
         return self.tail[i - c]
 
     def __iter__(self):  # type: ignore[override]
-        yield from islice(self.head, self.count)
+        yield from islice(self.head, self.shared)
         yield from self.tail
 
     def __eq__(self, other: object) -> bool:

@@ -7,11 +7,12 @@ vLLM itself encodes its events with ``msgspec`` structs (``vllm/distributed/kv_e
 of the same shape, decodes a batch and checks its fields' types in one C pass.
 :func:`decode_events` does that for both of vLLM's forms (positional arrays, maps with a
 ``type`` key) and returns ``None`` for anything it does not take whole: an unknown
-event type, a field of the wrong type, more fields than known, a hash that is negative,
-token ids that do not fill the blocks, a payload over
+event type, a field of the wrong type, a hash that is negative, token ids that do not
+fill the blocks, an extra key that is a msgpack extension type, a payload over
 :data:`~prefixroute.core.kvevents.codec.MAX_PAYLOAD_BYTES`, or ``msgspec`` not
 installed. The caller then decodes the message with ``decode_batch``, which skips and
-counts what is wrong event by event. The structs' field names are
+counts what is wrong event by event. Arrays longer than today's (fields a later release
+appends) and maps with unknown keys are read, as the tolerant decoder reads them. The structs' field names are
 :class:`~prefixroute.core.kvevents.events.BlockStored`'s and
 :class:`~prefixroute.core.kvevents.events.BlockRemoved`'s, and they are registered
 with :data:`~prefixroute.core.kvevents.events.EVENT_KINDS`, so
@@ -127,6 +128,22 @@ def decode_events(payload: bytes) -> Optional[list[Any]]:
     for e in events:  # what the types cannot say: the token ids fill the blocks
         if type(e) is stored:
             n = len(e.block_hashes)
-            if len(e.token_ids) != n * e.block_size or (e.extra_keys is not None and len(e.extra_keys) != n):
+            extra = e.extra_keys
+            if len(e.token_ids) != n * e.block_size or (extra is not None and (len(extra) != n
+                                                                              or not _plain(extra))):
                 return None
     return events
+
+
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` holds only msgpack's plain values (the tolerant decoder reads an
+    extension type or a timestamp as other objects than msgspec does: such a batch goes
+    there, so that both paths key its blocks alike)."""
+    if type(value) in _PLAIN:
+        return True
+    if type(value) is list and depth < 4:
+        return all(_plain(v, depth + 1) for v in value)
+    return False
