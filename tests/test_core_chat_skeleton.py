@@ -76,18 +76,24 @@ def test_untrimmed_template_substitutes_edge_spaces(tiny: ModelTokenizer) -> Non
     assert sk.hits == 2 and sk.renders == 2 and sk.mismatches == 0
 
 
-@pytest.mark.parametrize("template", [
-    "{% for m in messages %}[{{ m.content | trim(' ') }}]{% endfor %}",  # trims spaces, keeps new lines
-    "{% for m in messages %}{% if loop.last %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %};{% endfor %}",
+@pytest.mark.parametrize("template, hits", [
+    # trims spaces and keeps new lines: " \nq" loses its space only, a partial strip
+    ("{% for m in messages %}[{{ m.content | trim(' ') }}]{% endfor %}", 4),
+    # trims the last message only: " \nq" is last, stripped whole
+    ("{% for m in messages %}{% if loop.last %}{{ m.content | trim }}{% else %}{{ m.content }}{% endif %};"
+     "{% endfor %}", 5),
 ])
 def test_partial_or_positional_strips_are_substituted_only_where_they_agree(tiny: ModelTokenizer,
-                                                                             template: str) -> None:
+                                                                             template: str, hits: int) -> None:
     tok = with_template(tiny, template)
     sk = ChatSkeletons(tok, verify_every=0)
-    for payload in (chat("sys", "plain "), chat("sys", "plain\n"), chat("sys ", "plain \n"), chat("s\n", " q")):
+    for payload in (chat("sys", "plain "), chat("sys", "plain\n"), chat("sys ", "plain \n"), chat("s\n", " q"),
+                    chat("sys", " \nq")):
         for _ in range(3):
             assert sk.render(payload) == tok.render_chat(payload)
-    assert sk.mismatches == 0
+    # a shape whose edges are kept or stripped whole is substituted from its third use; a
+    # partial strip is rendered whole every time
+    assert sk.mismatches == 0 and sk.hits == hits and sk.renders == 15 - hits
 
 
 @pytest.mark.parametrize("template", [REPEATS, DROPS, REVERSED])
@@ -157,10 +163,10 @@ def test_requests_with_more_than_roles_and_text_render_whole(tiny: ModelTokenize
 
 def test_text_parts_are_joined_as_the_template_sees_them(tiny: ModelTokenizer) -> None:
     sk = ChatSkeletons(tiny, verify_every=0)
-    payload = chat("sys", [{"type": "text", "text": "first"}, "second"])
+    payload = chat("sys", [{"type": "text", "text": "first"}, "second", {"text": "third"}])
     for _ in range(3):
         assert sk.render(payload) == tiny.render_chat(payload)
-    assert sk.hits == 1 and "first\nsecond" in sk.render(payload)
+    assert sk.hits == 1 and "first\nsecond\nthird" in sk.render(payload)
 
 
 @pytest.mark.parametrize("payload, message", [

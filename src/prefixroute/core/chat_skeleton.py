@@ -49,6 +49,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from prefixroute.core.chat_template import render_chat_prompt
+from prefixroute.core.routing_text import InvalidRequest, part_texts
 
 if TYPE_CHECKING:
     from prefixroute.core.model_tokenizer import ModelTokenizer
@@ -339,15 +340,20 @@ def _shape(payload: Mapping[str, Any]) -> tuple[tuple, list[str]] | None:
     return (agp, tuple(roles)), contents
 
 
+class _NotText(Exception):
+    pass
+
+
+def _not_text(part: Mapping[str, Any]) -> str:
+    raise _NotText
+
+
 def _text_parts(parts: list[Any]) -> str | None:
-    """Text parts joined as the template sees them (``"\\n"``), or ``None`` when a part is
-    not text (rendered whole: refused or given its media stand-in there)."""
-    out = []
-    for p in parts:
-        if type(p) is str:
-            out.append(p)
-        elif type(p) is dict and p.get("type") == "text" and type(p.get("text")) is str:
-            out.append(p["text"])
-        else:
-            return None
-    return "\n".join(out)
+    """Text parts joined as the template sees them (``"\\n"``, as
+    :func:`prefixroute.core.chat_template.chat_messages` joins them), or ``None`` when a
+    part is not text or is malformed (rendered whole: refused, or given its media
+    stand-in, there)."""
+    try:
+        return "\n".join(part_texts(parts, _not_text))
+    except (_NotText, InvalidRequest):
+        return None
