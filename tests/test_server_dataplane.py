@@ -1555,3 +1555,36 @@ async def test_every_refusal_of_the_router_is_logged_at_info_within_a_budget(bac
         assert lines[-1].endswith("; 5 more lines not logged before it")
     finally:
         await handle.close()
+
+
+async def test_a_connection_pooled_moments_ago_is_reused_without_a_system_call_and_an_older_one_is_checked():
+    """A pooled connection idle for less than PEER_CHECK_AFTER_S is taken without asking
+    the kernel whether the instance closed it (a close racing the send is sent again:
+    ``stale_connection``); one idle for longer is checked with ``poll``, so a close the
+    event loop has not read yet is seen and the connection is not used."""
+    import socket
+
+    from prefixroute.server.upstream import PEER_CHECK_AFTER_S, _UpstreamPool
+
+    loop = asyncio.get_running_loop()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    pool = _UpstreamPool(loop, 8, 10.0)
+    target = ("engine", "127.0.0.1", port)
+    try:
+        for idle_s, reused in ((0.0, True), (PEER_CHECK_AFTER_S + 0.05, False)):
+            conn = await pool.connect(target, 2.0)
+            server_side, _ = listener.accept()
+            pool.put(conn)
+            conn.idle_since = loop.time() - idle_s
+            server_side.close()  # the instance closes it; the loop has not run since
+            time.sleep(0.02)  # (not awaited: the FIN arrives, unread by the loop)
+            assert not conn.transport_closing() and conn.peer_gone()
+            taken = pool.take(target)
+            assert (taken is conn) is reused, idle_s
+            if not reused:
+                assert taken is None and conn.transport_closing()
+            conn.abort()
+    finally:
+        listener.close()
+        await asyncio.sleep(0)
