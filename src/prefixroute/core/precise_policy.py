@@ -55,7 +55,6 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from prefixroute.core.hashing import rendezvous_best
 from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.kvevents.index import CPU_UNIT
-from prefixroute.core.kvevents.stream import Mode
 from prefixroute.core.kvevents.view import PrefixHolding
 from prefixroute.core.placement_rules import ANCHOR_MIN_BLOCKS, SPREAD_SLACK, STICK_FRACTION
 from prefixroute.core.strategies import DecisionKind, InstanceState
@@ -117,8 +116,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
     view = precise.view if precise is not None else None
     is_precise: list[bool] | None = None
     if view is not None and precise.tokens >= precise.block_size:  # type: ignore[union-attr]
-        mode = view.mode
-        is_precise = [mode(c.instance_id) is Mode.PRECISE for c in candidates]
+        is_precise = view.precise_flags([c.instance_id for c in candidates])
         if not any(is_precise):
             is_precise = None
     if is_precise is None and not modelled_shared and not force:
@@ -181,6 +179,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         wc, ws = 1.0 - costs.cpu_weight, 1.0 - costs.shared_weight
         lat = costs.shared_latency_tokens * ratio
         hashes = (blocks.hashes() if chain else list(blocks)) if speculative is not None else []  # type: ignore[attr-defined]
+        spec_anchor = Speculative.anchor_of(hashes, units) if len(hashes) else None
         for i, c in enumerate(candidates):
             if is_precise[i]:
                 h = held[c.instance_id]
@@ -188,7 +187,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                 own = snapped(h.gpu_tokens + h.cpu_tokens) if h.cpu_tokens else g
                 every = snapped(h.total_tokens) if h.shared_tokens else own
                 if speculative is not None:  # routed there, not in its events yet: about to be on its GPU
-                    m = speculative.match(c, hashes, units, own, 2 * tol)
+                    m = speculative.match(c, hashes, units, own, 2 * tol, spec_anchor)
                     if m > own:
                         g, own, every = g + m - own, m, max(every, m)
                 raw.append(float(own))
@@ -262,12 +261,23 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         # Homes by what the instances hold themselves (any tier of their own); what a
         # holding is worth (its tiers, the shared tier) enters the costs.
         r_top = max(raw)
-        homes = [i for i in range(k) if raw[i] > 0 and raw[i] >= r_top - bs] if r_top > 0 else []
-        rest_raw = max((raw[i] for i in range(k) if i not in homes), default=0.0)
-        s_rest = max((saved[i] for i in range(k) if i not in homes), default=0.0)
+        homes: list[int] = []
+        tops: list[int] = []
+        rest_raw = s_rest = 0.0
+        band_low = r_top - bs
+        for i in range(k):  # (one pass: homes, the best of the rest, the instances at the top)
+            r = raw[i]
+            if r > 0 and r >= band_low:
+                homes.append(i)
+                if r == r_top:
+                    tops.append(i)
+            else:
+                if r > rest_raw:
+                    rest_raw = r
+                if saved[i] > s_rest:
+                    s_rest = saved[i]
         meaningful = bool(homes) and r_top > rest_raw and r_top - rest_raw >= stick
         extra = 0.0
-        tops = [i for i in range(k) if r_top > 0 and raw[i] == r_top]
         cont: dict[int, float] = {}
         if not meaningful or len(tops) > 1:
             for i in tops:
@@ -277,8 +287,8 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             if cont:
                 extra = max(cont.values())
                 homes, meaningful = [i for i, e in cont.items() if e == extra], True
-        top_anchor = anchor(max(raw))
         if not meaningful:
+            top_anchor = anchor(r_top)
             inst = strategy._walk(top_anchor, candidates, threshold)
             if inst is None:
                 return None
@@ -318,7 +328,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
             if len(band) > 1:  # equal costs: a holding in a faster tier first (a GPU one over a CPU one)
                 loss = min(raw[i] - saved[i] for _, i in band)
                 band = [(c, i) for c, i in band if raw[i] - saved[i] <= loss + 1e-9]
-            c_home, home = band[rendezvous_best(top_anchor, [tokens[i] for _, i in band])] if len(band) > 1 \
+            c_home, home = band[rendezvous_best(anchor(r_top), [tokens[i] for _, i in band])] if len(band) > 1 \
                 else band[0]
             if c_home <= size - s_rest + limit:
                 moved = spread(home)
@@ -354,7 +364,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
     i, kind, uncached = found
     strategy.uncached_units = max(0, int(round(uncached)))
     if speculative is not None and is_precise is not None and is_precise[i]:
-        speculative.routed(candidates[i].instance_id, hashes, units)
+        speculative.routed(candidates[i].instance_id, hashes, units, spec_anchor)
     return candidates[i], kind
 
 
@@ -439,16 +449,20 @@ class Speculative:
         self._order: dict[str, deque[tuple[int, list]]] = {}
 
     @staticmethod
-    def _anchor(hashes: Sequence[int], ends: Sequence[int]) -> int:
+    def anchor_of(hashes: Sequence[int], ends: Sequence[int]) -> int:
+        """The hash entries of a request's routing chain (block ``hashes`` ending at
+        ``ends``, non-empty) are filed under: its block past :data:`SPECULATIVE_MIN_UNITS`
+        (or its last)."""
         return hashes[min(bisect_right(ends, SPECULATIVE_MIN_UNITS), len(hashes) - 1)]
 
-    def routed(self, instance_id: str, hashes: Sequence[int], ends: Sequence[int]) -> None:
+    def routed(self, instance_id: str, hashes: Sequence[int], ends: Sequence[int], anchor: int | None = None) -> None:
         """A request whose routing chain has block ``hashes`` ending at ``ends`` (units)
-        was sent to the instance."""
+        was sent to the instance; ``anchor``: :meth:`anchor_of` them, when known."""
         if not len(hashes):
             return
         entry = [hashes, ends, 0]
-        anchor = self._anchor(hashes, ends)
+        if anchor is None:
+            anchor = self.anchor_of(hashes, ends)
         group = self.entries.setdefault(instance_id, {}).setdefault(anchor, [])
         group.append(entry)
         if len(group) > SPECULATIVE_PER_ANCHOR:  # the oldest: its prefill is the likeliest in the events by now
@@ -470,12 +484,13 @@ class Speculative:
                 del self.entries[instance_id][anchor]
 
     def match(self, inst: InstanceState, hashes: Sequence[int], ends: Sequence[int], held_units: float,
-              slack: float = 0.0) -> int:
+              slack: float = 0.0, anchor: int | None = None) -> int:
         """Leading routing-text units of a request (block ``hashes`` ending at ``ends``)
         about to be held on ``inst``: 0 when no entry shares more than ``held_units``,
         what its events show. An entry the events showed more of than ``held_units +
         slack`` is dropped (evicted since); ``slack`` absorbs the rounding of held tokens
-        to units, which differs a little between requests (a KV block's worth)."""
+        to units, which differs a little between requests (a KV block's worth).
+        ``anchor``: :meth:`anchor_of` ``hashes`` and ``ends``, when known."""
         groups = self.entries.get(inst.instance_id)
         if not groups or not len(hashes):
             return 0
@@ -483,7 +498,8 @@ class Speculative:
             groups.clear()
             self._order.pop(inst.instance_id, None)
             return 0
-        anchor = self._anchor(hashes, ends)
+        if anchor is None:
+            anchor = self.anchor_of(hashes, ends)
         group = groups.get(anchor)
         if not group:
             return 0

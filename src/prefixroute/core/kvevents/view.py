@@ -180,6 +180,11 @@ class PreciseCacheView:
         stream = self._streams.get(instance)
         return stream.mode if stream is not None else Mode.APPROXIMATE
 
+    def precise_flags(self, instances: Sequence[str]) -> list[bool]:
+        """``[mode(i) is PRECISE for i in instances]`` (one pass, for a decision's candidates)."""
+        get, precise = self._streams.get, Mode.PRECISE
+        return [(s := get(i)) is not None and s.mode is precise for i in instances]
+
     def request_keys(self, token_ids: Sequence[int], lora_name: str | None = None) -> list[int]:
         """The router keys of a request's full blocks (see :mod:`.chain`).
 
