@@ -26,7 +26,8 @@ summed; releases before it have only ``sglang:cache_hit_rate``, a gauge of the l
 batches, not read: the hit rate is then unknown). The hit rate of either engine is
 ``hits / queries`` since the engine started.
 
-The text is parsed with ``prometheus_client``'s parser after keeping only the lines of
+The text is parsed (:mod:`prefixroute.server.exposition`: plain lines directly, any
+other page by ``prometheus_client``'s parser) after keeping only the lines of
 these families (a vLLM ``/metrics`` page has hundreds of histogram lines; parsing them
 all would hold the event loop for milliseconds). The page is read whole, in as many reads
 as it arrives in (at most 16 MiB: a larger one is a failed scrape), asked for uncompressed
@@ -64,7 +65,8 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Mapping
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+
+from prefixroute.server.exposition import samples
 
 if TYPE_CHECKING:
     from prefixroute.server.state import RouterState
@@ -281,22 +283,20 @@ def parse_engine_metrics(text: str, scraped_at: float = 0.0) -> BackendStats:
     series: dict[Series, float] = {}
     unknown: set[Series] = set()
     lora: tuple[float, dict[str, str]] | None = None
-    for family in text_string_to_metric_families(kept):
-        for sample in family.samples:
-            if sample.name == _LORA:
-                if lora is None or float(sample.value) >= lora[0]:  # the latest (its value is a timestamp)
-                    lora = (float(sample.value), dict(sample.labels))
-                continue
-            name = sample.name.removesuffix("_total")
-            value = float(sample.value)
-            if not 0.0 <= value < math.inf:  # NaN, infinite or negative: not a count, the figure stays unknown
-                bad.add(name)
-                if (name in _QUERIES or name in _HITS) and not sample.name.endswith("_created"):
-                    unknown.add((name, tuple(sorted(sample.labels.items()))))
-            elif name in _FAMILIES and not sample.name.endswith(("_created", "_bucket", "_sum", "_count")):
-                sums[name] = sums.get(name, 0.0) + value
-                if name in _QUERIES or name in _HITS:
-                    series[(name, tuple(sorted(sample.labels.items())))] = value
+    for sample_name, labels, value in samples(kept):
+        if sample_name == _LORA:
+            if lora is None or value >= lora[0]:  # the latest (its value is a timestamp)
+                lora = (value, labels)
+            continue
+        name = sample_name.removesuffix("_total")
+        if not 0.0 <= value < math.inf:  # NaN, infinite or negative: not a count, the figure stays unknown
+            bad.add(name)
+            if (name in _QUERIES or name in _HITS) and not sample_name.endswith("_created"):
+                unknown.add((name, tuple(sorted(labels.items()))))
+        elif name in _FAMILIES and not sample_name.endswith(("_created", "_bucket", "_sum", "_count")):
+            sums[name] = sums.get(name, 0.0) + value
+            if name in _QUERIES or name in _HITS:
+                series[(name, tuple(sorted(labels.items())))] = value
     for name in bad:
         sums.pop(name, None)
 
