@@ -379,3 +379,25 @@ def test_a_cpu_tier_makes_the_learned_view_remember_more():
                                                 kv_tiers=KvTiersConfig(CpuTierTokens=40_000)))
     assert pool.strategy.capacity_units == 50_000 * 4
     assert ca(kv_tiers={"CpuTierTokens": 5}).cache_aware.to_api()["KvTiers"]["CpuTierTokens"] == 5
+
+
+def test_alternatives_whose_tier_costs_more_than_a_prefill_are_weighed_by_their_negative_saving():
+    """A CPU tier configured slower than a prefill (CpuLoadSPerToken 10x PrefillSPerToken)
+    makes a CPU-only holding worth less than nothing. The best alternative's saving is then
+    negative, and the busy home is compared against that (the request overflows to c, as
+    e746a58 decided), not against a saving of 0."""
+    tiers = KvTiersConfig(PrefillSPerToken=1e-6, CpuLoadSPerToken=1e-5)
+    urls = ["http://a:1", "http://b:1", "http://c:1", "http://d:1"]
+    pool = VariantPool("v", urls, ca(threshold=8, kv_tiers=tiers), seed=1)
+    view = PreciseCacheView(BS)
+    for u in urls:
+        view.add_instance(u).on_connected(complete=True)
+    tokens = doc_tokens(9, 1600)
+    store(view, urls[0], tokens, "GPU")
+    for j in (1, 2, 3):
+        store(view, urls[j], tokens[:160 + 16 * j], "CPU")
+    home = pool.get(urls[0])
+    home.engine_load, home.pending_prefill = 20, 12000
+    blocks = request(view, tokens + [7, 7, 7], "document 9 " + "w" * 6400 + " question")
+    chosen, kind = decide(pool.strategy, tuple(pool.instances), blocks, blocks.precise)
+    assert (chosen.instance_id, kind, pool.strategy.uncached_units) == ("http://c:1", DecisionKind.OVERFLOW, 13332)

@@ -1561,7 +1561,8 @@ async def test_a_connection_pooled_moments_ago_is_reused_without_a_system_call_a
     """A pooled connection idle for less than PEER_CHECK_AFTER_S is taken without asking
     the kernel whether the instance closed it (a close racing the send is sent again:
     ``stale_connection``); one idle for longer is checked with ``poll``, so a close the
-    event loop has not read yet is seen and the connection is not used."""
+    event loop has not read yet is seen and the connection is not used; so is every one
+    of a pool that checks from 0 s (the data plane's with --max-retries 0, tested below)."""
     import socket
 
     from prefixroute.server.upstream import PEER_CHECK_AFTER_S, _UpstreamPool
@@ -1570,9 +1571,11 @@ async def test_a_connection_pooled_moments_ago_is_reused_without_a_system_call_a
     listener = socket.create_server(("127.0.0.1", 0))
     port = listener.getsockname()[1]
     pool = _UpstreamPool(loop, 8, 10.0)
+    never_retried = _UpstreamPool(loop, 8, 10.0, 0.0)  # (--max-retries 0: every connection checked)
     target = ("engine", "127.0.0.1", port)
     try:
-        for idle_s, reused in ((0.0, True), (PEER_CHECK_AFTER_S + 0.05, False)):
+        for pool, idle_s, reused in ((pool, 0.0, True), (pool, PEER_CHECK_AFTER_S + 0.05, False),
+                                     (never_retried, 0.0, False)):
             conn = await pool.connect(target, 2.0)
             server_side, _ = listener.accept()
             pool.put(conn)
@@ -1588,3 +1591,21 @@ async def test_a_connection_pooled_moments_ago_is_reused_without_a_system_call_a
     finally:
         listener.close()
         await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("retries, checked_from", [(0, 0.0), (2, None)])
+async def test_the_data_plane_checks_every_pooled_connection_when_it_may_not_retry(backend, retries, checked_from):
+    """With --max-retries 0 no close racing a send could be sent again, so the fast data
+    plane checks every pooled connection before reuse, however recently it was pooled."""
+    from prefixroute.server.upstream import PEER_CHECK_AFTER_S
+
+    handle = await start_router(FleetConfig.single([backend.url], RoutingConfig()),
+                                ServerSettings(host="127.0.0.1", port=0, health_check_interval_s=0,
+                                               shutdown_timeout_s=1.0, seed=1, max_retries=retries))
+    try:
+        front = handle._front
+        assert front is not None
+        assert front.upstreams.peer_check_after_s == (PEER_CHECK_AFTER_S if checked_from is None else checked_from)
+        assert front.internal_pool.peer_check_after_s == 0.0
+    finally:
+        await handle.close()

@@ -60,7 +60,7 @@ def _pages(draw: st.DrawFn) -> str:
     for _ in range(draw(st.integers(0, 8))):
         name = draw(_names)
         if draw(st.booleans()):
-            lines.append(f"# HELP {name} some help text, with \"quotes\" and \\n")
+            lines.append(f"# HELP {name} some help text, with {{braces}}, = and a backslash \\\\")
         if draw(st.booleans()):
             lines.append(f"# TYPE {name} {draw(st.sampled_from(['counter', 'gauge', 'untyped']))}")
         keys = draw(st.lists(_label_names, unique=True, max_size=3))
@@ -90,6 +90,8 @@ def test_plain_pages_are_read_directly_as_the_parser_reads_them(page: str):
     '# HELP "quoted:name" help\n{"quoted:name"} 1\n',  # a quoted (UTF-8) metric name
     'x{a="1",} 1\n',  # a trailing comma
     'x 1 2 3\n',  # three numbers: the parser takes the first and the last
+    'x 3 2' + '0' * 308 + '\n',  # a timestamp beyond a float (the parser divides the int by 1,000)
+    '# HELP x help with "quotes"\nx 1\n',  # quotes in a comment: the parser splits them its way
 ])
 def test_other_lines_go_to_the_parser_whole(page: str):
     assert _plain(page.splitlines()) is None
@@ -105,6 +107,8 @@ def test_other_lines_go_to_the_parser_whole(page: str):
     '# TYPE x\nx 1\n',  # a TYPE line without a type
     '# HELP 1x help\n',  # an invalid metric name
     'x{a="1} 2\n',  # an unterminated label value
+    '#x HELP 1y help\ny 1\n',  # HELP as the second word, an invalid name
+    '# HELP\x0c1y help\ny 1\n',  # other white space
 ])
 def test_what_the_parser_refuses_still_raises(page: str):
     assert _plain(page.splitlines()) is None
@@ -137,3 +141,12 @@ def test_an_engine_page_gives_the_same_figures_either_way(monkeypatch):
             direct.requests_waiting, direct.kv_usage) == (1500.0, 900.0, 3.0, 2.0, 0.25)
     assert direct.lora_adapters == ("a", "b", "c") and direct.max_lora == 4
     assert len(direct.counter_series) == 3
+
+
+def test_a_value_beyond_a_float_fails_as_it_did():
+    """An integer value too large for a float: prometheus_client's parser reads it as an
+    int, which cannot become a float; the page still fails (the scrape counts it failed)."""
+    page = "vllm:num_requests_running 1" + "0" * 400 + "\n"
+    assert _plain(page.splitlines()) is None
+    with pytest.raises(OverflowError):
+        samples(page)

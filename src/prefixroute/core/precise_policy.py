@@ -263,7 +263,7 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         r_top = max(raw)
         homes: list[int] = []
         tops: list[int] = []
-        rest_raw = s_rest = 0.0
+        rest_raw = s_rest = -math.inf  # (a saving is negative when a tier costs more than a prefill)
         band_low = r_top - bs
         for i in range(k):  # (one pass: homes, the best of the rest, the instances at the top)
             r = raw[i]
@@ -276,6 +276,8 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
                     rest_raw = r
                 if saved[i] > s_rest:
                     s_rest = saved[i]
+        if len(homes) == k:  # no other candidate: 0, as for one that holds nothing
+            rest_raw = s_rest = 0.0
         meaningful = bool(homes) and r_top > rest_raw and r_top - rest_raw >= stick
         extra = 0.0
         cont: dict[int, float] = {}

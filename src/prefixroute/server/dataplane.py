@@ -69,7 +69,7 @@ from prefixroute.server.state import RouterState
 from prefixroute.server.delegate import delegate
 from prefixroute.server.internal_socket import internal_socket_path  # (re-exported)
 from prefixroute.server.http11 import _field, _serialize
-from prefixroute.server.upstream import _error_kind, _Reply, _Upstream, _UpstreamLost, _UpstreamPool
+from prefixroute.server.upstream import PEER_CHECK_AFTER_S, _error_kind, _Reply, _Upstream, _UpstreamLost, _UpstreamPool
 from prefixroute.server.client import _Client, _ClientGone, _Incoming, _Started
 
 __all__ = ["FrontServer", "internal_socket_path", "match_route"]
@@ -95,8 +95,11 @@ class FrontServer:
         self.internal = ("aiohttp", None, internal_socket)
         self.loop = asyncio.get_running_loop()
         s = state.settings
-        self.upstreams = _UpstreamPool(self.loop, s.max_connections, s.keepalive_timeout_s)
-        self.internal_pool = _UpstreamPool(self.loop, 1 << 16, 60.0)
+        # A connection pooled moments ago is reused unchecked only when a close racing the
+        # send can be sent again (stale_connection needs a retry left).
+        self.upstreams = _UpstreamPool(self.loop, s.max_connections, s.keepalive_timeout_s,
+                                       PEER_CHECK_AFTER_S if s.max_retries > 0 else 0.0)
+        self.internal_pool = _UpstreamPool(self.loop, 1 << 16, 60.0, 0.0)
         self.clients: set[_Client] = set()
         self.tasks: set[asyncio.Task[None]] = set()
         self.closing = False

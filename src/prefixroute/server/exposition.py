@@ -15,7 +15,9 @@ always did.
 One difference is kept on purpose: that parser renames the samples of a ``counter``
 family declared without the ``_total`` suffix (``x`` becomes ``x_total``); here names
 are as written. :func:`prefixroute.server.scrape.parse_engine_metrics` removes the
-suffix from every name it reads, so both give it the same figures (tested).
+suffix from every name it reads, so both give it the same figures (tested), but for
+``vllm:lora_requests_info`` declared a counter (vLLM declares it a gauge): read here, its
+renamed sample was not found through the parser.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ _SAMPLE = re.compile(rf"({_NAME})(?:\{{((?:{_PAIR}(?:,{_PAIR})*)?)\}})? +([^ ]+)
 _PAIRS = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 _COMMENT = re.compile(rf"# +(?:HELP|TYPE) +{_NAME}(?: .*)?|#(?! *(?:HELP|TYPE)(?: |$)).*")
 _TYPE = re.compile(rf"# +TYPE +{_NAME} +[^ ]+.*")
+_HELP = re.compile(rf"# +HELP +{_NAME}(?: .*)?")
 _ESCAPE = re.compile(r'\\[\\n"]')
 _ESCAPES = {"\\\\": "\\", "\\n": "\n", '\\"': '"'}
 
@@ -43,12 +46,16 @@ def _number(text: str) -> float | None:
     if "_" in text:
         return None
     try:
-        return float(int(text))
+        whole = int(text)
     except ValueError:
         try:
             return float(text)
         except ValueError:
             return None
+    try:
+        return float(whole)
+    except OverflowError:  # (an int beyond a float: the parser's path decides)
+        return None
 
 
 def _unescape(value: str) -> str:
@@ -65,10 +72,15 @@ def _plain(lines: list[str]) -> list[Sample] | None:
         if "\t" in line:
             return None
         if line[0] == "#":
-            if not _COMMENT.fullmatch(line):
+            # The parser splits a comment at any white space and reads HELP or TYPE as its
+            # second word: anything but the plain forms (quotes, other white space, a word
+            # glued to the #) is its to read.
+            if '"' in line or not line.isascii() or not _COMMENT.fullmatch(line):
                 return None
-            if line.split(None, 2)[1:2] == ["TYPE"] and not _TYPE.fullmatch(line):
-                return None  # (a TYPE line without a type: the parser raises)
+            parts = line.split(None, 3)
+            if len(parts) >= 2 and parts[1] in ("HELP", "TYPE") and not (
+                    parts[0] == "#" and (_HELP if parts[1] == "HELP" else _TYPE).fullmatch(line)):
+                return None  # (e.g. a TYPE line without a type: the parser raises)
             continue
         m = _SAMPLE.fullmatch(line)
         if m is None:

@@ -344,7 +344,7 @@ async def scrape_instance(session: aiohttp.ClientSession, instance_id: str, time
         if len(text) > _PARSE_IN_THREAD_BYTES:  # (a big page: the event loop keeps serving meanwhile)
             return await asyncio.to_thread(parse_engine_metrics, text, time.time())
         return parse_engine_metrics(text, time.time())
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, zlib.error) as exc:
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, OverflowError, zlib.error) as exc:
         log.debug("metrics scrape of %s failed: %s", instance_id, type(exc).__name__)
         return None
 

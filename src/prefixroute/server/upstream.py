@@ -27,9 +27,12 @@ log = logging.getLogger("prefixroute.server.dataplane")
 
 #: An idle connection pooled less than this many seconds ago is reused without asking the
 #: kernel whether the instance closed it (a ``poll``, a tenth of a request's CPU at
-#: thousands of requests a second): engines keep connections alive for seconds (vLLM's
-#: uvicorn: 5 s), and a close that raced the send anyway is sent again on a new
-#: connection (``stale_connection``, :mod:`prefixroute.core.attempts`).
+#: thousands of requests a second), when the router may retry (``--max-retries`` above 0:
+#: the data plane passes 0 otherwise): engines keep connections alive for seconds (vLLM's
+#: uvicorn: 5 s), and a close that raced the send is sent again on a new connection
+#: (``stale_connection``, :mod:`prefixroute.core.attempts`; it takes one of the retries).
+#: What such a close leaves unseen is also what the check itself cannot see: a close
+#: that arrives after it.
 PEER_CHECK_AFTER_S = 0.25
 
 _TAIL = 32  # bytes of a stream's end kept to see event boundaries and ``data: [DONE]``
@@ -352,14 +355,17 @@ class _UpstreamPool:
     """Kept-alive :class:`_Upstream` connections by target, at most ``limit`` open.
 
     A target is ``(label, host, port)`` for TCP or ``(label, None, path)`` for a Unix
-    socket. Idle connections are reused most recent first, checked alive first, and
-    closed after ``keepalive_s``.
+    socket. Idle connections are reused most recent first, checked alive first (with a
+    ``poll`` once idle for ``peer_check_after_s`` seconds or more: :data:`PEER_CHECK_AFTER_S`;
+    0 checks every one), and closed after ``keepalive_s``.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, keepalive_s: float) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, limit: int, keepalive_s: float,
+                 peer_check_after_s: float = PEER_CHECK_AFTER_S) -> None:
         self.loop = loop
         self.limit = limit
         self.keepalive_s = keepalive_s
+        self.peer_check_after_s = peer_check_after_s
         self.idle: dict[tuple[Any, ...], list[_Upstream]] = {}
         self.open = 0
         self._conns: set[_Upstream] = set()
@@ -400,7 +406,7 @@ class _UpstreamPool:
             if not idle:
                 del self.idle[target]  # no empty list kept per instance ever used
             idle_s = now - conn.idle_since
-            if idle_s < self.keepalive_s and (idle_s < PEER_CHECK_AFTER_S and not conn.transport_closing()
+            if idle_s < self.keepalive_s and (idle_s < self.peer_check_after_s and not conn.transport_closing()
                                               or not conn.peer_gone()):
                 conn.reused = True
                 return conn
