@@ -65,7 +65,10 @@ SLICE_S = 0.001
 #: shared-prefix) each cycle's fixed cost (watching and unwatching every socket, the read
 #: that finds it empty) was a sixth of the routers' CPU, and the events stay far fresher
 #: than the prefills they report (a 6,000-token document: about 400 ms); 60 ms saved no
-#: more. What a router sent since is counted by :class:`prefixroute.core.precise_policy.Speculative`.
+#: more. What a router sent since is counted by :class:`prefixroute.core.precise_policy.Speculative`,
+#: until the instance has nothing in flight: a request that ends within this delay of
+#: its blocks' event (an answer of a token or two) leaves its prefix unseen for at most
+#: that long.
 COALESCE_S = 0.030
 #: Most of the event loop's time all instances' ingest takes together.
 INGEST_DUTY = 0.25
