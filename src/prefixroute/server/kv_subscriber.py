@@ -60,16 +60,15 @@ log = logging.getLogger("prefixroute.kv_events")
 SLICE_S = 0.001
 #: After a socket signals a message, the ingest waits this long (seconds) for more, from
 #: it and the other instances, and applies them in one go: at a few hundred messages a
-#: second from a fleet, a few cycles instead of one event-loop wakeup per message. 30 ms,
-#: not 10: with 8 router replicas on 4 engines (bench/policy_vs_peers.py, hot-prefix and
-#: shared-prefix) each cycle's fixed cost (watching and unwatching every socket, the read
-#: that finds it empty) was a sixth of the routers' CPU, and the events stay far fresher
-#: than the prefills they report (a 6,000-token document: about 400 ms); 60 ms saved no
-#: more. What a router sent since is counted by :class:`prefixroute.core.precise_policy.Speculative`,
-#: until the instance has nothing in flight: a request that ends within this delay of
-#: its blocks' event (an answer of a token or two) leaves its prefix unseen for at most
-#: that long.
-COALESCE_S = 0.030
+#: second from a fleet, a few cycles instead of one event-loop wakeup per message. 30 ms
+#: cut the routers' CPU by 9-27 % with 8 router replicas on 4 engines
+#: (bench/policy_vs_peers.py, three runs each of four workloads) but, in
+#: bench/overhead.py's 1K/32K/256K sequence, cost the 256 KB cell 45 % of its
+#: requests/s (968 and 856 against 1,520 req/s; not analysed: a 256 KB-only run was as fast
+#: either way), so it stays 10 ms. What a router sent since the last cycle is counted by
+#: :class:`prefixroute.core.precise_policy.Speculative`, until the instance has nothing in
+#: flight.
+COALESCE_S = 0.010
 #: Most of the event loop's time all instances' ingest takes together.
 INGEST_DUTY = 0.25
 #: Seconds of back-to-back full slices after which a publisher is a flood and is shed.
