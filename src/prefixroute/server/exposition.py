@@ -1,10 +1,13 @@
 """The samples of a Prometheus text exposition, read fast when the lines are plain.
 
 :func:`samples` gives ``(name, labels, value)`` for every sample line of a page, as
-``prometheus_client``'s parser (``text_string_to_metric_families``) reads them, in
-about a twentieth of its time (an engine's 64-line ``/metrics`` page: about 0.8 ms with
-that parser on the development machine, every replica scraping every engine twice a
-second in the benchmarks). Only the common form is read here: a metric name, label
+``prometheus_client``'s parser (``text_string_to_metric_families``) reads them, in less
+time: :func:`prefixroute.server.scrape.parse_engine_metrics` as a whole takes 2.3x less
+on a page of the families it reads and 1.7x less on a vLLM-sized page
+(``python bench/scrape_parse.py``, docs/PERFORMANCE.md), and every router replica reads
+every engine's page twice a second in the benchmarks.
+
+Only the common form is read here: a metric name, label
 pairs ``name="value"`` separated by commas (``\\\\``, ``\\"`` and ``\\n`` escapes),
 a value and an optional timestamp separated by spaces; ``# HELP`` and ``# TYPE`` lines
 with an unquoted name. Anything else on the page (a quoted metric name, a tab, a

@@ -167,11 +167,10 @@ class _Upstream(asyncio.Protocol):
     def peer_gone(self) -> bool:
         """:func:`~prefixroute.server.client_session.peer_closed` for this idle connection, with
         its socket registered once (one ``poll`` system call, zero timeout)."""
-        transport = self.transport
-        if transport is None or transport.is_closing():
+        if self.transport_closing():
             return True
         poller = self.poller
-        return peer_closed(transport) if poller is None else bool(poller.poll(0))
+        return peer_closed(self.transport) if poller is None else bool(poller.poll(0))  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         if self.idle:  # bytes nobody asked for on a pooled connection: never reuse it
