@@ -15,7 +15,13 @@ Usage::
     python bench/pvp_report.py docs/benchmarks/policy_vs_peers.json [earlier.json ...]
 
 The tables are Markdown, as docs/BENCHMARKS.md shows them. Without a second file the
-noise is taken as 0 (every loss counts). ``--tables`` adds one table per workload with
+noise is taken as 0 (every loss counts). ``--noise-from A.json B.json`` measures the
+noise on other runs instead (two or more files of the same settings, such as the
+recorded full run and its repeat), so that one new run is judged with a noise measured
+before::
+
+    python bench/pvp_report.py new.json --noise-from docs/benchmarks/policy_vs_peers.json \
+        docs/benchmarks/policy_vs_peers_noise.json ``--tables`` adds one table per workload with
 every router and replica count (the medians), as docs/benchmarks/policy_vs_peers.md
 keeps them.
 """
@@ -176,12 +182,16 @@ def _short(label: str) -> str:
             .replace("vllm-router ", "vllm ").replace("sglang-router ", "sglang "))
 
 
-def render(table: dict[Cell, list[dict[str, Any]]]) -> Iterable[str]:
-    """The report's lines: noise, verdicts, replica drift."""
-    tol = noise(table)
+def render(table: dict[Cell, list[dict[str, Any]]],
+           noise_table: dict[Cell, list[dict[str, Any]]] | None = None) -> Iterable[str]:
+    """The report's lines: noise, verdicts, replica drift. ``noise_table``: the runs the
+    noise is measured on (default: ``table`` itself)."""
+    tol = noise(table if noise_table is None else noise_table)
     medians = {c: median_run(r) for c, r in table.items()}
     files = max((len(r) for r in table.values()), default=0)
     yield f"{files} run(s) per cell"
+    if noise_table is not None:
+        yield f"noise measured on other runs: {max((len(r) for r in noise_table.values()), default=0)} file(s)"
     yield ""
     yield "| figure | noise, median | noise, 90th percentile | cells |"
     yield "|---|---:|---:|---:|"
@@ -249,12 +259,18 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("runs", nargs="+", type=Path, help="JSON of bench/policy_vs_peers.py runs (--json)")
     p.add_argument("--tables", action="store_true", help="also print one table per workload (every router)")
+    p.add_argument("--noise-from", nargs="+", type=Path, metavar="JSON", default=None,
+                   help="measure the noise on these runs (two or more JSON files of the same settings) "
+                        "instead of on the runs judged")
     args = p.parse_args(argv)
     try:
         table = cells(load_runs(args.runs))
+        noise_table = cells(load_runs(args.noise_from)) if args.noise_from else None
     except (OSError, ValueError) as exc:
         p.error(str(exc))
-    for line in render(table):
+    if noise_table is not None and noise(noise_table)["hit"].cells == 0:
+        p.error("--noise-from: no cell is in two of these files; give two or more runs of the same settings")
+    for line in render(table, noise_table):
         print(line)
     if args.tables:
         print()

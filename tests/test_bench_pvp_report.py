@@ -84,3 +84,33 @@ def test_workload_tables_list_every_router_with_the_subject_in_bold(tmp_path, ca
     out = capsys.readouterr().out
     assert "| **prefixroute CACHE_AWARE** | 1 | 90.0 % | 30 ms | 50 ms | 12.5 rps | 31 % | 0 |" in out
     assert "| haproxy hash-balance-factor | 1 | 80.0 % | 20 ms | 400 ms | - | - | 0 |" in out
+
+
+def test_noise_from_other_runs_judges_one_new_run(tmp_path, capsys):
+    # The noise runs: CACHE_AWARE's hit rate spreads by 1.0 point, its P50 by 10 %.
+    old_a = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.940, 0.020, 0.030),
+             _run("vllm-router consistent_hash", "consistent_hash", 1, 0.945, 0.020, 0.030)]
+    old_b = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.930, 0.022, 0.030),
+             _run("vllm-router consistent_hash", "consistent_hash", 1, 0.945, 0.020, 0.030)]
+    # The new run: 0.8 point behind on hits (within 1.0), 5 % behind on P50 (within 10 %),
+    # 20 % behind on P90 (beyond the 0 % P90 noise).
+    new = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.937, 0.021, 0.036),
+           _run("vllm-router consistent_hash", "consistent_hash", 1, 0.945, 0.020, 0.030)]
+    new_path, a_path, b_path = _files(tmp_path, new, old_a, old_b)
+    assert report.main([str(new_path), "--noise-from", str(a_path), str(b_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| hit | 0.5 pts | 1.0 pts | 2 |" in out  # spreads 1.0 and 0.0 points
+    assert "| P50 | 5 % | 10 % | 2 |" in out
+    assert ("| w | 1 | 93.7 % / 94.5 % vllm consistent_hash | 21 ms / 20 ms vllm consistent_hash | "
+            "36 ms / 30 ms vllm consistent_hash **behind** | no |") in out
+    # Judged without it, one file: every loss counts.
+    assert report.main([str(new_path)]) == 0
+    assert "93.7 % / 94.5 % vllm consistent_hash **behind**" in capsys.readouterr().out
+
+
+def test_noise_from_one_file_is_refused(tmp_path, capsys):
+    new_path, a_path = _files(tmp_path, [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, 0.03)],
+                              [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, 0.03)])
+    with pytest.raises(SystemExit):
+        report.main([str(new_path), "--noise-from", str(a_path)])
+    assert "no cell is in two of these files" in capsys.readouterr().err
