@@ -1,4 +1,4 @@
-"""Verdicts of ``bench/policy_vs_peers.py`` runs against their own run-to-run noise.
+"""Verdicts of ``bench/policy_vs_peers.py`` runs against their run-to-run noise.
 
 Reads the JSON of one or more runs of the benchmark (``--json PATH``), taken at
 different times with the same settings. Per (workload, replicas, router) it takes the
@@ -21,15 +21,21 @@ recorded full run and its repeat), so that one new run is judged with a noise me
 before::
 
     python bench/pvp_report.py new.json --noise-from docs/benchmarks/policy_vs_peers.json \
-        docs/benchmarks/policy_vs_peers_noise.json ``--tables`` adds one table per workload with
-every router and replica count (the medians), as docs/benchmarks/policy_vs_peers.md
-keeps them.
+        docs/benchmarks/policy_vs_peers_noise.json
+
+The noise files must be other files than the runs judged and than each other; settings
+that differ from the judged runs' (other than the replica counts and repeats) are named
+in a warning, and so is how many judged groups have a noise cell of their own (the
+others are judged with the noise of other cells). ``--tables`` adds one table per
+workload with every router and replica count (the medians), as
+docs/benchmarks/policy_vs_peers.md keeps them.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import dataclass
@@ -48,18 +54,65 @@ def is_peer(run: dict[str, Any]) -> bool:
     return run["router"] != "prefixroute" or run["strategy"] == "LLMD_REFERENCE"
 
 
+#: What every run of a file must name.
+_RUN_KEYS = ("workload", "replicas", "label", "router", "strategy")
+
+
+def load_docs(paths: Sequence[Path]) -> list[dict[str, Any]]:
+    """Each file's JSON document, checked: a dict with a ``runs`` list whose runs are
+    dicts naming :data:`_RUN_KEYS`.
+
+    Raises:
+        ValueError: a file is not JSON or not a policy_vs_peers JSON (the message names it).
+    """
+    out = []
+    for p in paths:
+        try:
+            doc = json.loads(Path(p).read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{p}: not JSON ({exc})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+            raise ValueError(f"{p}: not a bench/policy_vs_peers.py JSON (no 'runs' list)")
+        for i, r in enumerate(doc["runs"]):
+            if not isinstance(r, dict) or any(k not in r for k in _RUN_KEYS):
+                raise ValueError(f"{p}: run {i} is not a benchmark run (it must name {', '.join(_RUN_KEYS)})")
+        out.append(doc)
+    return out
+
+
 def load_runs(paths: Sequence[Path]) -> list[list[dict[str, Any]]]:
     """The ``runs`` of each file (a run repeated within one file is already its median).
 
     Raises:
         ValueError: a file is not a policy_vs_peers JSON.
     """
+    return [doc["runs"] for doc in load_docs(paths)]
+
+
+def _figure(run: dict[str, Any], field: str) -> float | None:
+    """A run's figure as a number, or ``None`` when it is missing, not a number or NaN."""
+    v = run.get(field)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+        return None
+    return float(v)
+
+
+#: Settings that may differ between the runs judged and the noise runs.
+_FREE_SETTINGS = ("replicas", "repeat", "multi_replica_workloads", "baselines_replicas")
+
+
+def settings_differences(judged: Sequence[dict[str, Any]], noise_docs: Sequence[dict[str, Any]]) -> list[str]:
+    """The settings (other than :data:`_FREE_SETTINGS`) whose values differ between the
+    judged files and the noise files, as ``name: judged values / noise values``."""
+    def values(docs: Sequence[dict[str, Any]], key: str) -> list[str]:
+        return sorted({json.dumps((d.get("settings") or {}).get(key), sort_keys=True) for d in docs})
+
+    keys = sorted({k for d in [*judged, *noise_docs] for k in (d.get("settings") or {}) if k not in _FREE_SETTINGS})
     out = []
-    for p in paths:
-        doc = json.loads(Path(p).read_text())
-        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
-            raise ValueError(f"{p}: not a bench/policy_vs_peers.py JSON (no 'runs' list)")
-        out.append(doc["runs"])
+    for k in keys:
+        a, b = values(judged, k), values(noise_docs, k)
+        if a != b:
+            out.append(f"{k}: {', '.join(a)} / {', '.join(b)}")
     return out
 
 
@@ -79,8 +132,9 @@ def median_run(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The first run with every compared figure and the error count replaced by their medians."""
     m = dict(runs[0])
     for field, *_ in FIGURES:
-        m[field] = statistics.median(r[field] for r in runs)
-    m["errors"] = max(r["errors"] for r in runs)
+        vals = [v for v in (_figure(r, field) for r in runs) if v is not None]
+        m[field] = statistics.median(vals) if vals else None
+    m["errors"] = max(int(r.get("errors") or 0) for r in runs)
     m["files"] = len(runs)
     return m
 
@@ -103,11 +157,13 @@ def noise(table: dict[Cell, list[dict[str, Any]]]) -> dict[str, Noise]:
     for field, label, _, kind in FIGURES:
         spreads = []
         for runs in table.values():
-            vals = [r[field] for r in runs if r.get(field) is not None and r[field] == r[field]]
+            vals = [v for v in (_figure(r, field) for r in runs) if v is not None]
             if len(vals) < 2:
                 continue
             lo, hi = min(vals), max(vals)
-            spreads.append((hi - lo) * 100 if kind == "points" else (hi / lo - 1 if lo > 0 else 0.0))
+            if kind != "points" and lo <= 0:
+                continue  # (a relative spread from 0 means nothing)
+            spreads.append((hi - lo) * 100 if kind == "points" else hi / lo - 1)
         if spreads:
             spreads.sort()
             out[label] = Noise(label, statistics.median(spreads), spreads[min(len(spreads) - 1,
@@ -152,14 +208,20 @@ def verdicts(medians: dict[Cell, dict[str, Any]], tolerance: dict[str, Noise]) -
         best, value, leads = {}, {}, {}
         for field, label, higher, kind in FIGURES:
             pick = max if higher else min
-            b = pick(peers, key=lambda r: r[field])
+            known = [r for r in peers if _figure(r, field) is not None]
+            mine = _figure(subj, field)
+            if not known:
+                continue  # no peer has this figure: nothing to compare
+            b = pick(known, key=lambda r: r[field])
             best[label] = (b["label"], b[field])
-            value[label] = subj[field]
+            value[label] = mine if mine is not None else math.nan
             tol = tolerance[label].p90
-            if higher:
-                leads[label] = subj[field] * 100 >= b[field] * 100 - tol - 1e-9
+            if mine is None:
+                leads[label] = False  # a figure the subject does not have is not a lead
+            elif higher:
+                leads[label] = mine * 100 >= b[field] * 100 - tol - 1e-9
             else:
-                leads[label] = subj[field] <= b[field] * (1 + tol) + 1e-12
+                leads[label] = mine <= b[field] * (1 + tol) + 1e-12
         out.append(Verdict(wl, reps, value, best, leads, int(subj["errors"])))
     return out
 
@@ -168,7 +230,7 @@ def replica_drift(medians: dict[Cell, dict[str, Any]]) -> dict[str, dict[int, fl
     """Per workload: CACHE_AWARE's hit rate (fraction) at each replica count."""
     out: dict[str, dict[int, float]] = {}
     for (wl, reps, _), r in medians.items():
-        if r["router"] == "prefixroute" and r["strategy"] == SUBJECT:
+        if r["router"] == "prefixroute" and r["strategy"] == SUBJECT and r.get("cache_hit_rate") is not None:
             out.setdefault(wl, {})[reps] = r["cache_hit_rate"]
     return out
 
@@ -205,6 +267,9 @@ def render(table: dict[Cell, list[dict[str, Any]]],
     for v in vs:
         cols = []
         for label in ("hit", "P50", "P90"):
+            if label not in v.best:
+                cols.append("- (no peer has it)")
+                continue
             who, b = v.best[label]
             mark = "" if v.leads[label] else " **behind**"
             cols.append(f"{_fmt(label, v.subject[label])} / {_fmt(label, b)} {_short(who)}{mark}")
@@ -260,16 +325,35 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("runs", nargs="+", type=Path, help="JSON of bench/policy_vs_peers.py runs (--json)")
     p.add_argument("--tables", action="store_true", help="also print one table per workload (every router)")
     p.add_argument("--noise-from", nargs="+", type=Path, metavar="JSON", default=None,
-                   help="measure the noise on these runs (two or more JSON files of the same settings) "
-                        "instead of on the runs judged")
+                   help="measure the noise on these runs (two or more other JSON files of the same settings, "
+                        "e.g. a run and its repeat) instead of on the runs judged; put it after the runs, or end "
+                        "its list with --")
     args = p.parse_args(argv)
     try:
-        table = cells(load_runs(args.runs))
-        noise_table = cells(load_runs(args.noise_from)) if args.noise_from else None
+        docs = load_docs(args.runs)
+        noise_docs = load_docs(args.noise_from) if args.noise_from else None
     except (OSError, ValueError) as exc:
         p.error(str(exc))
-    if noise_table is not None and noise(noise_table)["hit"].cells == 0:
-        p.error("--noise-from: no cell is in two of these files; give two or more runs of the same settings")
+    table = cells([d["runs"] for d in docs])
+    noise_table = None
+    if noise_docs is not None:
+        judged = {Path(x).resolve() for x in args.runs}
+        given = [Path(x).resolve() for x in args.noise_from]
+        if len(set(given)) != len(given):
+            p.error("--noise-from: a file is named twice; the noise is the spread between different runs")
+        if judged & set(given):
+            p.error("--noise-from: a file judged is also a noise file; the noise must come from other runs")
+        noise_table = cells([d["runs"] for d in noise_docs])
+        empty = [label for label, n in noise(noise_table).items() if not n.cells]
+        if empty:
+            p.error(f"--noise-from: no cell has {', '.join(empty)} in two of these files; give two or more runs "
+                    "of the same settings")
+        for diff in settings_differences(docs, noise_docs):
+            print(f"warning: --noise-from: settings differ (judged / noise): {diff}", file=sys.stderr)
+        groups = {(wl, reps) for wl, reps, _ in table}
+        own = {(wl, reps) for (wl, reps, _), runs in noise_table.items() if len(runs) > 1} & groups
+        print(f"note: {len(own)} of {len(groups)} judged groups have noise cells of their own; the others are "
+              "judged with the noise of other cells", file=sys.stderr)
     for line in render(table, noise_table):
         print(line)
     if args.tables:

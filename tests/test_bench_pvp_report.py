@@ -113,4 +113,53 @@ def test_noise_from_one_file_is_refused(tmp_path, capsys):
                               [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, 0.03)])
     with pytest.raises(SystemExit):
         report.main([str(new_path), "--noise-from", str(a_path)])
-    assert "no cell is in two of these files" in capsys.readouterr().err
+    assert "no cell has hit, P50, P90 in two of these files" in capsys.readouterr().err
+
+
+def test_noise_from_refuses_a_file_twice_or_a_judged_file(tmp_path, capsys):
+    run = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, 0.03)]
+    new_path, a_path, b_path = _files(tmp_path, run, run, run)
+    with pytest.raises(SystemExit):
+        report.main([str(new_path), "--noise-from", str(a_path), str(tmp_path / "." / a_path.name)])
+    assert "a file is named twice" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        report.main([str(new_path), "--noise-from", str(new_path), str(b_path)])
+    assert "a file judged is also a noise file" in capsys.readouterr().err
+
+
+def test_bad_runs_and_missing_figures_are_refused_or_not_leads(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"runs": [{}]}')
+    with pytest.raises(SystemExit):
+        report.main([str(bad)])
+    assert "run 0 is not a benchmark run" in capsys.readouterr().err
+    # Noise files without any P90: refused, not taken as 0 noise.
+    a = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, None)]
+    b = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.8, 0.03, None)]
+    # The judged run's P90 is unknown: not a lead on P90; a peer without P50 is left out.
+    new = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.95, 0.02, None),
+           _run("vllm-router consistent_hash", "consistent_hash", 1, 0.90, None, 0.03),
+           _run("haproxy hash-balance-factor", "hash", 1, 0.80, 0.05, 0.04)]
+    new_path, a_path, b_path = _files(tmp_path, new, a, b)
+    with pytest.raises(SystemExit):
+        report.main([str(new_path), "--noise-from", str(a_path), str(b_path)])
+    assert "no cell has P90 in two of these files" in capsys.readouterr().err
+    table = report.cells(report.load_runs([new_path]))
+    (v,) = report.verdicts({c: report.median_run(r) for c, r in table.items()}, report.noise(table))
+    assert v.best["P50"] == ("haproxy hash-balance-factor", 0.05) and v.leads["P50"]
+    assert v.best["P90"][0] == "vllm-router consistent_hash" and not v.leads["P90"] and not v.all_lead
+
+
+def test_noise_from_names_settings_that_differ(tmp_path, capsys):
+    run = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, 0.03),
+           _run("vllm-router consistent_hash", "consistent_hash", 1, 0.9, 0.02, 0.03)]
+    paths = []
+    for i, threshold in enumerate((64, 32, 32)):
+        path = tmp_path / f"s{i}.json"
+        path.write_text(json.dumps({"runs": run, "settings": {"cache_aware_threshold": threshold, "replicas": [i]}}))
+        paths.append(path)
+    assert report.main([str(paths[0]), "--noise-from", str(paths[1]), str(paths[2])]) == 0
+    err = capsys.readouterr().err
+    assert "settings differ (judged / noise): cache_aware_threshold: 64 / 32" in err
+    assert "replicas" not in err.split("note:")[0]  # replica counts may differ
+    assert "1 of 1 judged groups have noise cells of their own" in err
