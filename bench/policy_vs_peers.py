@@ -240,6 +240,18 @@ def cache_aware_specs(s: BenchSettings, extra: tuple[str, ...]) -> list[Prefixro
     return out
 
 
+def with_access_log(spec: RouterSpec, directory: Path | None, workload: str, replicas: int, repeat: int) -> RouterSpec:
+    """``spec`` with ``prefixroute serve --access-log`` writing to
+    ``DIRECTORY/WORKLOAD-SLUG-xREPLICAS-REPEAT.jsonl`` (every replica of the run appends to
+    that file: one JSON line per request, with its decision, instance, TTFT and body
+    size, never its text), when ``directory`` is given and ``spec`` is prefixroute's;
+    ``spec`` itself otherwise (the peers have no such log)."""
+    if directory is None or not isinstance(spec, PrefixrouteSpec):
+        return spec
+    path = directory / f"{workload}-{_slug(spec.label)}-x{replicas}-{repeat}.jsonl"
+    return dataclasses.replace(spec, extra_args=(*spec.extra_args, "--access-log", str(path)))
+
+
 def engine_args(s: BenchSettings, shared_tier: Path | None, token_ratio: float = 1.0) -> list[str]:
     """The ``prefixroute emulate`` flags every engine of a run gets: its KV capacity, and
     for precise mode the tiny tokenizer and KV events (on free ports); the tiers.
@@ -939,6 +951,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="comma-separated router labels or their slugs to run, e.g. "
                         "prefixroute-cache-aware,sglang-router-cache-aware, or a product name (haproxy) (default: all)")
     p.add_argument("--replicas", default="", help="comma-separated router replica counts (default: 1,4,8)")
+    p.add_argument("--access-logs", type=Path, default=None, metavar="DIR",
+                   help="write each prefixroute run's access log (serve --access-log: one JSON line per request "
+                        "with its decision, instance, TTFT and body size, never its text) to "
+                        "DIR/WORKLOAD-ROUTER-xREPLICAS-REPEAT.jsonl (default: none)")
     p.add_argument("--repeat", type=int, default=None,
                    help="runs of each (workload, router, replicas): tables show the median of each figure, the JSON "
                         "every run, for the run-to-run noise (default: 1)")
@@ -1005,6 +1021,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = parse_args(argv)
     s = settings_from(args)
+    if args.access_logs is not None:
+        try:
+            args.access_logs.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise SystemExit(f"error: --access-logs: {exc}") from None
     workloads = select(WORKLOADS, args.workloads, lambda w: [w.name], "workload")
     routers = select(router_specs(s), args.routers, lambda r: [_slug(r.label), r.label, r.router], "router")
     console = Console() if Console().is_terminal else Console(width=200)
@@ -1060,7 +1081,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             n += 1
             t0 = time.monotonic()
             try:
-                rr = run_one(spec, wl, reps, s, statuses.get(spec.peer))
+                rr = run_one(with_access_log(spec, args.access_logs, wl.name, reps, k), wl, reps, s,
+                             statuses.get(spec.peer))
             except PeerError as exc:
                 console.print(f"[red]{wl.name} / {spec.label} x{reps}: failed to start:[/red] {escape(str(exc))}")
                 skipped[f"{spec.label} x{reps} on {wl.name}"] = str(exc)[:500]

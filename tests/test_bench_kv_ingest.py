@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_kv_ingest_benchmark_runs_and_reports(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("kv_ingest", ROOT / "bench" / "kv_ingest.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_kv_ingest_benchmark_runs_and_reports(tmp_path: Path, load_bench) -> None:
+    bench = load_bench("kv_ingest")
     out = tmp_path / "kv.json"
     bench.main(["--requests", "60", "--documents", "5", "--prefix-tokens", "400", "--kv-blocks", "200",
                 "--rounds", "1", "--json", str(out)])

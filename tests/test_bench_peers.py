@@ -412,3 +412,15 @@ def test_tiny_tokenizer_engines_cost_what_default_engines_cost():
     for bad in (0.0, -1.0, float("nan")):
         with pytest.raises(ValueError):
             bench.engine_args(s, None, bad)
+
+
+def test_access_logs_go_to_prefixroute_runs_only_one_file_per_run(tmp_path):
+    specs = {r.label: r for r in bench.router_specs(bench.FULL)}
+    ca = specs["prefixroute CACHE_AWARE"]
+    logged = bench.with_access_log(ca, tmp_path, "sharegpt-multi-turn", 8, 2)
+    assert logged.extra_args[-2:] == ("--access-log", str(tmp_path / "sharegpt-multi-turn-prefixroute-cache-aware-x8-2.jsonl"))
+    assert logged.extra_args[:-2] == ca.extra_args and logged.routing == ca.routing
+    peer = specs["vllm-router consistent_hash"]
+    assert bench.with_access_log(peer, tmp_path, "images", 1, 0) is peer
+    assert bench.with_access_log(ca, None, "images", 1, 0) is ca
+    assert bench.parse_args(["--access-logs", str(tmp_path / "logs")]).access_logs == tmp_path / "logs"

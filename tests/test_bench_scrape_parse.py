@@ -3,20 +3,14 @@ and both readings give the same figures."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 from prefixroute.server.exposition import _plain
 
-ROOT = Path(__file__).resolve().parent.parent
 
-
-def test_scrape_parse_benchmark_runs_and_reports(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("scrape_parse", ROOT / "bench" / "scrape_parse.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+def test_scrape_parse_benchmark_runs_and_reports(tmp_path: Path, load_bench) -> None:
+    bench = load_bench("scrape_parse")
     for extra in (False, True):  # prometheus-client's own pages are plain: the direct path is what is timed
         text = bench.page(extra)
         assert _plain(text.split("\n")) is not None

@@ -4,29 +4,14 @@ leak an in-flight slot, and the router must drain and exit 0 on SIGTERM."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.soak
 
-SOAK = Path(__file__).resolve().parent.parent / "bench" / "soak.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("prefixroute_bench_soak", SOAK)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_soak_60s(tmp_path, capsys):
-    soak = _load()
+def test_soak_60s(tmp_path, capsys, load_bench):
+    soak = load_bench("soak")
     out = tmp_path / "soak.json"
     status = soak.main(["--duration", "60", "--quiet", "--json", str(out)])
     table = capsys.readouterr().out
