@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import socket
 import subprocess
 import sys
@@ -62,19 +63,32 @@ class Engine:
         self.lora_adapters, self.encoding = lora_adapters, encoding
         self.pub_port = pub_port or free_port()
         self.replay_port = (replay_port or free_port()) if replay else None
+        # ports picked here are free when picked, not when bound: another test's process
+        # may take one first (seen in CI), so those are picked again on EADDRINUSE
+        self._picked = (pub_port is None, replay and replay_port is None)
         self.runner: Any = None
 
     async def start(self) -> "Engine":
-        # "*": vLLM's rule binds only a wildcard endpoint (a host alone would connect).
-        settings = KvEventsSettings(f"tcp://*:{self.pub_port}",
-                                    f"tcp://*:{self.replay_port}" if self.replay_port else None,
-                                    hash_seed=self.seed, encoding=self.encoding)  # type: ignore[arg-type]
         config = dataclasses.replace(self.config, max_loras=max(1, self.config.max_loras)) if self.lora_adapters \
             else self.config
-        self.runner, self.http_port = await start_engine_server(
-            config, "127.0.0.1", self.http_port, 0.0, tokenizer=TOK, kv_events=settings,
-            lora_modules={name: f"/adapters/{name}" for name in self.lora_adapters})
-        return self
+        for attempt in range(5):
+            # "*": vLLM's rule binds only a wildcard endpoint (a host alone would connect).
+            settings = KvEventsSettings(f"tcp://*:{self.pub_port}",
+                                        f"tcp://*:{self.replay_port}" if self.replay_port else None,
+                                        hash_seed=self.seed, encoding=self.encoding)  # type: ignore[arg-type]
+            try:
+                self.runner, self.http_port = await start_engine_server(
+                    config, "127.0.0.1", self.http_port, 0.0, tokenizer=TOK, kv_events=settings,
+                    lora_modules={name: f"/adapters/{name}" for name in self.lora_adapters})
+                return self
+            except zmq.ZMQError as exc:
+                if exc.errno != errno.EADDRINUSE or not any(self._picked) or attempt == 4:
+                    raise
+                if self._picked[0]:
+                    self.pub_port = free_port()
+                if self._picked[1]:
+                    self.replay_port = free_port()
+        raise AssertionError("unreachable")
 
     @property
     def server(self) -> EngineServer:
@@ -742,3 +756,28 @@ async def test_the_tokenizing_thread_runs_nicer_than_the_event_loop() -> None:
         assert keyer.seen == min(19, own + TOKENIZE_NICENESS)
     finally:
         off_path.close()
+
+
+async def test_the_test_engine_picks_other_ports_when_one_is_taken_before_it_binds(monkeypatch):
+    ctx = zmq.Context()
+    taken = ctx.socket(zmq.PUB)
+    port = taken.bind_to_random_port("tcp://*")
+    picks = iter([port, port])  # the first two picks are both the taken port
+    real = free_port
+    monkeypatch.setattr(sys.modules[__name__], "free_port", lambda: next(picks, None) or real())
+    try:
+        engine = Engine()
+        assert engine.pub_port == port and engine.replay_port == port
+        await engine.start()
+        try:
+            assert engine.pub_port != port and engine.replay_port != port
+            assert engine.server.publisher is not None
+            assert engine.server.publisher.endpoint.endswith(f":{engine.pub_port}")
+        finally:
+            await engine.stop()
+        # ports the caller chose are not changed: the error is the caller's
+        with pytest.raises(zmq.ZMQError):
+            await Engine(pub_port=port).start()
+    finally:
+        taken.close(0)
+        ctx.term()
