@@ -1,6 +1,7 @@
 """What both data planes do around one attempt: claim an instance among a request's
 candidates (:func:`acquire`, :func:`acquire_or_grow`: in-flight leases, held-back
-instances skipped, LoRA sticky sets grown), count a request an instance took
+instances skipped, LoRA sticky sets grown), tell the strategy where it went
+(:func:`learn_route`), count a request an instance took
 (:func:`count_routed`), and apply an attempt's :class:`~prefixroute.core.attempts.Step`
 (:func:`apply_step`: the recorded error, upstream errors, passive health, the log line;
 :func:`retry_elsewhere` for a 429/503 with ``--retry-status``)."""
@@ -8,16 +9,17 @@ instances skipped, LoRA sticky sets grown), count a request an instance took
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 from prefixroute.core.attempts import Next, Step
-from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated
+from prefixroute.core.pool import Decision, Lease, NoHealthyInstance, SetSaturated, VariantPool
+from prefixroute.core.strategies import InstanceState
 from prefixroute.server.state import RouterState
 
 if TYPE_CHECKING:
     from prefixroute.server.proxy import RoutedRequest
 
-__all__ = ["acquire", "acquire_or_grow", "count_routed", "apply_step", "retry_elsewhere", "client_gone"]
+__all__ = ["acquire", "acquire_or_grow", "learn_route", "count_routed", "apply_step", "retry_elsewhere", "client_gone"]
 
 log = logging.getLogger("prefixroute.server.proxy")
 
@@ -47,6 +49,24 @@ def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset
             except (NoHealthyInstance, SetSaturated):
                 pass  # (a held instance is still better than a refusal of the router's own)
     return _acquire(state, rr, exclude, refuse_all_busy)
+
+
+def learn_route(pool: VariantPool, instance: InstanceState, blocks: Sequence[int]) -> None:
+    """Tell ``pool``'s strategy that a request with ``blocks`` went to ``instance``
+    (:meth:`prefixroute.core.pool.VariantPool.learn`), now: before the next decision.
+
+    Both data planes call it in the same callback as the decision (after the send when
+    the request goes over a pooled connection, before the connect otherwise), never
+    later: requests parsed in one loop turn are decided one after the other, and a
+    learning deferred to the next turn left the decisions between blind to each other.
+    A burst of new conversations behind one system prompt (every client starting at
+    once, no connection pooled yet) then saw one instance holding the prompt and sent
+    it most of them (25 of 48 in bench/policy_vs_peers.py's sharegpt-multi-turn run).
+    An exception (our bug) is logged: the request goes on, its blocks not learnt."""
+    try:
+        pool.learn(instance, blocks)
+    except Exception:
+        log.exception("learning where a request went failed")
 
 
 def _acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str],

@@ -57,7 +57,7 @@ from prefixroute.core.attempts import Attempts, Next
 from prefixroute.core.pool import Lease, NoHealthyInstance, SetSaturated
 from prefixroute.server import headers as H
 from prefixroute.server.app import prepare_inference, request_id
-from prefixroute.server.attempt import acquire, acquire_or_grow, apply_step, count_routed, retry_elsewhere
+from prefixroute.server.attempt import acquire, acquire_or_grow, apply_step, count_routed, learn_route, retry_elsewhere
 from prefixroute.server.proxy import (Api, RoutedRequest, ends_with_done, no_instance_error, our_headers,
                                       saturated_error, upstream_error, upstream_headers)
 from prefixroute.server.relay import our_lines, relay, write_whole
@@ -279,8 +279,8 @@ class FrontServer:
             self.upstreams.run_due()
             up = started.up = self.upstreams.take(target[:3])
         if up is None:
-            if rr.blocks:
-                self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
+            if rr.blocks:  # learnt before the connect (attempt.learn_route)
+                learn_route(pool, lease.decision.instance, rr.blocks)
             return False
         rr.record.t_sent = t_send = time.perf_counter()
         started.router_s = t_send - rr.t0
@@ -293,10 +293,7 @@ class FrontServer:
         started.deadline = deadline = self.loop.time() + self.state.settings.response_headers_timeout_s
         client.watch_headers(deadline)
         if rr.blocks:  # the request is on its way: CACHE_AWARE learns where it went
-            try:
-                pool.learn(lease.decision.instance, rr.blocks)
-            except Exception:  # our bug: the request goes on; its blocks are not learnt
-                log.exception("learning where a request went failed")
+            learn_route(pool, lease.decision.instance, rr.blocks)
         return True
 
     def account(self) -> None:
@@ -562,7 +559,7 @@ class FrontServer:
                         return
                     pool = rr.pool
                     if rr.blocks:
-                        self.loop.call_soon(pool.learn, lease.decision.instance, rr.blocks)
+                        learn_route(pool, lease.decision.instance, rr.blocks)
                 if retry is not None:
                     m.retries.labels(rr.endpoint, variant, retry).inc()
                     record.retries += 1

@@ -57,7 +57,7 @@ from prefixroute.server.errors import MAX_ERROR_BODY, openai_error, sagemaker_er
 from prefixroute.server.record import RequestRecord
 from prefixroute.server.routes import Api
 from prefixroute.server.state import RouterState
-from prefixroute.server.attempt import acquire_or_grow, apply_step, client_gone, retry_elsewhere
+from prefixroute.server.attempt import acquire_or_grow, apply_step, client_gone, learn_route, retry_elsewhere
 from prefixroute.server.client_session import FRESH_CONNECTION, REUSED_CONNECTION
 
 __all__ = ["Api", "RoutedRequest", "forward", "forward_get", "our_headers", "saturated_error", "no_instance_error",
@@ -295,10 +295,8 @@ async def forward(state: RouterState, rr: RoutedRequest) -> web.StreamResponse:
                 record.error = "sticky_set_saturated"
                 return saturated_error(state, rr, str(exc), base_headers)
             pool = rr.pool
-            if rr.blocks:
-                # CACHE_AWARE learns what it sent once the request is on its way (the next
-                # loop turn, after aiohttp wrote it), off this request's latency path.
-                asyncio.get_running_loop().call_soon(pool.learn, lease.decision.instance, rr.blocks)
+            if rr.blocks:  # before the next decision (attempt.learn_route)
+                learn_route(pool, lease.decision.instance, rr.blocks)
             if retry is not None:
                 m.retries.labels(rr.endpoint, variant, retry).inc()
                 record.retries += 1

@@ -1,0 +1,65 @@
+"""CACHE_AWARE learns where a request went before it decides the next one, on both data
+planes, also for requests parsed in one loop turn and sent over new connections (a
+burst of clients starting at once: no upstream connection is pooled yet)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.server.runner import start_router
+from fault_backend import FaultBackend
+from test_server_helpers import settings
+
+PAIRS = 5
+
+
+def _post(body: bytes) -> bytes:
+    return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body)) + body
+
+
+def _prompts(i: int) -> tuple[str, str]:
+    """A prompt and the same prompt a few characters longer (the next request of a
+    session): both shorter than the 16 blocks (1,024 characters) before which
+    CACHE_AWARE places a new prefix by the rendezvous order of its last block, so the
+    two are placed independently (on the same instance one time in four, with four
+    instances) unless the second decision knows where the first went. The continuation
+    adds so little that its home keeps it however the five pairs fall."""
+    first = f"conversation {i:02d}: " + "".join(f"w{i}x{k} " for k in range(60))[:580]
+    return first, first + " and?"
+
+
+@pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
+async def test_requests_parsed_in_one_loop_turn_see_where_the_earlier_ones_went(data_plane):
+    backends = [await FaultBackend().start() for _ in range(4)]
+    router = await start_router(FleetConfig.single([b.url for b in backends], RoutingConfig.build("cache-aware", None, 64)),
+                                settings(data_plane=data_plane))
+    try:
+        conns = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(2 * PAIRS)]
+        await asyncio.sleep(0.2)  # every connection accepted and read by the router
+        bodies = []
+        for i in range(PAIRS):
+            bodies += [orjson.dumps({"model": "m", "prompt": p, "max_tokens": 1}) for p in _prompts(i)]
+        # Written with no await in between: the router's loop (this loop) reads them all
+        # in its next turn, and decides them there one after the other.
+        for (_, writer), body in zip(conns, bodies):
+            writer.write(_post(body))
+        for reader, _ in conns:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200")
+        where = {r.body: n for n, b in enumerate(backends) for r in b.received}
+        assert len(where) == 2 * PAIRS
+        placed = [(where[bodies[2 * i]], where[bodies[2 * i + 1]]) for i in range(PAIRS)]
+        assert all(a == b for a, b in placed), placed
+        # ...and the conversations themselves are spread, not piled on one instance.
+        assert len({a for a, _ in placed}) >= 2, placed
+    finally:
+        for _, writer in conns:
+            writer.close()
+        await router.close()
+        for b in backends:
+            await b.stop()
