@@ -1,15 +1,19 @@
 """CACHE_AWARE learns where a request went before it decides the next one, on both data
 planes, also for requests parsed in one loop turn and sent over new connections (a
-burst of clients starting at once: no upstream connection is pooled yet)."""
+burst of clients starting at once: no upstream connection is pooled yet); a failure
+to learn is logged and spares the request."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import orjson
 import pytest
 
 from prefixroute.core.config import FleetConfig, RoutingConfig
+from prefixroute.core.pool import VariantPool
+from prefixroute.server.attempt import learn_route
 from prefixroute.server.runner import start_router
 from fault_backend import FaultBackend
 from test_server_helpers import settings
@@ -63,3 +67,18 @@ async def test_requests_parsed_in_one_loop_turn_see_where_the_earlier_ones_went(
         await router.close()
         for b in backends:
             await b.stop()
+
+
+def test_a_failure_to_learn_is_logged_and_does_not_reach_the_request(caplog):
+    pool = VariantPool("v", ["http://a", "http://b"], RoutingConfig.build("cache-aware", None, 8))
+    lease = pool.acquire(None, blocks=[1, 2, 3], learn=False)
+
+    def broken(instance, blocks):
+        raise KeyError("a bug in the strategy")
+
+    pool._strategy.on_routed = broken
+    with caplog.at_level(logging.ERROR, logger="prefixroute.server.proxy"):
+        learn_route(pool, lease.decision.instance, [1, 2, 3])  # no exception
+    assert [r.getMessage() for r in caplog.records] == ["learning where a request went failed"]
+    assert caplog.records[0].exc_info[0] is KeyError
+    lease.release()

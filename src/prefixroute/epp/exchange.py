@@ -77,7 +77,7 @@ from prefixroute.server.app import prepare_inference, request_id
 from prefixroute.server.request_body import BodyTooLarge, decode_request_body, request_coding
 from prefixroute.server.routes import match_route
 from prefixroute.server.errors import openai_error, sagemaker_error
-from prefixroute.server.attempt import acquire, count_routed
+from prefixroute.server.attempt import acquire, count_routed, learn_route
 from prefixroute.server.proxy import Api, RoutedRequest, our_headers, saturated_error, upstream_error
 from prefixroute.server.state import RouterState
 
@@ -304,8 +304,8 @@ class Exchange:
             return [self._immediate(self._counted(upstream_error(api, 503, str(exc), "no_healthy_instance", hdrs)))]
         except SetSaturated as exc:  # an adapter's sticky set: never overflowed to an instance without it
             return [self._immediate(self._counted(saturated_error(self.state, rr, str(exc), hdrs)))]
-        if rr.blocks:
-            rr.pool.learn(lease.decision.instance, rr.blocks)
+        if rr.blocks:  # before the next decision (attempt.learn_route)
+            learn_route(rr.pool, lease.decision.instance, rr.blocks)
         decision = lease.decision
         if decision.kind is DecisionKind.ALL_BUSY and self.options.saturated == "reject":
             lease.release()

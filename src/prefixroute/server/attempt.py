@@ -55,13 +55,14 @@ def learn_route(pool: VariantPool, instance: InstanceState, blocks: Sequence[int
     """Tell ``pool``'s strategy that a request with ``blocks`` went to ``instance``
     (:meth:`prefixroute.core.pool.VariantPool.learn`), now: before the next decision.
 
-    Both data planes call it in the same callback as the decision (after the send when
-    the request goes over a pooled connection, before the connect otherwise), never
-    later: requests parsed in one loop turn are decided one after the other, and a
-    learning deferred to the next turn left the decisions between blind to each other.
-    A burst of new conversations behind one system prompt (every client starting at
-    once, no connection pooled yet) then saw one instance holding the prompt and sent
-    it most of them (25 of 48 in bench/policy_vs_peers.py's sharegpt-multi-turn run).
+    Both data planes and the endpoint picker call it in the callback of the decision
+    (after the send when the request goes over a pooled connection, before the connect
+    otherwise), never later: requests parsed in one loop turn are decided one after the
+    other, and a learning deferred to the next turn left the decisions between blind to
+    each other. A burst of new conversations behind one system prompt (every client
+    starting at once, no connection pooled yet) then saw one instance holding the prompt
+    and sent it most of them (25 of 48 in bench/policy_vs_peers.py's sharegpt-multi-turn
+    run).
     An exception (our bug) is logged: the request goes on, its blocks not learnt."""
     try:
         pool.learn(instance, blocks)
