@@ -638,8 +638,8 @@ class CacheAwareStrategy(Strategy):
 
     def on_routed(self, instance: InstanceState, blocks: Sequence[int]) -> None:
         # Every member has its view (on_membership_change); an instance removed between
-        # the decision and the learning (the driver learns on the next loop turn) has
-        # none, and gets none back: nothing to learn.
+        # the decision and the learning (a driver may learn after its send) has none,
+        # and gets none back: nothing to learn.
         cache = self.caches.get(instance.instance_id)
         if blocks and cache is not None:
             if isinstance(blocks, BlockChain):

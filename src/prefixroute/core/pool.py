@@ -394,7 +394,9 @@ class VariantPool:
         Args:
             learn: tell the strategy now (``on_routed``). A driver that wants the
                 learning off the request's latency path passes ``False`` and calls
-                :meth:`learn` once the request is on its way.
+                :meth:`learn` once the request is on its way, but before it decides
+                another request (else that decision does not see this one:
+                :func:`prefixroute.server.attempt.learn_route`).
             session, only, refuse_all_busy: as :meth:`choose`.
 
         Raises:

@@ -9,6 +9,7 @@ instances skipped, LoRA sticky sets grown), tell the strategy where it went
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Sequence
 
 from prefixroute.core.attempts import Next, Step
@@ -22,6 +23,11 @@ if TYPE_CHECKING:
 __all__ = ["acquire", "acquire_or_grow", "learn_route", "count_routed", "apply_step", "retry_elsewhere", "client_gone"]
 
 log = logging.getLogger("prefixroute.server.proxy")
+
+#: Fewest seconds between two log lines of :func:`learn_route`'s failures.
+LEARN_ERROR_LOG_S = 60.0
+_learn_errors = 0
+_learn_logged_at = 0.0
 
 
 def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str] = frozenset(),
@@ -52,22 +58,41 @@ def acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset
 
 
 def learn_route(pool: VariantPool, instance: InstanceState, blocks: Sequence[int]) -> None:
-    """Tell ``pool``'s strategy that a request with ``blocks`` went to ``instance``
-    (:meth:`prefixroute.core.pool.VariantPool.learn`), now: before the next decision.
+    """Tell ``pool``'s strategy that a request went to ``instance``
+    (:meth:`prefixroute.core.pool.VariantPool.learn`), before the router decides another
+    request.
 
-    Both data planes and the endpoint picker call it in the callback of the decision
-    (after the send when the request goes over a pooled connection, before the connect
-    otherwise), never later: requests parsed in one loop turn are decided one after the
-    other, and a learning deferred to the next turn left the decisions between blind to
-    each other. A burst of new conversations behind one system prompt (every client
-    starting at once, no connection pooled yet) then saw one instance holding the prompt
-    and sent it most of them (25 of 48 in bench/policy_vs_peers.py's sharegpt-multi-turn
-    run).
-    An exception (our bug) is logged: the request goes on, its blocks not learnt."""
+    Args:
+        pool: the request's pool (``RoutedRequest.pool``).
+        instance: the instance of the request's lease.
+        blocks: the request's routing blocks (``RoutedRequest.blocks``: a
+            :class:`~prefixroute.core.block_chain.BlockChain` for CACHE_AWARE, empty for
+            strategies that keep no view).
+
+    When: over a pooled connection, right after the send (``FrontServer.begin``, and
+    ``FrontServer._forward`` for the requests its task sends); when a new connection is
+    needed, before the connect; on the aiohttp data plane and in the endpoint picker,
+    right after the decision. Never on a later loop turn: requests parsed in one loop
+    turn are decided one after the other, and a learning deferred to the next turn left
+    the decisions in between blind to each other. Every client of a benchmark starting
+    at once (no connection pooled yet) then saw one instance holding their shared system
+    prompt, and it got 25 of 48 new conversations (docs/BENCHMARKS.md, "Current").
+
+    Never raises: an exception (our bug) is logged (with its traceback the first time,
+    then at most once every :data:`LEARN_ERROR_LOG_S` seconds) and the request goes on,
+    its blocks not learnt."""
     try:
         pool.learn(instance, blocks)
     except Exception:
-        log.exception("learning where a request went failed")
+        global _learn_errors, _learn_logged_at
+        _learn_errors += 1
+        now = time.monotonic()
+        if _learn_errors == 1:
+            log.exception("learning where a request went failed")
+            _learn_logged_at = now
+        elif now - _learn_logged_at >= LEARN_ERROR_LOG_S:
+            log.error("learning where a request went failed again (%d times so far)", _learn_errors)
+            _learn_logged_at = now
 
 
 def _acquire(state: RouterState, rr: RoutedRequest, exclude: set[str] | frozenset[str],

@@ -536,6 +536,7 @@ class FrontServer:
         record = rr.record
         pending: Lease | None = None  # the next attempt's, claimed before a 429/503 was given up
         fresh = False  # the next attempt opens a new connection (a kept-alive one failed)
+        unlearnt = False  # this attempt's lease is not learnt yet
         try:
             for attempts.index in range(1 + settings.max_retries):
                 if attempts.index and client.closed:
@@ -558,8 +559,7 @@ class FrontServer:
                         client.write(_serialize(saturated_error(state, rr, str(exc), base_headers), keep_alive))
                         return
                     pool = rr.pool
-                    if rr.blocks:
-                        learn_route(pool, lease.decision.instance, rr.blocks)
+                    unlearnt = bool(rr.blocks)  # learnt after the send, or before a connect (learn_route)
                 if retry is not None:
                     m.retries.labels(rr.endpoint, variant, retry).inc()
                     record.retries += 1
@@ -571,8 +571,12 @@ class FrontServer:
                         t_send = record.t_sent = time.perf_counter()
                         router_s += t_send - mark
                         try:
-                            up = (None if fresh else self.upstreams.take(target[:3])) or \
-                                await self._connect(client, target[:3])
+                            up = None if fresh else self.upstreams.take(target[:3])
+                            if up is None:
+                                if unlearnt:
+                                    unlearnt = False
+                                    learn_route(pool, decision.instance, rr.blocks)
+                                up = await self._connect(client, target[:3])
                         except (OSError, TimeoutError) as exc:
                             step = attempts.connect_failed(instance, type(exc).__name__,
                                                            timed_out=isinstance(exc, TimeoutError))
@@ -582,6 +586,9 @@ class FrontServer:
                             continue
                         head_tail = head_tail or self._head_tail(rr)
                         self._send(client, up, rr, target, head_tail, decision, router_s, keep_alive)
+                    if unlearnt:  # (sent over a pooled connection: learnt once on its way)
+                        unlearnt = False
+                        learn_route(pool, decision.instance, rr.blocks)
                     try:
                         await self._await(client, up.headers_fut, settings.response_headers_timeout_s)
                     except TimeoutError:
