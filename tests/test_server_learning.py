@@ -43,10 +43,12 @@ def _prompts(i: int) -> tuple[str, str]:
 @pytest.mark.parametrize("data_plane", ["fast", "aiohttp"])
 async def test_requests_parsed_in_one_loop_turn_see_where_the_earlier_ones_went(data_plane):
     backends = [await FaultBackend().start() for _ in range(4)]
-    router = await start_router(FleetConfig.single([b.url for b in backends], RoutingConfig.build("cache-aware", None, 64)),
-                                settings(data_plane=data_plane))
+    fleet = FleetConfig.single([b.url for b in backends], RoutingConfig.build("cache-aware", None, 64))
+    router = await start_router(fleet, settings(data_plane=data_plane))
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
     try:
-        conns = [await asyncio.open_connection("127.0.0.1", router.port) for _ in range(2 * PAIRS)]
+        for _ in range(2 * PAIRS):
+            conns.append(await asyncio.open_connection("127.0.0.1", router.port))
         await asyncio.sleep(0.2)  # every connection accepted and read by the router
         bodies = []
         for i in range(PAIRS):
