@@ -100,6 +100,19 @@ def test_match_is_longest_remembered_prefix():
     assert c.match([99] + chain) == 0
 
 
+def test_insert_tells_whether_the_chain_continues_one_routed_there():
+    c = ApproxPrefixCache(100)
+    assert c.insert([1, 2, 3]) is False  # nothing held
+    c.mark_tail(3)
+    assert c.insert([1, 2, 3, 4, 5]) is True  # the next turn: its held prefix ends on a tail
+    c.mark_tail(5)
+    assert c.insert([1, 2, 6]) is False  # a new branch off the shared [1, 2]: no tail at 2
+    assert c.insert([1, 2, 3, 4, 5]) is True  # the same prompt again ends on its tail
+    assert c.insert([]) is False
+    c.clear()
+    assert c.insert([1, 2, 3, 4, 5, 7]) is False  # tails go with the blocks
+
+
 def test_eviction_removes_tails_first():
     c = ApproxPrefixCache(8)
     c.insert([1, 2, 3, 4, 5])  # chain A
@@ -635,8 +648,11 @@ def _reference_choose(strategy, candidates, blocks):
                 return None
             kind = DecisionKind.AFFINITY if i == rendezvous_best(anchor, tokens) else DecisionKind.OVERFLOW
             return i, kind, size - unit(depth[i])
-        # a backlogged fleet (every candidate with a request waiting) replicates later
-        backlog = all(max(c.awaiting_first_token, c.engine_waiting) for c in candidates)
+        # a backlogged fleet (BACKLOG_QUORUM of the candidates with a request waiting)
+        # replicates later
+        quorum = 1.0 if strategy.continued_share >= C.CONVERSATIONAL_SHARE else C.BACKLOG_QUORUM
+        backlog = sum(1 for c in candidates if max(c.awaiting_first_token, c.engine_waiting)) \
+            >= math.ceil(quorum * len(candidates))
         limit = strategy.tie_units + (C.BACKLOG_REPLICATE_FRACTION if backlog else C.REPLICATE_FRACTION) * size
         costs = [(uncached_cost(candidates[i], size - unit(depth[i]) - extra) + queue(candidates[i]), i) for i in homes
                  if candidates[i].in_flight < threshold]
@@ -723,7 +739,7 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
     rng = random.Random(threshold * 7)
     texts = [f"tenant {d}: " + "".join(rng.choice("xy") for _ in range(rng.randrange(1, 600))) for d in range(12)]
     chats = {c: f"chat {c}: " for c in range(8)}
-    live, kinds, waiting, backlogged = [], set(), 0, 0
+    live, kinds, waiting, backlogged, partly, seen_conversational = [], set(), 0, 0, 0, 0
     for i in range(1500):
         r = rng.random()  # the text again, a question asked before, a new one, or a chat's next turn
         if r < 0.25:
@@ -738,7 +754,12 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
                 inst.engine_waiting = rng.choice([0, 0, 1, rng.randrange(0, 30)])
         counts = [max(c.awaiting_first_token, c.engine_waiting) for c in pool.instances]
         waiting += any(counts)
-        backlogged += all(counts)
+        conversational = pool.strategy.continued_share >= rules.CONVERSATIONAL_SHARE
+        seen_conversational += conversational
+        backlog = sum(1 for w in counts if w) >= math.ceil((1.0 if conversational else rules.BACKLOG_QUORUM)
+                                                          * len(counts))
+        backlogged += backlog
+        partly += backlog and not all(counts)  # backlogged with an instance that has none waiting
         kinds.add(_decide_as_the_reference(pool, blocks, i)[1])
         lease = pool.acquire(None, blocks=blocks)
         if rng.random() < 0.7:  # the others wait for their first token until released
@@ -748,7 +769,10 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
             live.pop(rng.randrange(len(live))).release()
     assert DecisionKind.AFFINITY in kinds and (DecisionKind.OVERFLOW in kinds or threshold > 3)
     # rule 7's weight and the backlog margin were exercised (the fast path weighs too)
-    assert waiting > 1000 and backlogged > 50
+    assert waiting > 1000 and backlogged > 50 and partly > 10
+    # both backlog tests were exercised: the share starts at 1 (conversational) and a
+    # quarter of this traffic continues a chat
+    assert 0 < seen_conversational < 1000
 
 
 def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():
@@ -914,6 +938,86 @@ def test_a_backlogged_fleet_replicates_a_prefix_only_for_a_much_longer_queue():
     # backlogged: the alternative costs 2 x size, the margin four requests
     assert 2 * 10 + 16_000 <= 2 * size + 32 * 64 + rules.BACKLOG_REPLICATE_FRACTION * size
     assert decide(1) == (holder, DecisionKind.AFFINITY)
+
+
+def test_the_backlog_margin_needs_requests_waiting_on_most_instances_not_one_long_queue():
+    # Four instances, the document on one with a long queue of prefill. With document
+    # traffic the fleet counts as backlogged when BACKLOG_QUORUM of the instances (3 of
+    # 4) have a request waiting: then the home keeps the request. A long queue on one or two instances (a hot
+    # document's home) is not a backlog, so the document spreads; three with a request
+    # waiting are one even though the fourth has none at this moment (near saturation,
+    # a router replica sees such moments often: its own requests and the engines' last
+    # scraped counts).
+    urls = [f"http://10.9.1.{i}:8000" for i in range(4)]
+    pool = VariantPool("v", urls, ca(threshold=64, load_weight=0))
+
+    def route(text: str) -> None:
+        pool.acquire(None, blocks=text_block_hashes(text, 64, 131_072, "m")).release()
+
+    # the traffic so far: one-off questions (none continues a request routed before), so
+    # the share of continuations falls from its start at 1 below CONVERSATIONAL_SHARE
+    assert pool.strategy.continued_share == 1.0
+    for k in range(60):
+        route(f"question {k}: " + "x" * 300)
+    assert pool.strategy.continued_share < rules.CONVERSATIONAL_SHARE
+    doc = "document 3\n" + "d" * 4_085
+    holder, _, ask, size = _doc_on_one(pool, doc, " question?")
+    others = [i for i in pool.instances if i is not holder]
+    holder.pending_prefill = 16_000
+    # the home's cost against an idle alternative's: over the plain margin, within the backlog one
+    assert 16_000 > size + 32 * 64 + rules.REPLICATE_FRACTION * size
+    assert 16_000 <= size + 32 * 64 + rules.BACKLOG_REPLICATE_FRACTION * size
+    assert rules.BACKLOG_QUORUM == 0.75
+
+    alt = pool.choose(None, blocks=ask).instance  # where the document goes from an idle fleet
+    assert alt is not holder
+    others.sort(key=lambda i: i is alt)  # the alternative last: the waiting below are elsewhere
+
+    def decide(home_waiting: int, engine_waiting: list[int]):
+        holder.engine_waiting = home_waiting
+        for inst, w in zip(others, engine_waiting):
+            inst.engine_waiting = w
+        d = pool.choose(None, blocks=ask)
+        return d.instance is holder, pool.strategy._replicate_fraction(pool.instances)
+
+    # requests waiting on the home only, however many: the plain margin, the document
+    # moves (they weigh a miss only where they wait: not on the idle alternative)
+    assert decide(0, [0, 0, 0]) == (False, rules.REPLICATE_FRACTION)
+    assert decide(30, [0, 0, 0]) == (False, rules.REPLICATE_FRACTION)
+    assert decide(30, [9, 0, 0]) == (False, rules.REPLICATE_FRACTION)  # two of four
+    # three of four: backlogged, the home keeps it (the idle fourth costs only the
+    # plain prefill, within the backlog margin); the home need not be one of the three
+    assert decide(1, [1, 1, 0]) == (True, rules.BACKLOG_REPLICATE_FRACTION)
+    assert decide(0, [1, 1, 1]) == (True, rules.BACKLOG_REPLICATE_FRACTION)
+    # the router's own count of requests waiting for their first token counts the same
+    holder.awaiting_first_token = 5
+    assert decide(0, [0, 2, 1]) == (True, rules.BACKLOG_REPLICATE_FRACTION)
+    # conversational traffic (a chat's turns, each continuing the last) keeps the plain
+    # margin with three of four waiting: a new conversation moved takes its later turns
+    holder.awaiting_first_token = 0
+    chat = "chat: "
+    for k in range(120):
+        chat += f"turn {k} " + "z" * 50
+        route(chat)
+    assert pool.strategy.continued_share >= rules.CONVERSATIONAL_SHARE
+    assert decide(1, [1, 1, 0]) == (False, rules.REPLICATE_FRACTION)
+    assert decide(1, [1, 1, 1]) == (True, rules.BACKLOG_REPLICATE_FRACTION)  # every one: backlogged
+    # with two instances (or three) every one must have a request waiting
+    pool2 = VariantPool("v2", urls[:2], ca(threshold=64, load_weight=0))
+    pool2.strategy.continued_share = 0.0
+    a, b = pool2.instances
+    a.engine_waiting = 9
+    assert pool2.strategy._replicate_fraction(pool2.instances) == rules.REPLICATE_FRACTION
+    b.awaiting_first_token = 1
+    assert pool2.strategy._replicate_fraction(pool2.instances) == rules.BACKLOG_REPLICATE_FRACTION
+    # with eight, six
+    pool8 = VariantPool("v8", [f"http://10.9.2.{i}:8000" for i in range(8)], ca(threshold=64))
+    pool8.strategy.continued_share = 0.0  # (document traffic, as above)
+    for k, inst in enumerate(pool8.instances):
+        inst.engine_waiting = int(k < 5)
+    assert pool8.strategy._replicate_fraction(pool8.instances) == rules.REPLICATE_FRACTION
+    pool8.instances[5].awaiting_first_token = 1
+    assert pool8.strategy._replicate_fraction(pool8.instances) == rules.BACKLOG_REPLICATE_FRACTION
 
 
 def test_awaiting_first_token_counts_requests_until_their_first_token():

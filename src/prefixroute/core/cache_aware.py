@@ -35,8 +35,10 @@ disagree when several router replicas run (SPEC §5). This strategy:
    request unless its cost exceeds the alternative's by more than :data:`TIE_BLOCKS` plus
    :data:`REPLICATE_FRACTION` of the request: a conversation stays on one instance as it
    grows, a hot document is replicated only when its queue is clearly longer
-   (:data:`BACKLOG_REPLICATE_FRACTION` of the request when every candidate has a request
-   waiting for its first token: a copy then adds its prefill to a fleet already
+   (:data:`BACKLOG_REPLICATE_FRACTION` of the request when the fleet is backlogged:
+   every candidate with a request waiting for its first token, or
+   :data:`BACKLOG_QUORUM` of them unless the traffic is conversational,
+   :data:`CONVERSATIONAL_SHARE`; a copy then adds its prefill to a fleet already
    behind). A *new*
    branch off a shared prefix (a new conversation behind a long system prompt: the match
    does not end where a request routed there ended) leaves a home that has more than
@@ -102,6 +104,9 @@ from prefixroute.core.placement_rules import (
     BOUND_SLACK_REQUESTS,
     REPLICATE_FRACTION,
     BACKLOG_REPLICATE_FRACTION,
+    BACKLOG_QUORUM,
+    CONTINUED_SHARE_WINDOW,
+    CONVERSATIONAL_SHARE,
     STICK_FRACTION,
     STICK_MIN_BLOCKS,
     TIE_BLOCKS,
@@ -255,6 +260,10 @@ class CacheAwareStrategy(Strategy):
         self.block_size = ca.block_size
         self._settings(config)
         self.caches: dict[str, ApproxPrefixCache] = {}
+        #: moving average over about CONTINUED_SHARE_WINDOW learned requests of whether
+        #: each continued a request routed to its instance (1: a conversation's next
+        #: turn); starts at 1
+        self.continued_share = 1.0
         self.budget: ViewBudget | None = None
         self._index: dict[int, int] = {}
         self._bits: dict[str, int] = {}
@@ -362,16 +371,26 @@ class CacheAwareStrategy(Strategy):
             return 0.0
         return uncached * (1 + max(inst.awaiting_first_token, inst.engine_waiting))
 
-    @staticmethod
-    def _replicate_fraction(candidates: Sequence[InstanceState]) -> float:
+    def _replicate_fraction(self, candidates: Sequence[InstanceState]) -> float:
         """The fraction of a request by which a home's cost must exceed an alternative's
         (past the tie band) to replicate its prefix there: :data:`REPLICATE_FRACTION`,
-        or :data:`BACKLOG_REPLICATE_FRACTION` when every candidate has a request waiting
-        for its first token by the router's count or the engine's (``all`` stops at the
-        first with none: one check in the usual case)."""
-        if all(c.awaiting_first_token or c.engine_waiting for c in candidates):
-            return BACKLOG_REPLICATE_FRACTION
-        return REPLICATE_FRACTION
+        or :data:`BACKLOG_REPLICATE_FRACTION` when the fleet is backlogged: every
+        candidate has a request waiting for its first token (by the router's count or
+        the engine's), or, unless the traffic is conversational
+        (:attr:`continued_share` at least :data:`CONVERSATIONAL_SHARE`),
+        :data:`BACKLOG_QUORUM` of them (rounded up) have. An idle fleet stops at the
+        first candidates (nothing waiting anywhere is the usual case)."""
+        n = len(candidates)
+        if self.continued_share >= CONVERSATIONAL_SHARE:
+            allowed = 0  # every candidate must have a request waiting
+        else:
+            allowed = n - math.ceil(BACKLOG_QUORUM * n)  # candidates that may have none
+        for c in candidates:
+            if not (c.awaiting_first_token or c.engine_waiting):
+                allowed -= 1
+                if allowed < 0:
+                    return REPLICATE_FRACTION
+        return BACKLOG_REPLICATE_FRACTION
 
     def _queue(self, inst: InstanceState) -> float:
         """An instance's queue cost in routing-text units: its pending prefill plus
@@ -643,7 +662,7 @@ class CacheAwareStrategy(Strategy):
         cache = self.caches.get(instance.instance_id)
         if blocks and cache is not None:
             if isinstance(blocks, BlockChain):
-                cache.insert(blocks)
+                continued = cache.insert(blocks)
                 full = blocks.full
                 if full:
                     n = len(blocks)
@@ -654,8 +673,9 @@ class CacheAwareStrategy(Strategy):
                     else:
                         cache.mark_tail(blocks.hash(full - 1))
             else:
-                cache.insert(blocks, [self.block_size] * len(blocks))
+                continued = cache.insert(blocks, [self.block_size] * len(blocks))
                 cache.mark_tail(blocks[-1])
+            self.continued_share += (continued - self.continued_share) / CONTINUED_SHARE_WINDOW
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.
