@@ -100,17 +100,48 @@ def test_match_is_longest_remembered_prefix():
     assert c.match([99] + chain) == 0
 
 
-def test_insert_tells_whether_the_chain_continues_one_routed_there():
-    c = ApproxPrefixCache(100)
-    assert c.insert([1, 2, 3]) is False  # nothing held
-    c.mark_tail(3)
-    assert c.insert([1, 2, 3, 4, 5]) is True  # the next turn: its held prefix ends on a tail
-    c.mark_tail(5)
-    assert c.insert([1, 2, 6]) is False  # a new branch off the shared [1, 2]: no tail at 2
-    assert c.insert([1, 2, 3, 4, 5]) is True  # the same prompt again ends on its tail
-    assert c.insert([]) is False
-    c.clear()
-    assert c.insert([1, 2, 3, 4, 5, 7]) is False  # tails go with the blocks
+def test_insert_returns_the_match_it_had_and_keeps_its_heap_bounded():
+    c = ApproxPrefixCache(100_000)
+    assert c.insert([1, 2, 3]) == 0  # nothing held
+    assert c.insert([1, 2, 3, 4, 5]) == 3
+    assert c.insert([1, 2, 6]) == 2
+    assert c.insert([1, 2, 3, 4, 5]) == 5
+    assert c.insert([]) == 0
+    # the same chains touched again and again: the heap of leaves is compacted, not
+    # grown by one entry a touch (a large view never evicts to drop them)
+    for _ in range(10_000):
+        c.insert([1, 2, 3, 4, 5])
+        c.insert([1, 2, 6])
+    assert c._leaves == 2 and len(c._heap) <= 2 * c._leaves + 64
+
+
+def test_the_share_of_continuations_tells_conversations_from_document_questions():
+    # What CACHE_AWARE learns of each request: whether it continues a request routed to
+    # its instance (the next turn; the same prompt again) or branches off a prefix held
+    # there (a new question about a document), in the sense of _continuing (the partial
+    # block the earlier request ended with must be this text's prefix too).
+    def share_after(texts: list[str]) -> float:
+        pool = VariantPool("v", URLS[:1], ca())
+        for t in texts:
+            pool.acquire(None, blocks=text_block_hashes(t, 64, 131_072, "m")).release()
+        return pool.strategy.continued_share
+
+    doc = "document: " + "d" * 4_000  # ends inside a block: short questions share its partial block
+    questions = [doc + f" q{k}?" for k in range(300)]
+    assert share_after(questions) < 0.5  # every one after the first branches off the document
+    assert share_after([doc + " the same question?"] * 300) == 1.0  # the same prompt again: continued
+    chat = "system: be brief. "
+    turns = []
+    for k in range(300):
+        chat += f"user: question {k}? assistant: answer {k}. "
+        turns.append(chat)
+    assert share_after(turns) == 1.0  # each turn continues the last
+    # prompts sharing nothing count for neither: the share stays where it starts
+    assert share_after([f"{k} " + "x" * 500 for k in range(300)]) == 1.0
+    # a burst of new conversations behind one system prompt stays conversational for a while
+    system = "system: " + "s" * 6_000
+    burst = share_after([system + f" user {k}: hello" for k in range(80)])
+    assert rules.CONVERSATIONAL_SHARE < burst < 1.0
 
 
 def test_eviction_removes_tails_first():
@@ -742,6 +773,8 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
     live, kinds, waiting, backlogged, partly, seen_conversational = [], set(), 0, 0, 0, 0
     for i in range(1500):
         r = rng.random()  # the text again, a question asked before, a new one, or a chat's next turn
+        if i >= 750 and r < 0.8:  # then mostly new questions: document traffic (the backlog quorum)
+            r = 0.8 + r / 4
         if r < 0.25:
             c = rng.randrange(8)
             chats[c] += f"turn {i} " + "z" * rng.randrange(1, 40)
@@ -770,9 +803,9 @@ def test_repeated_requests_decide_as_the_exhaustive_rule(threshold, load_weight)
     assert DecisionKind.AFFINITY in kinds and (DecisionKind.OVERFLOW in kinds or threshold > 3)
     # rule 7's weight and the backlog margin were exercised (the fast path weighs too)
     assert waiting > 1000 and backlogged > 50 and partly > 10
-    # both backlog tests were exercised: the share starts at 1 (conversational) and a
-    # quarter of this traffic continues a chat
-    assert 0 < seen_conversational < 1000
+    # both backlog tests were exercised: the share starts at 1 (conversational) and the
+    # traffic turns to new questions halfway
+    assert 0 < seen_conversational < 1400
 
 
 def test_a_follow_up_among_holders_of_a_shared_header_reads_few_blocks():
@@ -954,11 +987,13 @@ def test_the_backlog_margin_needs_requests_waiting_on_most_instances_not_one_lon
     def route(text: str) -> None:
         pool.acquire(None, blocks=text_block_hashes(text, 64, 131_072, "m")).release()
 
-    # the traffic so far: one-off questions (none continues a request routed before), so
-    # the share of continuations falls from its start at 1 below CONVERSATIONAL_SHARE
+    # the traffic so far: new questions about a manual (each branches off it, none
+    # continues a request routed before), so the share of continuations falls from its
+    # start at 1 below CONVERSATIONAL_SHARE
     assert pool.strategy.continued_share == 1.0
-    for k in range(60):
-        route(f"question {k}: " + "x" * 300)
+    manual = "manual: " + "m" * 2_000
+    for k in range(200):
+        route(manual + f" question {k}: " + "x" * 300)
     assert pool.strategy.continued_share < rules.CONVERSATIONAL_SHARE
     doc = "document 3\n" + "d" * 4_085
     holder, _, ask, size = _doc_on_one(pool, doc, " question?")
@@ -996,7 +1031,7 @@ def test_the_backlog_margin_needs_requests_waiting_on_most_instances_not_one_lon
     # margin with three of four waiting: a new conversation moved takes its later turns
     holder.awaiting_first_token = 0
     chat = "chat: "
-    for k in range(120):
+    for k in range(200):
         chat += f"turn {k} " + "z" * 50
         route(chat)
     assert pool.strategy.continued_share >= rules.CONVERSATIONAL_SHARE

@@ -218,30 +218,26 @@ class ApproxPrefixCache:
                 miss = mid
         return lo + 1
 
-    def insert(self, blocks: Sequence[int], sizes: Sequence[int] | None = None) -> bool:
+    def insert(self, blocks: Sequence[int], sizes: Sequence[int] | None = None) -> int:
         """Remember the chain ``blocks`` as most recently used (block ``k`` of
         ``sizes[k]`` units; default: a :class:`BlockChain`'s own sizes, else 1), then
         forget least recently used tails until the total is within capacity. When a
         chain is longer than the capacity only its head is kept.
 
         Returns:
-            whether the chain continues one routed here: its longest remembered prefix
-            ends on the last full block of a chain marked with :meth:`mark_tail` (a
-            conversation's next turn, an agent's next step; or the same prompt again).
+            how many leading blocks of the chain were remembered before (its match).
         """
         n = len(blocks)
         if not n:
-            return False
+            return 0
         chain = isinstance(blocks, BlockChain)
         get = blocks.hash if chain else blocks.__getitem__
         nodes = self._nodes
         heap = self._heap
         self._tick = tick = self._tick + 1
         d = self._depth(get, n)
-        continued = False
         if d:
             h = get(d - 1)  # the deepest block already held: the only one touched
-            continued = h in self._tails
             size, parent, children, _ = nodes[h]
             nodes[h] = (size, parent, children, tick)
             if d == n and not children:
@@ -272,10 +268,10 @@ class ApproxPrefixCache:
                     parent = h
         if self.used > self.capacity or len(nodes) > self.max_blocks:
             self._evict()
-        return continued
         if len(heap) > 2 * self._leaves + 64:
             self._heap = [(nd[3], h) for h, nd in nodes.items() if not nd[2]]
             heapify(self._heap)
+        return d
 
     def _add(self, hashes: list[int], sizes: list[int], parent: int | None, tick: int) -> None:
         """Remember ``hashes``, a chain of blocks none of which is held, below ``parent``

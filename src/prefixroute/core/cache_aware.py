@@ -260,9 +260,10 @@ class CacheAwareStrategy(Strategy):
         self.block_size = ca.block_size
         self._settings(config)
         self.caches: dict[str, ApproxPrefixCache] = {}
-        #: moving average over about CONTINUED_SHARE_WINDOW learned requests of whether
-        #: each continued a request routed to its instance (1: a conversation's next
-        #: turn); starts at 1
+        #: moving average, over about CONTINUED_SHARE_WINDOW learned requests that share a
+        #: prefix with what was routed to their instance, of whether each continued a
+        #: request routed there (a conversation's next turn) rather than branched off it
+        #: (a new question about a document); starts at 1
         self.continued_share = 1.0
         self.budget: ViewBudget | None = None
         self._index: dict[int, int] = {}
@@ -378,8 +379,9 @@ class CacheAwareStrategy(Strategy):
         candidate has a request waiting for its first token (by the router's count or
         the engine's), or, unless the traffic is conversational
         (:attr:`continued_share` at least :data:`CONVERSATIONAL_SHARE`),
-        :data:`BACKLOG_QUORUM` of them (rounded up) have. An idle fleet stops at the
-        first candidates (nothing waiting anywhere is the usual case)."""
+        :data:`BACKLOG_QUORUM` of them (rounded up) have. With nothing waiting anywhere
+        (the usual case) it reads one candidate, or ``n - ceil(0.75 n) + 1`` of ``n``
+        for document traffic."""
         n = len(candidates)
         if self.continued_share >= CONVERSATIONAL_SHARE:
             allowed = 0  # every candidate must have a request waiting
@@ -662,7 +664,7 @@ class CacheAwareStrategy(Strategy):
         cache = self.caches.get(instance.instance_id)
         if blocks and cache is not None:
             if isinstance(blocks, BlockChain):
-                continued = cache.insert(blocks)
+                continued = self._continued(cache, blocks, cache.insert(blocks))
                 full = blocks.full
                 if full:
                     n = len(blocks)
@@ -673,9 +675,33 @@ class CacheAwareStrategy(Strategy):
                     else:
                         cache.mark_tail(blocks.hash(full - 1))
             else:
-                continued = cache.insert(blocks, [self.block_size] * len(blocks))
+                held = cache.insert(blocks, [self.block_size] * len(blocks))
+                continued = (cache.tail(blocks[held - 1]) is not None) if held else None
                 cache.mark_tail(blocks[-1])
-            self.continued_share += (continued - self.continued_share) / CONTINUED_SHARE_WINDOW
+            if continued is not None:  # (a prefix nothing routed there shares is neither)
+                self.continued_share += (continued - self.continued_share) / CONTINUED_SHARE_WINDOW
+
+    @staticmethod
+    def _continued(cache: ApproxPrefixCache, blocks: BlockChain, held: int) -> bool | None:
+        """Whether a chain whose ``held`` leading blocks ``cache`` remembered continues a
+        chain routed there (the test of :meth:`_continuing`: its last full held block
+        is where that chain's full blocks ended, and the partial block that chain ended
+        with is this text's prefix there; a conversation's next turn, an agent's next
+        step, the same prompt again) or branches off what it holds (a new question
+        about a document, a new conversation behind a system prompt); ``None`` when it
+        holds nothing of it. Read before this chain's own tail is marked."""
+        k = min(held, blocks.full)
+        if not k:
+            return None
+        t = cache.tail(blocks.hash(k - 1))
+        if t is None:
+            return False
+        rest, h = t
+        if not rest:
+            return True
+        shift = blocks.unit_shift
+        u = blocks.ends[k - 1] >> shift
+        return u + rest <= blocks.ends[-1] >> shift and blocks.prefix_hash(u + rest, k) == h
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.

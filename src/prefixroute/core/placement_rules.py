@@ -30,15 +30,15 @@ TIE_BLOCKS = 32
 #: second instance costs its prefill there once and a second copy in the fleet's
 #: caches for as long as it stays, so a queue only moves it when clearly longer.
 REPLICATE_FRACTION = 0.5
-#: :data:`REPLICATE_FRACTION` for a backlogged fleet (:data:`BACKLOG_QUORUM` of the
-#: candidates with a request waiting for its first token, by the router's count or the
-#: engine's). A copy's prefill then takes no idle capacity but adds to a fleet that is
-#: already behind, and the copy evicts other prefixes from caches that the running
-#: batches fill, so a queue moves a request off its home only when longer by four
-#: requests' prefill. Simulated (the ten workloads x 1, 4, 8 replicas x 5 seeds,
-#: docs/SIMULATOR.md): near-saturation P50 TTFT 792 -> 694 ms (1 replica), 1,179 -> 839
-#: (4), 838 -> 740 (8) against 0.5; no other workload changes by more than 0.4 points
-#: or 1 ms.
+#: :data:`REPLICATE_FRACTION` for a backlogged fleet: every candidate with a request
+#: waiting for its first token, by the router's count or the engine's (or
+#: :data:`BACKLOG_QUORUM` of them, below). A copy's prefill then takes no idle capacity
+#: but adds to a fleet that is already behind, and the copy evicts other prefixes from
+#: caches that the running batches fill, so a queue moves a request off its home only
+#: when longer by four requests' prefill. Simulated with the every-candidate test (the
+#: ten workloads x 1, 4, 8 replicas x 5 seeds, docs/SIMULATOR.md): near-saturation P50
+#: TTFT 792 -> 694 ms (1 replica), 1,179 -> 839 (4), 838 -> 740 (8) against 0.5; no
+#: other workload changes by more than 0.4 points or 1 ms.
 BACKLOG_REPLICATE_FRACTION = 4.0
 #: A fleet also counts as backlogged (:data:`BACKLOG_REPLICATE_FRACTION`) when this
 #: fraction of the candidates (rounded up: 3 of 4, 6 of 8; every one with 2 or 3) has
@@ -51,22 +51,22 @@ BACKLOG_REPLICATE_FRACTION = 4.0
 #: had held and evicted, 52 with 1 replica). One or two instances with queues and the
 #: others idle (a hot spot) are not a backlog, and a hot document still spreads.
 BACKLOG_QUORUM = 0.75
-#: :data:`BACKLOG_QUORUM` applies only while fewer than this share of the requests a
-#: router learns continue a request it routed (a conversation's next turn, an agent's
-#: next step: :meth:`~prefixroute.core.approx_cache.ApproxPrefixCache.insert`). Moving
-#: a new conversation to an idle instance moves all its later turns, so conversational
+#: :data:`BACKLOG_QUORUM` applies only while fewer than this share of the requests that
+#: extend a prefix routed to their instance continue a request routed there (a
+#: conversation's next turn, an agent's next step) rather than branch off it (a new
+#: question about a document, a new conversation behind a system prompt); requests
+#: that share nothing with their instance's view count for neither. Moving a new
+#: conversation to an idle instance moves all its later turns, so conversational
 #: traffic keeps the plain margin: with the quorum for every traffic a start burst of
 #: new conversations behind one system prompt (each instance prefilling) stayed on the
-#: prompt's home and one instance got none for the whole run (simulated,
-#: long-system-prompt, 1 replica: shares 31 / 35 / 34 / 0 %). The share is a moving
-#: average over about :data:`CONTINUED_SHARE_WINDOW` requests, starting at 1 (the
-#: plain margin until the traffic shows what it is). Simulated, both rules against the
-#: previous one (3 seeds, 1 / 4 / 8 replicas, docs/SIMULATOR.md): near-saturation hit
-#: 67.3 -> 68.5, 63.0 -> 64.6, 64.0 -> 64.7 %, P50 TTFT 242 -> 233, 882 -> 739,
-#: 868 -> 801 ms; the other nine workloads unchanged.
+#: prompt's home and one instance got none of them (simulated, long-system-prompt, 1
+#: replica, seed 0: shares 31 / 35 / 34 / 0 %). The share is a moving average over
+#: about :data:`CONTINUED_SHARE_WINDOW` such requests, starting at 1 (the plain margin
+#: until the traffic shows what it is: a burst of up to about 88 new conversations
+#: behind a shared prompt stays above the bar).
 CONVERSATIONAL_SHARE = 0.5
 #: See :data:`CONVERSATIONAL_SHARE` (the moving average's weight is 1 / this).
-CONTINUED_SHARE_WINDOW = 64
+CONTINUED_SHARE_WINDOW = 128
 #: Bounded load (Mirrokni et al., "Consistent Hashing with Bounded Loads", SODA 2018):
 #: a prefix is not placed on an instance whose queue cost exceeds this factor times the
 #: mean over the instances below the threshold, plus :data:`BOUND_SLACK_REQUESTS`
