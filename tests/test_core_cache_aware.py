@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy, _Levels
 from prefixroute.core import placement_rules as rules
 from prefixroute.core.config import ConfigError, RoutingConfig
-from prefixroute.core.keys import block_ends, byte_block_hashes, openai_block_hashes, openai_route, text_block_hashes
+from prefixroute.core.keys import (block_ends, byte_block_hashes, openai_block_hashes, openai_route,
+                                   text_block_hashes, token_block_hashes)
 from prefixroute.core.pool import VariantPool
 from prefixroute.core.strategies import DecisionKind
 
@@ -100,15 +101,19 @@ def test_match_is_longest_remembered_prefix():
     assert c.match([99] + chain) == 0
 
 
-def test_insert_returns_the_match_it_had_and_keeps_its_heap_bounded():
+def test_insert_returns_the_match_it_had():
     c = ApproxPrefixCache(100_000)
     assert c.insert([1, 2, 3]) == 0  # nothing held
     assert c.insert([1, 2, 3, 4, 5]) == 3
     assert c.insert([1, 2, 6]) == 2
     assert c.insert([1, 2, 3, 4, 5]) == 5
     assert c.insert([]) == 0
-    # the same chains touched again and again: the heap of leaves is compacted, not
-    # grown by one entry a touch (a large view never evicts to drop them)
+
+
+def test_touching_held_chains_again_and_again_keeps_the_heap_bounded():
+    # The heap of leaves is compacted, not grown by one entry a touch (a large view
+    # never evicts to drop them).
+    c = ApproxPrefixCache(100_000)
     for _ in range(10_000):
         c.insert([1, 2, 3, 4, 5])
         c.insert([1, 2, 6])
@@ -142,6 +147,24 @@ def test_the_share_of_continuations_tells_conversations_from_document_questions(
     system = "system: " + "s" * 6_000
     burst = share_after([system + f" user {k}: hello" for k in range(80)])
     assert rules.CONVERSATIONAL_SHARE < burst < 1.0
+
+    # the same on token ids (units of 4 characters a token) and on plain block lists
+    def share_of(chains: list) -> float:
+        pool = VariantPool("v", URLS[:1], ca())
+        for chain in chains:
+            pool.acquire(None, blocks=chain).release()
+        return pool.strategy.continued_share
+
+    doc_ids = list(range(1, 1_003))  # ends inside a block
+    assert share_of([token_block_hashes(doc_ids + [5_000 + k], 64, 131_072, "m") for k in range(300)]) < 0.5
+    convo = list(range(1, 50))
+    turns_ids = []
+    for k in range(300):
+        convo += [7_000 + k, 8_000 + k, 9_000 + k]
+        turns_ids.append(token_block_hashes(convo, 64, 131_072, "m"))
+    assert share_of(turns_ids) == 1.0
+    assert share_of([[1, 2, 3, 100 + k] for k in range(300)]) < 0.5  # branches off [1, 2, 3]
+    assert share_of([list(range(1, k + 2)) for k in range(300)]) == 1.0  # each extends the last
 
 
 def test_eviction_removes_tails_first():
