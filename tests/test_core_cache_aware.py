@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy, _Levels
+from prefixroute.core.cache_aware import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, CacheAwareStrategy
+from prefixroute.core.match_levels import Levels as _Levels
 from prefixroute.core import placement_rules as rules
 from prefixroute.core.config import ConfigError, RoutingConfig
 from prefixroute.core.keys import (block_ends, byte_block_hashes, openai_block_hashes, openai_route,

@@ -163,6 +163,25 @@ class ApproxPrefixCache:
         0)`` when the chain ended on it; else ``None``."""
         return self._tails.get(block)
 
+    def continued_rest(self, blocks: BlockChain, d: int) -> int | None:
+        """If the chain ``blocks``, whose first ``d`` blocks this view holds (``d >= 1``),
+        continues a chain routed here (that chain's full blocks ended at block ``d - 1``
+        and the partial block it ended with is this text's prefix there: a
+        conversation's next turn, an agent's next step): the units that partial block
+        adds past block ``d - 1`` (0 when it ended on a block's end); else ``None``.
+        Costs one dictionary read, and one hash of the text up to that partial block's
+        end when a chain ended there with one."""
+        t = self._tails.get(blocks.hash(d - 1))
+        if t is None:
+            return None
+        rest, h = t
+        if rest:
+            shift = blocks.unit_shift
+            end = (blocks.ends[d - 1] >> shift) + rest
+            if end > blocks.ends[-1] >> shift or blocks.prefix_hash(end, d) != h:
+                return None
+        return rest
+
     def mark_tail(self, block: int, rest_units: int = 0, rest_hash: int = 0) -> None:
         """Remember that a chain routed here ended ``rest_units`` units (a partial block
         of hash ``rest_hash``) after the held block ``block``, its last full one."""

@@ -20,7 +20,7 @@ disagree when several router replicas run (SPEC §5). This strategy:
    blocks; all views of a router under one memory ceiling
    (:class:`~prefixroute.core.approx_cache.ViewBudget`). A fleet-wide index from block
    hash to the instances holding it finds the longest matches in a few probes
-   (:class:`_Levels`).
+   (:class:`~prefixroute.core.match_levels.Levels`).
 3. **The cost of a choice** (NVIDIA Dynamo's router cost, "prefill blocks not cached
    plus decode load", in characters of routing text): ``uncached + queue`` where
    ``uncached`` is the part of the request the instance does not hold and ``queue`` its
@@ -86,13 +86,13 @@ from __future__ import annotations
 
 import math
 import random
-from bisect import bisect_left, bisect_right
 from operator import attrgetter
 from typing import Callable, Sequence
 
 from prefixroute.core.approx_cache import BYTES_PER_BLOCK_ENTRY, ApproxPrefixCache, ViewBudget
 from prefixroute.core.config import RoutingConfig, RoutingStrategy
 from prefixroute.core.hashing import rendezvous_best, rendezvous_order
+from prefixroute.core.match_levels import Levels as _Levels, first as _first, first_over as _first_over
 from prefixroute.core.block_chain import BlockChain
 from prefixroute.core.precise_policy import choose_precise
 from prefixroute.core.placement_rules import (
@@ -112,112 +112,6 @@ from prefixroute.core.placement_rules import (
     TIE_BLOCKS,
 )
 from prefixroute.core.strategies import DecisionKind, InstanceState, Strategy, least_outstanding, register
-
-
-def _first(n: int, x: float, key: Callable[[int], float]) -> int:
-    """The first block index ``k < n`` with ``key(k) >= x`` (``n`` if none), ``key``
-    non-decreasing: a bisection, no block read. Callers pass ``n = _Levels.bound``, and
-    the answer is most often ``n`` (the other holders match far less): checked first."""
-    if not n or key(n - 1) < x:
-        return n
-    return bisect_left(range(n - 1), x, key=key)
-
-
-def _first_over(n: int, x: float, key: Callable[[int], float]) -> int:
-    """The first block index ``k < n`` with ``key(k) > x`` (``n`` if none), ``key``
-    non-decreasing (as :func:`_first`)."""
-    if not n or key(n - 1) <= x:
-        return n
-    return bisect_right(range(n - 1), x, key=key)
-
-
-class _Levels:
-    """The candidates holding a request's first block, grouped into levels by how many
-    blocks of its chain they hold, longest first, found lazily over the fleet-wide index.
-
-    Relies on each instance's remembered blocks of a chain forming a prefix of it (see the
-    module docstring), so "some of these instances hold block ``k``" is true up to some
-    ``k`` and false after: binary searches find where.
-
-    Attributes:
-        masks, depths: the levels found so far: the bitmask of the candidates of each
-            level and their match in blocks (decreasing).
-        remaining: bitmask of the holders in no level yet (they match less than the last).
-        bound: no remaining holder holds block ``bound`` or any later one.
-    """
-
-    __slots__ = ("_get", "_index", "masks", "depths", "remaining", "bound")
-
-    def __init__(self, get: Callable[[int], int], index: dict[int, int], held: int, n: int) -> None:
-        self._get = get
-        self._index = index
-        self.masks: list[int] = []
-        self.depths: list[int] = []
-        self.remaining = held
-        self.bound = n
-
-    def pull(self) -> bool:
-        """Find the next level (``False`` when no holder remains).
-
-        The search gallops down from ``bound`` (1, 2, 4... blocks back), then bisects: a
-        follow-up request (a new question about a held document, the next turn of a
-        conversation) matches all but its last block or two and is found by reading
-        blocks ``bound - 1`` and ``bound - 2``, which a :class:`BlockChain` hashes in one
-        xxh3 pass over the prefix."""
-        remaining = self.remaining
-        if not remaining:
-            return False
-        index, get, top = self._index, self._get, self.bound
-        lo, miss, step = 0, top, 1  # get(lo) is held by someone in `remaining`; get(miss) is not
-        while top - step > lo:
-            probe = top - step
-            if index.get(get(probe), 0) & remaining:
-                lo = probe
-                break
-            miss, step = probe, step * 2
-        while miss - lo > 1:
-            mid = (lo + miss) >> 1
-            if index.get(get(mid), 0) & remaining:
-                lo = mid
-            else:
-                miss = mid
-        holders = index.get(get(lo), 0) & remaining
-        self.masks.append(holders)
-        self.depths.append(lo + 1)
-        self.remaining = remaining & ~holders
-        self.bound = lo
-        return True
-
-    def any_holds(self, k: int) -> bool:
-        """Whether a remaining holder holds block ``k`` (one read unless ``k >= bound``)."""
-        remaining = self.remaining
-        if not remaining or k >= self.bound:
-            return False
-        if self._index.get(self._get(k), 0) & remaining:
-            return True
-        self.bound = k
-        return False
-
-    def all_hold(self, k: int) -> bool:
-        """Whether every remaining holder holds block ``k`` (true when none remains)."""
-        remaining = self.remaining
-        if not remaining or k <= 0:
-            return True
-        if k >= self.bound:
-            return False
-        return self._index.get(self._get(k), 0) & remaining == remaining
-
-    def depth_of(self, bit: int) -> int:
-        """Match in blocks of the instance with index bit ``bit`` (0 if it holds nothing),
-        finding further levels as needed."""
-        for m, d in zip(self.masks, self.depths):
-            if bit & m:
-                return d
-        while bit & self.remaining:
-            self.pull()
-            if bit & self.masks[-1]:
-                return self.depths[-1]
-        return 0
 
 
 __all__ = ["CacheAwareStrategy", "ApproxPrefixCache", "ViewBudget", "BYTES_PER_BLOCK_ENTRY", "ANCHOR_MIN_BLOCKS",
@@ -248,7 +142,7 @@ class CacheAwareStrategy(Strategy):
     optionally under a router-wide :class:`ViewBudget`) and a fleet-wide index from block
     hash to the bitmask of instances holding it, so one binary search over a request's
     chain finds all the instances holding its longest match at once (a few xxh3 passes
-    and dict lookups, whatever the number of instances; see :class:`_Levels`).
+    and dict lookups, whatever the number of instances; see :class:`~prefixroute.core.match_levels.Levels`).
     """
 
     name = RoutingStrategy.CACHE_AWARE
@@ -463,7 +357,7 @@ class CacheAwareStrategy(Strategy):
                 if inst.in_flight < threshold and u_top >= max(self.stick_units, STICK_FRACTION * size) and \
                         self._uncached_cost(inst, size - u_top) + self._queue(inst) <= \
                         size + self.tie_units + self._replicate_fraction(candidates) * size:
-                    spread = self._spread(blocks, inst, held, candidates, d, u_top, size, by_bit, threshold,
+                    spread = self._spread(blocks, inst, held, candidates, d, by_bit, threshold,
                                           min(max(d, amin), n - 1)) \
                         if chain and max(inst.in_flight, inst.engine_load) > SPREAD_SLACK else None
                     if spread is not None:  # (no other candidate holds even the first block)
@@ -498,7 +392,7 @@ class CacheAwareStrategy(Strategy):
             # holders this request continues a request routed to (a conversation's next
             # turn after a short one, the same conversation among holders of its system
             # prompt), if any.
-            cont = self._continuing(blocks, top_mask, d_top, u_top, size, by_bit)  # type: ignore[arg-type]
+            cont = self._continuing(blocks, top_mask, d_top, by_bit)  # type: ignore[arg-type]
             if cont:
                 home_mask, extra, meaningful = cont[0], cont[1], True
         if not meaningful:
@@ -526,8 +420,8 @@ class CacheAwareStrategy(Strategy):
             most = size + limit - c_home  # the home wins if u_rest <= most
             if most >= u_top or (most >= 0 and (alone or not levels.any_holds(_first_over(levels.bound, most,
                                                                                              upto)))):
-                spread = self._spread(blocks, home, home_mask, candidates, d_top, u_top, size, by_bit, threshold,
-                                      min(max(d_top, amin), n - 1), levels, unit) \
+                spread = self._spread(blocks, home, home_mask, candidates, d_top, by_bit, threshold,
+                                      min(max(d_top, amin), n - 1), levels) \
                     if chain and max(home.in_flight, home.engine_load) > SPREAD_SLACK else None
                 if spread is not None:
                     self.uncached_units = size - unit(levels.depth_of(bits[candidates.index(spread)]))
@@ -551,9 +445,8 @@ class CacheAwareStrategy(Strategy):
         return alt, DecisionKind.OVERFLOW
 
     def _spread(self, blocks: BlockChain, home: InstanceState, home_mask: int, candidates: Sequence[InstanceState],
-                d_top: int, u_top: int, size: int, by_bit: dict[int, InstanceState], threshold: float,
-                anchor_block: int, levels: "_Levels | None" = None,
-                unit: Callable[[int], int] | None = None) -> InstanceState | None:
+                d_top: int, by_bit: dict[int, InstanceState], threshold: float,
+                anchor_block: int, levels: "_Levels | None" = None) -> InstanceState | None:
         """A new branch off a shared prefix (a new conversation behind a long system
         prompt, a new question about a document) whose home has markedly more requests in
         flight than the fleet's mean (:data:`SPREAD_FACTOR`, :data:`SPREAD_SLACK`): the
@@ -571,10 +464,9 @@ class CacheAwareStrategy(Strategy):
         for b in _bits(home_mask):
             if by_bit[b] is home:
                 home_bit = b
-        if levels is not None and unit is not None:  # the home's own match (a home of the band may hold less)
+        if levels is not None:  # the home's own match (a home of the band may hold less)
             d_top = levels.depth_of(home_bit)
-            u_top = unit(d_top)
-        if d_top and self._continuing(blocks, home_bit, d_top, u_top, size, by_bit):
+        if d_top and self._continuing(blocks, home_bit, d_top, by_bit):
             return None
         alt = self._walk(blocks.hash(anchor_block), candidates, threshold, home_mask)  # (hashed only now)
         if alt is None or max(alt.in_flight, alt.engine_load) >= home_load:
@@ -591,21 +483,17 @@ class CacheAwareStrategy(Strategy):
         loads = [max(c.in_flight, c.engine_load) for c in candidates if c.in_flight < threshold]
         return bool(loads) and home_load > SPREAD_FACTOR * (sum(loads) / len(loads)) + SPREAD_SLACK
 
-    def _continuing(self, blocks: BlockChain, mask: int, d_top: int, u_top: int, size: int,
+    def _continuing(self, blocks: BlockChain, mask: int, d_top: int,
                     by_bit: dict[int, InstanceState]) -> tuple[int, int] | None:
         """The holders (bits of ``mask``, which hold ``d_top`` blocks) where a chain routed
         earlier ended inside this request's text: its partial last block is this text's
-        prefix there. Returns ``(their bits, the partial block's units)`` (the longest
+        prefix there (:meth:`ApproxPrefixCache.continued_rest`). Returns ``(their bits, the partial block's units)`` (the longest
         such end), or ``None``."""
-        tail = blocks.hash(d_top - 1)
         found, extra = 0, -1
         caches = self.caches
         for b in _bits(mask):
-            t = caches[by_bit[b].instance_id].tail(tail)
-            if t is None:
-                continue
-            rest, h = t
-            if rest and (u_top + rest > size or blocks.prefix_hash(u_top + rest, d_top) != h):
+            rest = caches[by_bit[b].instance_id].continued_rest(blocks, d_top)
+            if rest is None:
                 continue
             if rest > extra:
                 found, extra = b, rest
@@ -692,17 +580,7 @@ class CacheAwareStrategy(Strategy):
         about a document, a new conversation behind a system prompt); ``None`` when it
         holds nothing of it. Read before this chain's own tail is marked."""
         k = min(held, blocks.full)
-        if not k:
-            return None
-        t = cache.tail(blocks.hash(k - 1))
-        if t is None:
-            return False
-        rest, h = t
-        if not rest:
-            return True
-        shift = blocks.unit_shift
-        u = blocks.ends[k - 1] >> shift
-        return u + rest <= blocks.ends[-1] >> shift and blocks.prefix_hash(u + rest, k) == h
+        return cache.continued_rest(blocks, k) is not None if k else None
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.

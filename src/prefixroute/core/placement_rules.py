@@ -47,8 +47,9 @@ BACKLOG_REPLICATE_FRACTION = 4.0
 #: instance's queue is momentarily empty by the counts a router sees (its own requests
 #: and the engines' last scraped ones: with several router replicas, often), and each
 #: such moment replicated a document that then evicted others (simulated,
-#: near-saturation with 4 replicas: 186 of 2,018 requests missed a document their home
-#: had held and evicted, 52 with 1 replica). One or two instances with queues and the
+#: near-saturation with 4 replicas, seed 0, the simulator's per-request records read by
+#: a throwaway script: 186 of 2,018 requests missed a document their home had held and
+#: evicted, 52 with 1 replica). One or two instances with queues and the
 #: others idle (a hot spot) are not a backlog, and a hot document still spreads.
 BACKLOG_QUORUM = 0.75
 #: :data:`BACKLOG_QUORUM` applies only while fewer than this share of the requests that
@@ -59,8 +60,9 @@ BACKLOG_QUORUM = 0.75
 #: conversation to an idle instance moves all its later turns, so conversational
 #: traffic keeps the plain margin: with the quorum for every traffic a start burst of
 #: new conversations behind one system prompt (each instance prefilling) stayed on the
-#: prompt's home and one instance got none of them (simulated, long-system-prompt, 1
-#: replica, seed 0: shares 31 / 35 / 34 / 0 %). The share is a moving average over
+#: prompt's home and one instance got none of them (simulated with a throwaway patch
+#: that applied the quorum to every traffic, long-system-prompt, 1 replica, seed 0:
+#: shares 31 / 35 / 34 / 0 %). The share is a moving average over
 #: about :data:`CONTINUED_SHARE_WINDOW` such requests, starting at 1 (the plain margin
 #: until the traffic shows what it is: a burst of up to about 88 new conversations
 #: behind a shared prompt stays above the bar).

@@ -244,14 +244,10 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         d = approx_depth(i)
         if not d:
             return None
-        cache = caches[candidates[i].instance_id]
-        t = cache.tail(get(d - 1))
-        if t is None:
+        rest = caches[candidates[i].instance_id].continued_rest(blocks, d)  # type: ignore[arg-type]
+        if rest is None:
             return None
-        rest, h = t
         u = unit(d)
-        if rest and (u + rest > size_chain or blocks.prefix_hash(u + rest, d) != h):  # type: ignore[attr-defined]
-            return None
         if events_agree and is_precise is not None and is_precise[i]:
             # Its events must still show the blocks of the request routed there.
             return float(rest) if raw[i] >= u else None
