@@ -5,8 +5,9 @@ different times with the same settings. Per (workload, replicas, router) it take
 median of each figure over the files; with two or more files it measures the noise:
 for each figure, the spread (largest minus smallest) of every cell over the files, and
 its 90th percentile over all cells (cache-hit rate in points, TTFT relative). Then
-``CACHE_AWARE`` against every **peer** (the routers that are not prefixroute's own
-strategies; llm-d's re-implemented scorers are a peer): it *leads* on a figure when it
+``CACHE_AWARE`` (its learned view, or the run ``--subject`` names) against every
+**peer** (the routers that are not prefixroute's own strategies; llm-d's
+re-implemented scorers are a peer): it *leads* on a figure when it
 is better than every peer or worse by no more than that figure's noise. It also gives
 the hit rate with 4 and 8 router replicas against 1.
 
@@ -44,9 +45,22 @@ from typing import Any, Iterable, Sequence
 
 #: The strategy every verdict is about.
 SUBJECT = "CACHE_AWARE"
+#: The run of it judged by default: its learned view (``--subject`` names another, such
+#: as ``prefixroute CACHE_AWARE precise`` in a ``--precise both`` run).
+DEFAULT_SUBJECT_LABEL = "prefixroute CACHE_AWARE"
 #: Figures compared: JSON field, label, whether higher is better, how its noise is measured.
 FIGURES = (("cache_hit_rate", "hit", True, "points"), ("p50_ttft_s", "P50", False, "relative"),
            ("p90_ttft_s", "P90", False, "relative"))
+
+
+def is_subject(run: dict[str, Any], label: str = DEFAULT_SUBJECT_LABEL) -> bool:
+    """The run judged: prefixroute's :data:`SUBJECT` under ``label``."""
+    return run["router"] == "prefixroute" and run["strategy"] == SUBJECT and run["label"] == label
+
+
+def subject_name(label: str) -> str:
+    """How the tables name the run judged (``CACHE_AWARE``, ``CACHE_AWARE precise``)."""
+    return label.removeprefix("prefixroute ")
 
 
 def is_peer(run: dict[str, Any]) -> bool:
@@ -194,14 +208,16 @@ class Verdict:
         return all(self.leads.values()) and self.errors == 0
 
 
-def verdicts(medians: dict[Cell, dict[str, Any]], tolerance: dict[str, Noise]) -> list[Verdict]:
-    """One :class:`Verdict` per (workload, replicas) where CACHE_AWARE and a peer ran."""
+def verdicts(medians: dict[Cell, dict[str, Any]], tolerance: dict[str, Noise],
+             subject: str = DEFAULT_SUBJECT_LABEL) -> list[Verdict]:
+    """One :class:`Verdict` per (workload, replicas) where the run labelled ``subject``
+    (:func:`is_subject`) and a peer ran."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for (wl, reps, _), r in medians.items():
         groups.setdefault((wl, reps), []).append(r)
     out = []
     for (wl, reps), runs in groups.items():
-        subj = next((r for r in runs if r["router"] == "prefixroute" and r["strategy"] == SUBJECT), None)
+        subj = next((r for r in runs if is_subject(r, subject)), None)
         peers = [r for r in runs if is_peer(r)]
         if subj is None or not peers:
             continue
@@ -226,11 +242,12 @@ def verdicts(medians: dict[Cell, dict[str, Any]], tolerance: dict[str, Noise]) -
     return out
 
 
-def replica_drift(medians: dict[Cell, dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """Per workload: CACHE_AWARE's hit rate (fraction) at each replica count."""
+def replica_drift(medians: dict[Cell, dict[str, Any]], subject: str = DEFAULT_SUBJECT_LABEL
+                  ) -> dict[str, dict[int, float]]:
+    """Per workload: the ``subject`` run's hit rate (fraction) at each replica count."""
     out: dict[str, dict[int, float]] = {}
     for (wl, reps, _), r in medians.items():
-        if r["router"] == "prefixroute" and r["strategy"] == SUBJECT and r.get("cache_hit_rate") is not None:
+        if is_subject(r, subject) and r.get("cache_hit_rate") is not None:
             out.setdefault(wl, {})[reps] = r["cache_hit_rate"]
     return out
 
@@ -245,9 +262,12 @@ def _short(label: str) -> str:
 
 
 def render(table: dict[Cell, list[dict[str, Any]]],
-           noise_table: dict[Cell, list[dict[str, Any]]] | None = None) -> Iterable[str]:
+           noise_table: dict[Cell, list[dict[str, Any]]] | None = None,
+           subject: str = DEFAULT_SUBJECT_LABEL) -> Iterable[str]:
     """The report's lines: noise, verdicts, replica drift. ``noise_table``: the runs the
-    noise is measured on (default: ``table`` itself)."""
+    noise is measured on (default: ``table`` itself); ``subject``: the label of the run
+    judged."""
+    name = subject_name(subject)
     tol = noise(table if noise_table is None else noise_table)
     medians = {c: median_run(r) for c, r in table.items()}
     files = max((len(r) for r in table.values()), default=0)
@@ -261,8 +281,8 @@ def render(table: dict[Cell, list[dict[str, Any]]],
         unit = (lambda x: f"{x:.1f} pts") if label == "hit" else (lambda x: f"{x * 100:.0f} %")
         yield f"| {label} | {unit(n.median)} | {unit(n.p90)} | {n.cells} |"
     yield ""
-    vs = sorted(verdicts(medians, tol), key=lambda v: (_order(v.workload, table), v.replicas))
-    yield "| workload | replicas | hit: CACHE_AWARE / best peer | P50 TTFT | P90 TTFT | leads |"
+    vs = sorted(verdicts(medians, tol, subject), key=lambda v: (_order(v.workload, table), v.replicas))
+    yield f"| workload | replicas | hit: {name} / best peer | P50 TTFT | P90 TTFT | leads |"
     yield "|---|---:|---|---|---|---|"
     for v in vs:
         cols = []
@@ -277,11 +297,11 @@ def render(table: dict[Cell, list[dict[str, Any]]],
         yield f"| {v.workload} | {v.replicas} | {cols[0]} | {cols[1]} | {cols[2]} | {verdict} |"
     led = sum(v.all_lead for v in vs)
     yield ""
-    yield f"CACHE_AWARE leads on hit rate, P50 and P90 TTFT (within the noise above) in {led} of {len(vs)} groups"
+    yield f"{name} leads on hit rate, P50 and P90 TTFT (within the noise above) in {led} of {len(vs)} groups"
     yield ""
     yield "| workload | hit, 1 replica | 4 replicas | 8 replicas | largest change from 1 |"
     yield "|---|---:|---:|---:|---:|"
-    for wl, by in sorted(replica_drift(medians).items(), key=lambda kv: _order(kv[0], table)):
+    for wl, by in sorted(replica_drift(medians, subject).items(), key=lambda kv: _order(kv[0], table)):
         if 1 not in by:
             continue
         drift = max(((by[r] - by[1]) * 100 for r in by if r != 1), key=abs, default=0.0)
@@ -289,7 +309,7 @@ def render(table: dict[Cell, list[dict[str, Any]]],
                                                            for r in (4, 8)) + f" | {drift:+.1f} pts |")
 
 
-def workload_tables(table: dict[Cell, list[dict[str, Any]]]) -> Iterable[str]:
+def workload_tables(table: dict[Cell, list[dict[str, Any]]], subject: str = DEFAULT_SUBJECT_LABEL) -> Iterable[str]:
     """One Markdown table per workload: every router and replica count, medians over the files."""
     medians = {c: median_run(r) for c, r in table.items()}
     workloads: list[str] = []
@@ -303,7 +323,7 @@ def workload_tables(table: dict[Cell, list[dict[str, Any]]]) -> Iterable[str]:
         yield "|---|---:|---:|---:|---:|---:|---:|---:|"
         rows = [(c, r) for c, r in medians.items() if c[0] == wl]
         for (_, reps, label), r in sorted(rows, key=lambda cr: cr[0][1]):
-            name = f"**{label}**" if r["router"] == "prefixroute" and r["strategy"] == SUBJECT else label
+            name = f"**{label}**" if is_subject(r, subject) else label
             thr = r.get("throughput_rps")
             busy = r.get("busiest_share")
             yield (f"| {name} | {reps} | {r['cache_hit_rate'] * 100:.1f} % | {r['p50_ttft_s'] * 1000:.0f} ms | "
@@ -328,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="measure the noise on these runs (two or more other JSON files of the same settings, "
                         "e.g. a run and its repeat) instead of on the runs judged; put it after the runs, or end "
                         "its list with --")
+    p.add_argument("--subject", default=DEFAULT_SUBJECT_LABEL, metavar="LABEL",
+                   help="the label of the prefixroute CACHE_AWARE run to judge (default: %(default)r, the learned "
+                        "view; 'prefixroute CACHE_AWARE precise' for precise mode in a --precise run)")
     args = p.parse_args(argv)
     try:
         docs = load_docs(args.runs)
@@ -335,6 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         p.error(str(exc))
     table = cells([d["runs"] for d in docs])
+    if not any(is_subject(r, args.subject) for d in docs for r in d["runs"]):
+        labels = sorted({r["label"] for d in docs for r in d["runs"] if r["router"] == "prefixroute"
+                         and r["strategy"] == SUBJECT})
+        p.error(f"--subject: no {SUBJECT} run is labelled {args.subject!r} (the files have: "
+                f"{', '.join(map(repr, labels)) or 'none'})")
     noise_table = None
     if noise_docs is not None:
         judged = {Path(x).resolve() for x in args.runs}
@@ -354,11 +382,11 @@ def main(argv: list[str] | None = None) -> int:
         own = {(wl, reps) for (wl, reps, _), runs in noise_table.items() if len(runs) > 1} & groups
         print(f"note: {len(own)} of {len(groups)} judged groups have noise cells of their own; the others are "
               "judged with the noise of other cells", file=sys.stderr)
-    for line in render(table, noise_table):
+    for line in render(table, noise_table, args.subject):
         print(line)
     if args.tables:
         print()
-        for line in workload_tables(table):
+        for line in workload_tables(table, args.subject):
             print(line)
     return 0
 

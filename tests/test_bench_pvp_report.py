@@ -163,3 +163,33 @@ def test_noise_from_names_settings_that_differ(tmp_path, capsys):
     assert "settings differ (judged / noise): cache_aware_threshold: 64 / 32" in err
     assert "replicas" not in err.split("note:")[0]  # replica counts may differ
     assert "1 of 1 judged groups have noise cells of their own" in err
+
+
+def test_subject_judges_the_precise_arm_of_a_precise_run(tmp_path, capsys):
+    runs = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 4, 0.640, 1.500, 2.800),
+            _run("prefixroute CACHE_AWARE precise", "CACHE_AWARE", 4, 0.690, 0.500, 1.100),
+            _run("vllm-router consistent_hash", "consistent_hash", 4, 0.685, 1.100, 5.700)]
+    (path,) = _files(tmp_path, runs)
+    medians = {c: report.median_run(r) for c, r in report.cells(report.load_runs([path])).items()}
+    tol = report.noise(report.cells(report.load_runs([path])))
+    # the learned view by default, the arm --subject names otherwise; neither is a peer of the other
+    (learned,) = report.verdicts(medians, tol)
+    (precise,) = report.verdicts(medians, tol, "prefixroute CACHE_AWARE precise")
+    assert learned.subject["hit"] == 0.640 and not learned.all_lead
+    assert precise.subject["hit"] == 0.690 and precise.all_lead
+    assert {who for who, _ in precise.best.values()} == {"vllm-router consistent_hash"}
+    assert report.main([str(path), "--subject", "prefixroute CACHE_AWARE precise", "--tables"]) == 0
+    out = capsys.readouterr().out
+    assert "| workload | replicas | hit: CACHE_AWARE precise / best peer |" in out
+    assert "CACHE_AWARE precise leads on hit rate, P50 and P90 TTFT (within the noise above) in 1 of 1 groups" in out
+    assert "| **prefixroute CACHE_AWARE precise** | 4 |" in out and "| prefixroute CACHE_AWARE | 4 |" in out
+
+
+def test_a_subject_no_run_has_is_refused(tmp_path, capsys):
+    (path,) = _files(tmp_path, [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.9, 0.02, 0.03),
+                                _run("vllm-router consistent_hash", "consistent_hash", 1, 0.9, 0.02, 0.03)])
+    with pytest.raises(SystemExit) as exc:
+        report.main([str(path), "--subject", "prefixroute CACHE_AWARE precise"])
+    assert exc.value.code == 2
+    assert "no CACHE_AWARE run is labelled 'prefixroute CACHE_AWARE precise' (the files have: " \
+           "'prefixroute CACHE_AWARE')" in capsys.readouterr().err
