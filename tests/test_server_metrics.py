@@ -5,6 +5,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from prefixroute.core.config import FleetConfig, RoutingConfig
 from prefixroute.core.endpoint import Fleet
 from prefixroute.server.metrics import RouterMetrics
@@ -65,3 +67,48 @@ def test_multiprocess_values_match_single_process_ones():
     assert got.keys() == want.keys()
     for name, value in want.items():
         assert abs(got[name] - value) < 1e-9, name
+
+
+def _share(text: str) -> float | None:
+    for line in text.splitlines():
+        if line.startswith('prefixroute_cache_aware_continued_share{endpoint="e",variant="AllTraffic"}'):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_continued_share_is_averaged_over_a_variants_components_that_routed_any():
+    """Conversations through one component, questions about one document through the
+    other: the gauge is the mean of their two shares, absent before any, and the
+    variant's own pool (no request) does not count."""
+    from prefixroute.core.keys import openai_route
+
+    a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
+    ca = {"RoutingStrategy": "CACHE_AWARE", "CacheAwareRoutingConfig": {"ConcurrencyThreshold": 8}}
+    fleet = Fleet(FleetConfig.from_mapping({"Endpoints": [{
+        "EndpointName": "e", "ProductionVariants": [{"VariantName": "AllTraffic", "Instances": [a, b],
+                                                     "RoutingConfig": ca}],
+        "InferenceComponents": [{"InferenceComponentName": "chat", "Instances": [a]},
+                                {"InferenceComponentName": "docs", "Instances": [b]}]}]}))
+    metrics = RouterMetrics(lambda: fleet)
+    assert _share(metrics.render().decode()) is None  # nothing learned yet
+    pools = {p.component: p for _, p in fleet.all_pools()}
+    routing = pools["chat"].routing
+
+    def send(pool, messages):
+        _, blocks = openai_route({"model": "m", "messages": messages}, True, routing)
+        pool.acquire(None, blocks=blocks).release()
+
+    # one conversation, turn after turn: every later turn continues the one before
+    history = [{"role": "system", "content": "You are terse. " * 40}]
+    for turn in range(20):
+        history.append({"role": "user", "content": f"question {turn} " * 30})
+        send(pools["chat"], history)
+        history.append({"role": "assistant", "content": f"answer {turn} " * 30})
+    # new questions about one document: each branches off the document
+    doc = "A long document. " * 300
+    for q in range(20):
+        send(pools["docs"], [{"role": "user", "content": doc + f"Question {q}?"}])
+    chat, docs = pools["chat"].strategy.continued_share, pools["docs"].strategy.continued_share
+    assert chat == 1.0 and docs < 0.9  # (moving averages from 1: 19 continuations, 19 branches)
+    assert pools[None].strategy.continued_samples == 0
+    assert _share(metrics.render().decode()) == pytest.approx((chat + docs) / 2)

@@ -159,6 +159,8 @@ class CacheAwareStrategy(Strategy):
         #: request routed there (a conversation's next turn) rather than branched off it
         #: (a new question about a document); starts at 1
         self.continued_share = 1.0
+        #: learned requests the share has averaged so far
+        self.continued_samples = 0
         self.budget: ViewBudget | None = None
         self._index: dict[int, int] = {}
         self._bits: dict[str, int] = {}
@@ -568,6 +570,7 @@ class CacheAwareStrategy(Strategy):
                 cache.mark_tail(blocks[-1])
             if continued is not None:  # (a prefix nothing routed there shares is neither)
                 self.continued_share += (continued - self.continued_share) / CONTINUED_SHARE_WINDOW
+                self.continued_samples += 1
 
     @staticmethod
     def _continued(cache: ApproxPrefixCache, blocks: BlockChain, held: int) -> bool | None:
@@ -610,8 +613,11 @@ class CacheAwareStrategy(Strategy):
 
     def stats(self) -> dict[str, float]:
         blocks = sum(len(c) for c in self.caches.values())
-        return {
+        out = {
             "approx_cache_blocks": float(blocks),
             "approx_cache_bytes": float(blocks * BYTES_PER_BLOCK_ENTRY),
             "approx_cache_capacity_blocks": float(sum(c.max_blocks for c in self.caches.values())),
         }
+        if self.continued_samples:  # (a share, not a count: averaged over a variant's pools that have one)
+            out["cache_aware_continued_share"] = self.continued_share
+        return out

@@ -106,7 +106,16 @@ _STRATEGY_STATS = {
                           "(blocks x BYTES_PER_BLOCK_ENTRY).",
     "approx_cache_capacity_blocks": "CACHE_AWARE: most blocks the views may hold (InstanceCacheTokens x 4 / "
                                     "BlockSize per instance).",
+    "cache_aware_continued_share": "CACHE_AWARE: moving average (about 128 requests) of the share of requests "
+                                   "extending a prefix held on their instance that continue a request routed "
+                                   "there (a conversation's next turn) rather than branch off it (a new question "
+                                   "about a document); below 0.5 a fleet with 3 of 4 instances waiting counts as "
+                                   "backlogged (core/placement_rules.py). Averaged over a variant's components that have "
+                                   "routed such a request; absent before the first.",
 }
+#: Of those, the ones that are shares, not counts: averaged over the pools of a variant
+#: (its inference components), not summed.
+_AVERAGED_STATS = frozenset({"cache_aware_continued_share"})
 # CACHE_AWARE's per-instance view (Strategy.instance_stats()).
 _INSTANCE_STATS = {
     "approx_cache_instance_bytes": "CACHE_AWARE: estimated memory of one instance's approximate cache view, "
@@ -139,6 +148,7 @@ class _PoolCollector(Collector):
             "Requests in flight per inference component copy (its own count and ConcurrencyThreshold).",
             labels=("endpoint", "component", "instance"))
         stats: dict[tuple[str, str, str], float] = {}
+        pools_of: dict[tuple[str, str, str], int] = {}  # (for the averaged stats)
         per_stats: dict[tuple[str, str, str, str], float] = {}
         for endpoint, pool in self._fleet().all_pools():
             for inst in pool.instances:
@@ -150,13 +160,17 @@ class _PoolCollector(Collector):
                 healthy.add_metric(labels, 1.0 if inst.healthy else 0.0)
             for name, value in pool.strategy.stats().items():  # (a component's counts as its variant's)
                 if name in state:
-                    stats[(name, endpoint, pool.name)] = stats.get((name, endpoint, pool.name), 0.0) + value
+                    key = (name, endpoint, pool.name)
+                    stats[key] = stats.get(key, 0.0) + value
+                    pools_of[key] = pools_of.get(key, 0) + 1
             for instance, gauges in pool.strategy.instance_stats().items():
                 for name, value in gauges.items():
                     if name in per:
                         key = (name, endpoint, pool.name, instance)
                         per_stats[key] = per_stats.get(key, 0.0) + value
         for (name, endpoint, variant), value in stats.items():
+            if name in _AVERAGED_STATS:
+                value /= pools_of[(name, endpoint, variant)]
             state[name].add_metric((endpoint, variant), value)
         for (name, endpoint, variant, instance), value in per_stats.items():
             per[name].add_metric((endpoint, variant, instance), value)
