@@ -41,7 +41,8 @@ requests, after a warm-up of 2,000 requests. The router's HTTP work
 (``bench/overhead.py``'s CPU per request minus these) is the same in both arms and not
 here. Usage::
 
-    python bench/precise_path.py [--body-sizes 1K,32K] [--number 20000] [--rounds 3] [--json PATH]
+    python bench/precise_path.py [--body-sizes 1K,32K] [--number 20000] [--rounds 3]
+                                 [--requests-per-step 64] [--json PATH]
 """
 
 from __future__ import annotations
@@ -212,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--body-sizes: {exc}")
     if not sizes:
         p.error("--body-sizes names no size")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        p.error(f"--json: no directory {str(Path(args.json).resolve().parent)!r} to write {args.json!r} in")
     rows = []
     for size in sizes:
         for precise in (False, True):

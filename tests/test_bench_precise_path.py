@@ -59,6 +59,7 @@ def test_events_that_match_nothing_fail_the_run(monkeypatch, capsys):
     (["--body-sizes", "big"], "not a size"),
     (["--body-sizes", "10"], "cannot hold a chat request"),
     (["--body-sizes", ","], "names no size"),
+    (["--json", "/nonexistent-dir/out.json"], "--json: no directory '/nonexistent-dir'"),
 ])
 def test_bad_arguments_are_refused(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -69,17 +69,21 @@ def test_multiprocess_values_match_single_process_ones():
         assert abs(got[name] - value) < 1e-9, name
 
 
-def _share(text: str) -> float | None:
+def _shares(text: str) -> dict[str, float]:
+    """component -> prefixroute_cache_aware_continued_share of endpoint e, variant AllTraffic."""
+    out = {}
     for line in text.splitlines():
-        if line.startswith('prefixroute_cache_aware_continued_share{endpoint="e",variant="AllTraffic"}'):
-            return float(line.rsplit(" ", 1)[1])
-    return None
+        if line.startswith('prefixroute_cache_aware_continued_share{'):
+            labels, value = line.rsplit(" ", 1)
+            assert 'endpoint="e"' in labels and 'variant="AllTraffic"' in labels
+            out[labels.split('component="')[1].split('"')[0]] = float(value)
+    return out
 
 
-def test_continued_share_is_averaged_over_a_variants_components_that_routed_any():
+def test_continued_share_is_one_series_per_pool_that_routed_any():
     """Conversations through one component, questions about one document through the
-    other: the gauge is the mean of their two shares, absent before any, and the
-    variant's own pool (no request) does not count."""
+    other: each component's own share (the one its backlog test reads), none for the
+    variant's own pool (no request), none at all before any."""
     from prefixroute.core.keys import openai_route
 
     a, b = "http://10.0.0.1:8000", "http://10.0.0.2:8000"
@@ -90,7 +94,8 @@ def test_continued_share_is_averaged_over_a_variants_components_that_routed_any(
         "InferenceComponents": [{"InferenceComponentName": "chat", "Instances": [a]},
                                 {"InferenceComponentName": "docs", "Instances": [b]}]}]}))
     metrics = RouterMetrics(lambda: fleet)
-    assert _share(metrics.render().decode()) is None  # nothing learned yet
+    text = metrics.render().decode()
+    assert "# TYPE prefixroute_cache_aware_continued_share gauge" in text and _shares(text) == {}
     pools = {p.component: p for _, p in fleet.all_pools()}
     routing = pools["chat"].routing
 
@@ -108,7 +113,6 @@ def test_continued_share_is_averaged_over_a_variants_components_that_routed_any(
     doc = "A long document. " * 300
     for q in range(20):
         send(pools["docs"], [{"role": "user", "content": doc + f"Question {q}?"}])
-    chat, docs = pools["chat"].strategy.continued_share, pools["docs"].strategy.continued_share
-    assert chat == 1.0 and docs < 0.9  # (moving averages from 1: 19 continuations, 19 branches)
+    # (moving averages from 1 over about 128 requests: 19 continuations, 19 branches)
+    assert _shares(metrics.render().decode()) == {"chat": 1.0, "docs": pytest.approx((1 - 1 / 128) ** 19)}
     assert pools[None].strategy.continued_samples == 0
-    assert _share(metrics.render().decode()) == pytest.approx((chat + docs) / 2)

@@ -618,6 +618,6 @@ class CacheAwareStrategy(Strategy):
             "approx_cache_bytes": float(blocks * BYTES_PER_BLOCK_ENTRY),
             "approx_cache_capacity_blocks": float(sum(c.max_blocks for c in self.caches.values())),
         }
-        if self.continued_samples:  # (a share, not a count: averaged over a variant's pools that have one)
+        if self.continued_samples:  # (a share, not a count: a series per pool, server/metrics.py)
             out["cache_aware_continued_share"] = self.continued_share
         return out

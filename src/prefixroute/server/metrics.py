@@ -55,6 +55,7 @@ METRIC_NAMES = (
     "prefixroute_approx_cache_instance_bytes",
     "prefixroute_approx_cache_instance_max_bytes",
     "prefixroute_approx_cache_capacity_blocks",
+    "prefixroute_cache_aware_continued_share",
     "prefixroute_routing_decision_seconds",
     "prefixroute_ttft_seconds",
     "prefixroute_request_duration_seconds",
@@ -106,16 +107,15 @@ _STRATEGY_STATS = {
                           "(blocks x BYTES_PER_BLOCK_ENTRY).",
     "approx_cache_capacity_blocks": "CACHE_AWARE: most blocks the views may hold (InstanceCacheTokens x 4 / "
                                     "BlockSize per instance).",
-    "cache_aware_continued_share": "CACHE_AWARE: moving average (about 128 requests) of the share of requests "
-                                   "extending a prefix held on their instance that continue a request routed "
-                                   "there (a conversation's next turn) rather than branch off it (a new question "
-                                   "about a document); below 0.5 a fleet with 3 of 4 instances waiting counts as "
-                                   "backlogged (core/placement_rules.py). Averaged over a variant's components that have "
-                                   "routed such a request; absent before the first.",
 }
-#: Of those, the ones that are shares, not counts: averaged over the pools of a variant
-#: (its inference components), not summed.
-_AVERAGED_STATS = frozenset({"cache_aware_continued_share"})
+#: CACHE_AWARE's share of continuations, one series per pool (a variant's own, label
+#: ``component=""``, and each inference component's): each pool's strategy reads its own.
+_CONTINUED_SHARE = ("prefixroute_cache_aware_continued_share",
+                    "CACHE_AWARE: moving average (about 128 requests) of the share of requests extending a prefix "
+                    "held on their instance that continue a request routed there (a conversation's next turn) "
+                    "rather than branch off it (a new question about a document); below 0.5 a fleet with 3 of 4 "
+                    "instances waiting counts as backlogged (core/placement_rules.py). Per pool (component \"\" "
+                    "for the variant's own); a pool's series appears with its first such request.")
 # CACHE_AWARE's per-instance view (Strategy.instance_stats()).
 _INSTANCE_STATS = {
     "approx_cache_instance_bytes": "CACHE_AWARE: estimated memory of one instance's approximate cache view, "
@@ -147,8 +147,8 @@ class _PoolCollector(Collector):
             "prefixroute_component_in_flight",
             "Requests in flight per inference component copy (its own count and ConcurrencyThreshold).",
             labels=("endpoint", "component", "instance"))
+        share = GaugeMetricFamily(*_CONTINUED_SHARE, labels=("endpoint", "variant", "component"))
         stats: dict[tuple[str, str, str], float] = {}
-        pools_of: dict[tuple[str, str, str], int] = {}  # (for the averaged stats)
         per_stats: dict[tuple[str, str, str, str], float] = {}
         for endpoint, pool in self._fleet().all_pools():
             for inst in pool.instances:
@@ -162,19 +162,18 @@ class _PoolCollector(Collector):
                 if name in state:
                     key = (name, endpoint, pool.name)
                     stats[key] = stats.get(key, 0.0) + value
-                    pools_of[key] = pools_of.get(key, 0) + 1
+                elif name == "cache_aware_continued_share":
+                    share.add_metric((endpoint, pool.name, pool.component or ""), value)
             for instance, gauges in pool.strategy.instance_stats().items():
                 for name, value in gauges.items():
                     if name in per:
                         key = (name, endpoint, pool.name, instance)
                         per_stats[key] = per_stats.get(key, 0.0) + value
         for (name, endpoint, variant), value in stats.items():
-            if name in _AVERAGED_STATS:
-                value /= pools_of[(name, endpoint, variant)]
             state[name].add_metric((endpoint, variant), value)
         for (name, endpoint, variant, instance), value in per_stats.items():
             per[name].add_metric((endpoint, variant, instance), value)
-        return [in_flight, healthy, comp_in_flight, *state.values(), *per.values()]
+        return [in_flight, healthy, comp_in_flight, *state.values(), *per.values(), share]
 
 
 class _CatalogCollector(Collector):
