@@ -56,6 +56,7 @@ def test_events_that_match_nothing_fail_the_run(monkeypatch, capsys):
     (["--rounds", "0"], "must be >= 1"),
     (["--requests-per-step", "0"], "must be >= 1"),
     (["--number", "50"], "--requests-per-step (64) must be at most --number"),
+    (["--number", "3000", "--requests-per-step", "2001"], "and the warm-up's 2,000 requests"),
     (["--body-sizes", "big"], "not a size"),
     (["--body-sizes", "10"], "cannot hold a chat request"),
     (["--body-sizes", ","], "names no size"),

@@ -168,13 +168,17 @@ def test_noise_from_names_settings_that_differ(tmp_path, capsys):
 def test_subject_judges_the_precise_arm_of_a_precise_run(tmp_path, capsys):
     runs = [_run("prefixroute CACHE_AWARE", "CACHE_AWARE", 4, 0.640, 1.500, 2.800),
             _run("prefixroute CACHE_AWARE precise", "CACHE_AWARE", 4, 0.690, 0.500, 1.100),
-            _run("vllm-router consistent_hash", "consistent_hash", 4, 0.685, 1.100, 5.700)]
+            _run("vllm-router consistent_hash", "consistent_hash", 4, 0.685, 1.100, 5.700),
+            _run("prefixroute CACHE_AWARE", "CACHE_AWARE", 1, 0.670, 0.400, 0.900),
+            _run("prefixroute CACHE_AWARE precise", "CACHE_AWARE", 1, 0.700, 0.400, 0.900)]
     (path,) = _files(tmp_path, runs)
     medians = {c: report.median_run(r) for c, r in report.cells(report.load_runs([path])).items()}
     tol = report.noise(report.cells(report.load_runs([path])))
     # the learned view by default, the arm --subject names otherwise; neither is a peer of the other
-    (learned,) = report.verdicts(medians, tol)
+    (learned,) = report.verdicts(medians, tol)  # (no peer ran with 1 replica: one group)
     (precise,) = report.verdicts(medians, tol, "prefixroute CACHE_AWARE precise")
+    assert report.replica_drift(medians) == {"w": {1: 0.670, 4: 0.640}}
+    assert report.replica_drift(medians, "prefixroute CACHE_AWARE precise") == {"w": {1: 0.700, 4: 0.690}}
     assert learned.subject["hit"] == 0.640 and not learned.all_lead
     assert precise.subject["hit"] == 0.690 and precise.all_lead
     assert {who for who, _ in precise.best.values()} == {"vllm-router consistent_hash"}
@@ -183,6 +187,7 @@ def test_subject_judges_the_precise_arm_of_a_precise_run(tmp_path, capsys):
     assert "| workload | replicas | hit: CACHE_AWARE precise / best peer |" in out
     assert "CACHE_AWARE precise leads on hit rate, P50 and P90 TTFT (within the noise above) in 1 of 1 groups" in out
     assert "| **prefixroute CACHE_AWARE precise** | 4 |" in out and "| prefixroute CACHE_AWARE | 4 |" in out
+    assert "| w | 70.0 % | 69.0 % | - | -1.0 pts |" in out  # the drift of the arm judged
 
 
 def test_a_subject_no_run_has_is_refused(tmp_path, capsys):

@@ -103,6 +103,9 @@ def test_continued_share_is_one_series_per_pool_that_routed_any():
         _, blocks = openai_route({"model": "m", "messages": messages}, True, routing)
         pool.acquire(None, blocks=blocks).release()
 
+    # a first prompt shares nothing with what its instance was sent: no sample, no series
+    send(pools["docs"], [{"role": "user", "content": "Something unrelated. " * 40}])
+    assert _shares(metrics.render().decode()) == {}
     # one conversation, turn after turn: every later turn continues the one before
     history = [{"role": "system", "content": "You are terse. " * 40}]
     for turn in range(20):
