@@ -133,7 +133,11 @@ async def test_openai_and_sagemaker_clients_through_envoy_and_the_picker(tmp_pat
             out["native_stream"] = b"".join(e["PayloadPart"]["Bytes"] for e in r["Body"] if "PayloadPart" in e)
             return out
 
-        out = await asyncio.to_thread(run)
+        try:
+            out = await asyncio.to_thread(run)
+        except openai.APIStatusError as exc:  # say where Envoy's answer came from (flags, details)
+            lines = open(log).read().splitlines()[-5:] if os.path.exists(log) else []
+            raise AssertionError(f"{exc}; Envoy's access log, last lines: {lines}") from exc
         instances = {i for i, _, _ in out["chat"]}
         assert len(instances) == 1 and instances <= set(urls)  # the same prefix, the same instance
         assert [d for _, d, _ in out["chat"]] == ["affinity"] * 3
