@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import boto3
@@ -136,7 +137,7 @@ async def test_openai_and_sagemaker_clients_through_envoy_and_the_picker(tmp_pat
         try:
             out = await asyncio.to_thread(run)
         except openai.APIStatusError as exc:  # say where Envoy's answer came from (flags, details)
-            lines = open(log).read().splitlines()[-5:] if os.path.exists(log) else []
+            lines = Path(log).read_text().splitlines()[-5:] if os.path.exists(log) else []
             raise AssertionError(f"{exc}; Envoy's access log, last lines: {lines}") from exc
         instances = {i for i, _, _ in out["chat"]}
         assert len(instances) == 1 and instances <= set(urls)  # the same prefix, the same instance
