@@ -387,6 +387,11 @@ def test_new_conversations_leave_a_busy_home_of_their_shared_system_prompt(user_
     # the next turn of conversation 0 stays on the busy home
     got = _decide_as_the_reference(pool, turn(0, 1), 99)
     assert got[0] is home and got[1] is DecisionKind.AFFINITY
+    # and so does its first turn sent again (a retry: the home holds its partial last block too)
+    again = turn(0, 0)
+    assert again.full < len(again)
+    got = _decide_as_the_reference(pool, again, 100)
+    assert got[0] is home and got[1] is DecisionKind.AFFINITY and pool.strategy.uncached_units == 0
 
 
 def test_never_over_threshold_while_another_is_below():
@@ -657,6 +662,19 @@ def _reference_choose(strategy, candidates, blocks):
     def uncached_cost(c, units):
         return units * (1 + max(c.awaiting_first_token, c.engine_waiting))
 
+    def continues(i, d):
+        """Units past block d - 1 of the request routed to candidate i that this one
+        continues (its partial last block), or None: candidate i holds this text's own
+        partial last block (the same text routed there), or the tail of a chain routed
+        there is at block d - 1 and its partial block is this text's prefix there."""
+        if d > blocks.full:
+            return 0
+        t = strategy.caches[candidates[i].instance_id].tail(blocks[d - 1])
+        if t is not None and (t[0] == 0 or (unit(d) + t[0] <= size
+                                            and blocks.prefix_hash(unit(d) + t[0], d) == t[1])):
+            return t[0]
+        return None
+
     def spread(home, homes, top_d, u_top, anchor, threshold):
         """A new branch off a shared prefix whose home is markedly busier than the mean
         goes to the branch's bounded-load rendezvous choice (not a continuation)."""
@@ -665,11 +683,8 @@ def _reference_choose(strategy, candidates, blocks):
         if not below or h <= C.SPREAD_FACTOR * sum(below) / len(below) + C.SPREAD_SLACK:
             return None
         d = depth[home]  # the home's own match
-        if d:
-            t = strategy.caches[candidates[home].instance_id].tail(blocks[d - 1])
-            if t is not None and (t[0] == 0 or (unit(d) + t[0] <= size
-                                                 and blocks.prefix_hash(unit(d) + t[0], d) == t[1])):
-                return None  # a continuation keeps its instance
+        if d and continues(home, d) is not None:
+            return None  # a continuation keeps its instance
         i = walk(anchor, threshold, set(homes))
         return i if i is not None and load(candidates[i]) < h else None
 
@@ -689,10 +704,9 @@ def _reference_choose(strategy, candidates, blocks):
         if not meaningful or len(tops) > 1:  # the holders this request continues a request routed to
             cont = {}
             for i in tops:
-                t = strategy.caches[candidates[i].instance_id].tail(blocks[top_d - 1])
-                if t is not None and (t[0] == 0 or (u_top + t[0] <= size
-                                                     and blocks.prefix_hash(u_top + t[0], top_d) == t[1])):
-                    cont[i] = t[0]
+                rest = continues(i, top_d)
+                if rest is not None:
+                    cont[i] = rest
             if cont:
                 extra = max(cont.values())
                 homes, meaningful = [i for i, r in cont.items() if r == extra], True

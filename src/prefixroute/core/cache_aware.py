@@ -578,12 +578,10 @@ class CacheAwareStrategy(Strategy):
         chain routed there (the test of :meth:`_continuing`: its last full held block
         is where that chain's full blocks ended, and the partial block that chain ended
         with is this text's prefix there; a conversation's next turn, an agent's next
-        step; and, the depth being capped at the full blocks here, unlike in
-        :meth:`_continuing`, the same prompt again) or branches off what it holds (a new question
+        step; the same prompt again) or branches off what it holds (a new question
         about a document, a new conversation behind a system prompt); ``None`` when it
         holds nothing of it. Read before this chain's own tail is marked."""
-        k = min(held, blocks.full)
-        return cache.continued_rest(blocks, k) is not None if k else None
+        return cache.continued_rest(blocks, held) is not None if held else None
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.
