@@ -31,7 +31,7 @@ disagree when several router replicas run (SPEC §5). This strategy:
 4. **Homes keep their requests.** An instance holding meaningfully more of the request
    than any other (:data:`STICK_MIN_BLOCKS`, :data:`STICK_FRACTION`), or whose match ends
    where a request routed there ended (a conversation's next turn, an agent's next step:
-   the router never sees the answers in between), is a home. The cheapest home keeps the
+   the router never sees the answers in between; the same prompt again), is a home. The cheapest home keeps the
    request unless its cost exceeds the alternative's by more than :data:`TIE_BLOCKS` plus
    :data:`REPLICATE_FRACTION` of the request: a conversation stays on one instance as it
    grows, a hot document is replicated only when its queue is clearly longer
