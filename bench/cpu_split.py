@@ -29,8 +29,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import overhead as O  # noqa: E402  (bench/ is a folder of scripts)
+from backend_launch import start_fast_backend  # noqa: E402  (bench/ is a folder of scripts)
+import overhead as O  # noqa: E402
+from overhead_settings import FULL, make_bodies, parse_size, write_bodies  # noqa: E402
 from peers import ProcessTracker  # noqa: E402
+from wrk_load import WRK_SCRIPT, run_wrk  # noqa: E402
 
 _TICK_US = 1e6 / 100  # /proc/<pid>/stat times are in clock ticks (USER_HZ, 100 on Linux)
 
@@ -81,10 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.duration < 1 or args.warmup < 0:
         p.error("--duration must be >= 1 and --warmup >= 0")
     try:
-        size = O.parse_size(args.body_size)
+        size = parse_size(args.body_size)
     except ValueError as exc:
         p.error(f"--body-size: {exc}")
-    specs = {O.slug(s.label): s for s in O.router_specs(O.FULL)}
+    specs = {O.slug(s.label): s for s in O.router_specs(FULL)}
     wanted = [w.strip() for w in args.routers.split(",") if w.strip()]
     unknown = [w for w in wanted if w not in specs]
     if unknown or not wanted:
@@ -99,17 +102,17 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     with ProcessTracker() as tracker:
         script = tracker.path("bodies", ".lua")
-        script.write_text(O.WRK_SCRIPT)
-        files = O.write_bodies(tracker.workdir / "bodies", O.make_bodies(size, False, 16, 0), "body")
-        backend = O.start_fast_backend(tracker, O.FULL.instances, first_port=O.FULL.backend_port, log=print)
+        script.write_text(WRK_SCRIPT)
+        files = write_bodies(tracker.workdir / "bodies", make_bodies(size, False, 16, 0), "body")
+        backend = start_fast_backend(tracker, FULL.instances, first_port=FULL.backend_port, log=print)
         for slug in wanted:
             router = specs[slug].start(tracker, backend.urls)
             url = router.url + "/v1/chat/completions"
             pid = router.process.proc.pid
             if args.warmup:
-                O.run_wrk(tracker, url, files, 1, args.warmup, wrk=wrk, script=script)
+                run_wrk(tracker, url, files, 1, args.warmup, wrk=wrk, script=script)
             before = read_proc(pid)
-            res = O.run_wrk(tracker, url, files, 1, args.duration, wrk=wrk, script=script)
+            res = run_wrk(tracker, url, files, 1, args.duration, wrk=wrk, script=script)
             after = read_proc(pid)
             n = max(1, res.requests)
             row = {"router": specs[slug].label, "requests": res.requests, "p50_ms": res.p50_ms,
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                                       stderr=subprocess.DEVNULL)
                 try:
                     time.sleep(0.3)
-                    traced = O.run_wrk(tracker, url, files, 1, args.duration, wrk=wrk, script=script)
+                    traced = run_wrk(tracker, url, files, 1, args.duration, wrk=wrk, script=script)
                 finally:  # (strace detaches and writes its summary on SIGINT)
                     st.send_signal(2)
                     try:

@@ -15,7 +15,8 @@ differ only by what they do themselves. Targets:
 * ``serve``: ``prefixroute serve`` (its default fast data plane), ``PREFIX_AWARE``.
 
 Load: ``wrk`` (Debian package), closed loop of N connections POSTing 32 KB chat bodies
-cycling over 16 system prompts (``bench/overhead.py``'s bodies and script), non-streaming.
+cycling over 16 system prompts (``bench/overhead.py``'s bodies and wrk script:
+``bench/overhead_settings.py``, ``bench/wrk_load.py``), non-streaming.
 Each round measures every target in turn (the order turns by one each round); at
 concurrency 1 each target is measured right after a direct run and its **added
 latency** is its p50 (p99) minus that direct run's. The **picker's own cost** is, per
@@ -59,9 +60,11 @@ from typing import Any, Sequence
 BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
-from overhead import (WRK_SCRIPT, ensure_wrk, find_wrk, machine_facts, make_bodies, run_wrk,  # noqa: E402
-                      start_fast_backend, write_bodies)
+from backend_launch import start_fast_backend  # noqa: E402
+from overhead_report import machine_facts  # noqa: E402
+from overhead_settings import make_bodies, write_bodies  # noqa: E402
 from peers import ManagedProcess, PeerError, ProcessTracker, source_commit  # noqa: E402
+from wrk_load import WRK_SCRIPT, ensure_wrk, find_wrk, run_wrk  # noqa: E402
 
 from prefixroute.demo.loadgen import run_closed_loop  # noqa: E402
 from prefixroute.demo.report import scrape_counters, summarize  # noqa: E402

@@ -24,15 +24,22 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-import fast_backend  # noqa: E402  (bench/ is a folder of scripts, not a package)
+import backend_launch  # noqa: E402  (bench/ is a folder of scripts, not a package)
+import fast_backend  # noqa: E402
 import overhead  # noqa: E402
+import overhead_report  # noqa: E402
+import overhead_results  # noqa: E402
+import overhead_settings  # noqa: E402
+import overhead_streams  # noqa: E402
 import peers  # noqa: E402
+import proc_stats  # noqa: E402
+import wrk_load  # noqa: E402
 
 EVENTS = 8
 
 
 def _wrk() -> str:
-    exe = overhead.find_wrk()
+    exe = wrk_load.find_wrk()
     if exe is None:
         pytest.fail("wrk is not installed: `apt-get install -y wrk` (the overhead benchmark's load generator)")
     return exe
@@ -46,13 +53,13 @@ def tracker():
 
 @pytest.fixture(scope="module")
 def backend(tracker):
-    return overhead.start_fast_backend(tracker, 2, stream_events=EVENTS, record_bodies=True)
+    return backend_launch.start_fast_backend(tracker, 2, stream_events=EVENTS, record_bodies=True)
 
 
 @pytest.fixture(scope="module")
 def script(tracker):
     p = tracker.path("bodies", ".lua")
-    p.write_text(overhead.WRK_SCRIPT)
+    p.write_text(wrk_load.WRK_SCRIPT)
     return p
 
 
@@ -201,27 +208,27 @@ def test_wants_stream_finds_the_stream_key_not_the_word():
 def test_bodies_are_exact_in_size_distinct_from_the_first_prompt_byte_and_valid():
     for size in (1024, 32 * 1024):
         for stream in (False, True):
-            bodies = overhead.make_bodies(size, stream, 16, seed=1)
+            bodies = overhead_settings.make_bodies(size, stream, 16, seed=1)
             assert [len(b) for b in bodies] == [size] * 16
             docs = [json.loads(b) for b in bodies]
             assert all(d["stream"] is stream and d["model"] == fast_backend.MODEL for d in docs)
             assert fast_backend.wants_stream(bodies[0]) is stream
             firsts = {d["messages"][0]["content"][:16] for d in docs}
             assert len(firsts) == 16  # HAProxy's and PREFIX_AWARE's keys differ for every body
-    assert overhead.make_bodies(1024, True, 4, seed=3) == overhead.make_bodies(1024, True, 4, seed=3)
+    assert overhead_settings.make_bodies(1024, True, 4, seed=3) == overhead_settings.make_bodies(1024, True, 4, seed=3)
     with pytest.raises(ValueError, match="cannot hold"):
-        overhead.make_bodies(100, False, 1)
-    assert [overhead.parse_size(x) for x in ("1K", "32KB", "256k", "1m", "1000")] == [
+        overhead_settings.make_bodies(100, False, 1)
+    assert [overhead_settings.parse_size(x) for x in ("1K", "32KB", "256k", "1m", "1000")] == [
         1024, 32768, 262144, 1048576, 1000]
 
 
 def test_wrk_script_cycles_through_every_body(tracker, backend, script):
     wrk = _wrk()
-    bodies = overhead.make_bodies(1024, False, 16, seed=7)
-    files = overhead.write_bodies(tracker.workdir / "cycle", bodies, "cycle")
+    bodies = overhead_settings.make_bodies(1024, False, 16, seed=7)
+    files = overhead_settings.write_bodies(tracker.workdir / "cycle", bodies, "cycle")
     digests = [xxhash.xxh3_64_hexdigest(b) for b in bodies]
     before = backend.stats()
-    result = overhead.run_wrk(tracker, backend.urls[0] + "/v1/chat/completions", files, 1, 1, wrk=wrk,
+    result = wrk_load.run_wrk(tracker, backend.urls[0] + "/v1/chat/completions", files, 1, 1, wrk=wrk,
                               script=script)
     after = backend.stats()
     counts = [after["bodies"].get(d, 0) - before["bodies"].get(d, 0) for d in digests]
@@ -234,7 +241,7 @@ def test_wrk_script_cycles_through_every_body(tracker, backend, script):
 
 def test_parse_wrk_output_needs_the_summary_line():
     with pytest.raises(ValueError, match="no summary"):
-        overhead.parse_wrk_output("unable to connect to 127.0.0.1:1 Connection refused\n")
+        wrk_load.parse_wrk_output("unable to connect to 127.0.0.1:1 Connection refused\n")
 
 
 # -- one measurement through prefixroute ---------------------------------------------------------------
@@ -242,11 +249,12 @@ def test_parse_wrk_output_needs_the_summary_line():
 
 def test_measure_direct_and_through_prefixroute(tracker, backend, script):
     wrk = _wrk()
-    spec = next(r for r in overhead.router_specs(overhead.FULL) if r.label == "prefixroute CACHE_AWARE")
+    spec = next(r for r in overhead.router_specs(overhead_settings.FULL) if r.label == "prefixroute CACHE_AWARE")
     router = spec.start(tracker, backend.urls)
-    cell = overhead.Cell(1, 1024, False)
-    files = overhead.write_bodies(tracker.workdir / "measure", overhead.make_bodies(1024, False, 16), "m")
-    direct = overhead.Target(overhead.DIRECT, "none", "direct", backend.urls[0], None)
+    cell = overhead_settings.Cell(1, 1024, False)
+    files = overhead_settings.write_bodies(tracker.workdir / "measure", overhead_settings.make_bodies(1024, False, 16),
+                                           "m")
+    direct = overhead.Target(overhead_results.DIRECT, "none", "direct", backend.urls[0], None)
     target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid)
     ms = [overhead.measure(tracker, t, cell, files, 1, backend=backend, wrk=wrk, script=script)
           for t in (direct, target)]
@@ -263,7 +271,7 @@ def test_measure_direct_and_through_prefixroute(tracker, backend, script):
     assert sum(m.instance_requests) == m.backend_requests  # every request reached an instance...
     assert min(m.instance_requests) > 0  # ...and CACHE_AWARE spread the 16 prompts over both
     assert m.backend_unknown == {}  # prefixroute sends nothing but the requests themselves
-    [rd, rm] = overhead.aggregate(ms, [direct, target])
+    [rd, rm] = overhead_results.aggregate(ms, [direct, target])
     assert rd.added_p50_ms is None and rm.added_p50_ms == pytest.approx(m.wrk.p50_ms - d.wrk.p50_ms)
     run = rm.to_json()
     assert run["router"] == "prefixroute" and run["strategy"] == "CACHE_AWARE" and run["errors"] == 0
@@ -273,14 +281,14 @@ def test_measure_direct_and_through_prefixroute(tracker, backend, script):
 
 def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, backend, script):
     wrk = _wrk()
-    spec = next(r for r in overhead.router_specs(overhead.FULL) if r.label == overhead.RELAY_FLOOR_LABEL)
+    spec = next(r for r in overhead.router_specs(overhead_settings.FULL) if r.label == overhead.RELAY_FLOOR_LABEL)
     assert spec.peer == ""  # nothing to install: it runs on prefixroute's own dependencies
     router = spec.start(tracker, backend.urls)
     target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid)
     for stream in (False, True):
-        cell = overhead.Cell(2, 32768, stream)
-        files = overhead.write_bodies(tracker.workdir / f"floor-{stream}", overhead.make_bodies(32768, stream, 16),
-                                      f"floor-{stream}")
+        cell = overhead_settings.Cell(2, 32768, stream)
+        files = overhead_settings.write_bodies(tracker.workdir / f"floor-{stream}",
+                                               overhead_settings.make_bodies(32768, stream, 16), f"floor-{stream}")
         m = overhead.measure(tracker, target, cell, files, 1, backend=backend, wrk=wrk, script=script)
         assert m.wrk.error_count == 0 and m.wrk.requests > 50
         assert sum(m.instance_requests) == m.backend_requests >= m.wrk.requests
@@ -293,7 +301,7 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
     import urllib.request
 
     for stream, end in ((False, b"}"), (True, b"data: [DONE]\n\n")):
-        body = overhead.make_bodies(1024, stream, 1)[0]
+        body = overhead_settings.make_bodies(1024, stream, 1)[0]
         req = urllib.request.Request(router.url + "/v1/chat/completions", data=body,
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=10) as r:
@@ -306,7 +314,8 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
                   b"Content-Length: 2\r\n\r\n{}")
         while s.recv(65536):
             pass  # until the relay closes it
-    req = urllib.request.Request(router.url + "/v1/chat/completions", data=overhead.make_bodies(1024, False, 1)[0],
+    req = urllib.request.Request(router.url + "/v1/chat/completions",
+                                 data=overhead_settings.make_bodies(1024, False, 1)[0],
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=10) as r:
         assert r.status == 200
@@ -318,22 +327,23 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
         assert proc.returncode == 2 and "expected http://HOST:PORT" in proc.stderr
 
 
-def _measured(label: str, rnd: int, p50_ms: float, rps: float) -> "overhead.Measurement":
-    wrk = overhead.WrkResult(requests=int(rps), duration_s=1.0, p50_ms=p50_ms, p90_ms=p50_ms, p99_ms=2 * p50_ms,
+def _measured(label: str, rnd: int, p50_ms: float, rps: float) -> "overhead_results.Measurement":
+    wrk = wrk_load.WrkResult(requests=int(rps), duration_s=1.0, p50_ms=p50_ms, p90_ms=p50_ms, p99_ms=2 * p50_ms,
                              mean_ms=p50_ms, max_ms=3 * p50_ms, errors={}, bytes=0)
-    return overhead.Measurement(label, rnd, overhead.Cell(1, 32768, False), wrk, None, None, False, 0.0, [int(rps)],
-                                int(rps), {})
+    return overhead_results.Measurement(label, rnd, overhead_settings.Cell(1, 32768, False), wrk, None, None, False,
+                                        0.0, [int(rps)], int(rps), {})
 
 
 def test_ratios_are_given_of_the_medians_and_round_by_round():
     targets = [overhead.Target(label, label, "", "", None) for label in
-               (overhead.DIRECT, "router", overhead.LATENCY_REFERENCE, overhead.THROUGHPUT_REFERENCE)]
+               (overhead_results.DIRECT, "router", overhead_results.LATENCY_REFERENCE,
+                overhead_results.THROUGHPUT_REFERENCE)]
     # (p50 ms, req/s) per round: direct, router, HAProxy, sglang-router
     rounds = [((0.20, 5000), (0.50, 1800), (0.35, 2600), (0.80, 1400)),
               ((0.20, 5000), (0.52, 1600), (0.50, 1700), (0.80, 1100)),
               ((0.20, 5000), (0.47, 1900), (0.49, 1500), (0.70, 1050))]
     ms = [_measured(t.label, rnd, p50, rps) for rnd, row in enumerate(rounds, 1) for t, (p50, rps) in zip(targets, row)]
-    results = {r.target.label: r for r in overhead.aggregate(ms, targets)}
+    results = {r.target.label: r for r in overhead_results.aggregate(ms, targets)}
     router = results["router"]
     assert router.added_p50_by_round == pytest.approx({1: 0.30, 2: 0.32, 3: 0.27})
     assert router.added_p50_ms == pytest.approx(0.30)  # the median of the rounds
@@ -344,20 +354,20 @@ def test_ratios_are_given_of_the_medians_and_round_by_round():
     run = router.to_json()
     assert run["added_p50_vs_haproxy_rounds"] == pytest.approx(router.added_vs_haproxy_rounds)
     assert run["throughput_vs_sglang_router_rounds"] == pytest.approx(router.rps_vs_sglang_rounds)
-    assert results[overhead.DIRECT].added_vs_haproxy_rounds == []  # direct adds nothing
+    assert results[overhead_results.DIRECT].added_vs_haproxy_rounds == []  # direct adds nothing
     # A round in which HAProxy added nothing (or less than nothing) gives no ratio.
-    ms[2 * 4 + 2] = _measured(overhead.LATENCY_REFERENCE, 3, 0.19, 1500)
-    router = {r.target.label: r for r in overhead.aggregate(ms, targets)}["router"]
+    ms[2 * 4 + 2] = _measured(overhead_results.LATENCY_REFERENCE, 3, 0.19, 1500)
+    router = {r.target.label: r for r in overhead_results.aggregate(ms, targets)}["router"]
     first, second, third = router.added_vs_haproxy_rounds  # one entry per round, in order
     assert (first, second, third) == (pytest.approx(0.30 / 0.15), pytest.approx(0.32 / 0.30), None)
-    assert overhead._ratio(1.03, [2.0, 1.07], ".1f") == "1.0 (1.1-2.0)"
-    assert overhead._ratio(1.5, [0.5, None, 0.6], ".1f") == "1.5 (0.5-0.6 in 2 of 3)"
-    assert overhead._ratio(1.03, [1.03], ".1f") == "1.0" and overhead._ratio(None, [], ".1f") == "-"
-    assert overhead._ratio(1.2, [None, None], ".1f") == "1.2"
+    assert overhead_report._ratio(1.03, [2.0, 1.07], ".1f") == "1.0 (1.1-2.0)"
+    assert overhead_report._ratio(1.5, [0.5, None, 0.6], ".1f") == "1.5 (0.5-0.6 in 2 of 3)"
+    assert overhead_report._ratio(1.03, [1.03], ".1f") == "1.0" and overhead_report._ratio(None, [], ".1f") == "-"
+    assert overhead_report._ratio(1.2, [None, None], ".1f") == "1.2"
 
 
 def test_each_round_turns_the_routers_order_and_pairs_direct_with_each_at_low_concurrency():
-    targets = [overhead.Target(label, label, "", "", None) for label in (overhead.DIRECT, "a", "b", "c")]
+    targets = [overhead.Target(label, label, "", "", None) for label in (overhead_results.DIRECT, "a", "b", "c")]
     order = lambda rnd, paired: [(t.label, pair) for t, pair in overhead.run_order(targets, rnd, paired)]  # noqa: E731
     assert order(1, False) == [("direct", None), ("a", None), ("b", None), ("c", None)]
     assert order(2, False) == [("direct", None), ("b", None), ("c", None), ("a", None)]
@@ -370,55 +380,56 @@ def test_each_round_turns_the_routers_order_and_pairs_direct_with_each_at_low_co
 
 def test_a_router_is_measured_against_the_direct_run_right_before_it():
     targets = [overhead.Target(label, label, "", "", None) for label in
-               (overhead.DIRECT, "router", overhead.LATENCY_REFERENCE)]
+               (overhead_results.DIRECT, "router", overhead_results.LATENCY_REFERENCE)]
     ms = []
     # One round: the machine slows down between the two pairs (direct 0.20 -> 0.30).
-    for label, p50, pair in ((overhead.DIRECT, 0.20, "router"), ("router", 0.45, None),
-                             (overhead.DIRECT, 0.30, overhead.LATENCY_REFERENCE),
-                             (overhead.LATENCY_REFERENCE, 0.42, None)):
+    for label, p50, pair in ((overhead_results.DIRECT, 0.20, "router"), ("router", 0.45, None),
+                             (overhead_results.DIRECT, 0.30, overhead_results.LATENCY_REFERENCE),
+                             (overhead_results.LATENCY_REFERENCE, 0.42, None)):
         ms.append(_measured(label, 1, p50, 1000))
         ms[-1].paired_with = pair
-    results = {r.target.label: r for r in overhead.aggregate(ms, targets)}
+    results = {r.target.label: r for r in overhead_results.aggregate(ms, targets)}
     assert results["router"].added_p50_ms == pytest.approx(0.25)
-    assert results[overhead.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.12)
+    assert results[overhead_results.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.12)
     assert results["router"].added_vs_haproxy == pytest.approx(0.25 / 0.12)
-    assert results[overhead.DIRECT].p50_ms == pytest.approx(0.25)  # both direct runs, their median
-    sglang = overhead.Target(overhead.THROUGHPUT_REFERENCE, "", "", "", None)
-    with_sglang = [*ms, _measured(overhead.THROUGHPUT_REFERENCE, 1, 0.5, 500)]
+    assert results[overhead_results.DIRECT].p50_ms == pytest.approx(0.25)  # both direct runs, their median
+    sglang = overhead.Target(overhead_results.THROUGHPUT_REFERENCE, "", "", "", None)
+    with_sglang = [*ms, _measured(overhead_results.THROUGHPUT_REFERENCE, 1, 0.5, 500)]
     # Both direct runs did 1,000 req/s: one ratio for their round, not one per run.
-    direct = {r.target.label: r for r in overhead.aggregate(with_sglang, [*targets, sglang])}[overhead.DIRECT]
+    direct = {r.target.label: r
+              for r in overhead_results.aggregate(with_sglang, [*targets, sglang])}[overhead_results.DIRECT]
     assert direct.rps_vs_sglang_rounds == pytest.approx([2.0])
     assert ms[0].to_json()["paired_with"] == "router" and ms[1].to_json()["paired_with"] is None
-    run = results[overhead.DIRECT].to_json()
+    run = results[overhead_results.DIRECT].to_json()
     assert (run["rounds"], run["runs"], run["rounds_without_reply"]) == (1, 2, 0)
     # A paired direct run that failed (never recorded): the router is taken against the
     # round's other direct run rather than losing its round.
-    lost = {r.target.label: r for r in overhead.aggregate([ms[1], ms[2], ms[3]], targets)}
+    lost = {r.target.label: r for r in overhead_results.aggregate([ms[1], ms[2], ms[3]], targets)}
     assert lost["router"].added_p50_by_round == pytest.approx({1: 0.15})
-    assert overhead._median_run([]) is None
-    assert overhead._median_run([ms[2], ms[0]]) is ms[0]  # of two, the lower
+    assert overhead_results._median_run([]) is None
+    assert overhead_results._median_run([ms[2], ms[0]]) is ms[0]  # of two, the lower
     # Without pairs (a cell of higher concurrency), every router against its round's direct.
     for m in ms:
         m.paired_with = None
     unpaired = [ms[0], ms[1], ms[3]]
-    results = {r.target.label: r for r in overhead.aggregate(unpaired, targets)}
-    assert results[overhead.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.22)
+    results = {r.target.label: r for r in overhead_results.aggregate(unpaired, targets)}
+    assert results[overhead_results.LATENCY_REFERENCE].added_p50_ms == pytest.approx(0.22)
 
 
 def test_settings_from_flags():
     q = overhead.settings_from(overhead.parse_args(["--quick"]))
-    assert q == overhead.QUICK and q.concurrency == (1, 64) and q.body_sizes == (32768,)
+    assert q == overhead_settings.QUICK and q.concurrency == (1, 64) and q.body_sizes == (32768,)
     s = overhead.settings_from(overhead.parse_args(["--concurrency", "2,4", "--body-sizes", "1K,2K", "--modes",
                                                     "stream", "--duration", "3", "--rounds", "2", "--streams", "0"]))
     assert (s.concurrency, s.body_sizes, s.streaming, s.duration_s, s.rounds, s.streams) == (
         (2, 4), (1024, 2048), (True,), 3, 2, 0)
-    assert overhead.settings_from(overhead.parse_args([])) == overhead.FULL
-    assert overhead.FULL.paired_direct_up_to == 1
+    assert overhead.settings_from(overhead.parse_args([])) == overhead_settings.FULL
+    assert overhead_settings.FULL.paired_direct_up_to == 1
     assert overhead.settings_from(overhead.parse_args(["--paired-direct-up-to", "8"])).paired_direct_up_to == 8
     with pytest.raises(SystemExit):
         overhead.settings_from(overhead.parse_args(["--paired-direct-up-to", "-1"]))
     with pytest.raises(SystemExit):
-        overhead.select_routers(overhead.router_specs(overhead.FULL), "no-such-router")
+        overhead.select_routers(overhead.router_specs(overhead_settings.FULL), "no-such-router")
     with pytest.raises(SystemExit, match="cannot hold a chat request"):  # a clean error, not a traceback
         overhead.settings_from(overhead.parse_args(["--body-sizes", "1K,200"]))
     assert overhead.settings_from(overhead.parse_args(["--backend-port", "0"])).backend_port == 0
@@ -426,12 +437,12 @@ def test_settings_from_flags():
     for bad in ("-1", "65533", "70000"):  # 4 consecutive ports must exist
         with pytest.raises(SystemExit, match="--backend-port must be 0"):
             overhead.settings_from(overhead.parse_args(["--backend-port", bad]))
-    labels = [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "prefixroute")]
+    labels = [r.label for r in overhead.select_routers(overhead.router_specs(overhead_settings.FULL), "prefixroute")]
     assert labels == ["prefixroute RANDOM", "prefixroute LEAST_OUTSTANDING", "prefixroute PREFIX_AWARE",
                       "prefixroute CACHE_AWARE", "prefixroute PREFIX_AWARE --data-plane aiohttp",
                       "prefixroute CACHE_AWARE --workers 2"]
-    assert [r.label for r in overhead.select_routers(overhead.router_specs(overhead.FULL), "python-relay-floor")] == \
-        [overhead.RELAY_FLOOR_LABEL]
+    specs = overhead.router_specs(overhead_settings.FULL)
+    assert [r.label for r in overhead.select_routers(specs, "python-relay-floor")] == [overhead.RELAY_FLOOR_LABEL]
 
 
 def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
@@ -442,14 +453,14 @@ def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         first = probe.getsockname()[1]
-    if not overhead.ports_free(first, 2):
+    if not backend_launch.ports_free(first, 2):
         first = 23456
-    assert overhead.ports_free(first, 2)
+    assert backend_launch.ports_free(first, 2)
     said: list[str] = []
-    fixed = overhead.start_fast_backend(tracker, 2, first_port=first, log=said.append)
+    fixed = backend_launch.start_fast_backend(tracker, 2, first_port=first, log=said.append)
     assert fixed.urls == [f"http://127.0.0.1:{first}", f"http://127.0.0.1:{first + 1}"] and said == []
-    assert not overhead.ports_free(first, 2)  # (they are taken now)
-    moved = overhead.start_fast_backend(tracker, 2, first_port=first, log=said.append)
+    assert not backend_launch.ports_free(first, 2)  # (they are taken now)
+    moved = backend_launch.start_fast_backend(tracker, 2, first_port=first, log=said.append)
     assert not set(moved.urls) & set(fixed.urls) and len(moved.urls) == 2
     assert said == [f"note: ports {first}-{first + 1} are not all free: the fast backend listens on free ports, so "
                     "the test bodies' placement over the instances differs from other runs"]
@@ -457,19 +468,19 @@ def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
     # that could not listen is replaced by one on free ports, said so.
     said.clear()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(overhead, "ports_free", lambda first, count: True)
-        raced = overhead.start_fast_backend(tracker, 2, first_port=first, log=said.append)
+        mp.setattr(backend_launch, "ports_free", lambda first, count: True)
+        raced = backend_launch.start_fast_backend(tracker, 2, first_port=first, log=said.append)
     assert not set(raced.urls) & set(fixed.urls) and len(raced.urls) == 2
     assert said == [f"note: the fast backend could not listen on ports {first}-{first + 1}: the fast backend listens "
                     "on free ports, so the test bodies' placement over the instances differs from other runs"]
     # Any other early exit is not blamed on the ports: its own error, no second start.
     said.clear()
-    other = next(p for p in range(first + 2, 65534) if overhead.ports_free(p, 2))
-    with pytest.raises(overhead.PeerError, match="stream-chunks"):
-        overhead.start_fast_backend(tracker, 2, first_port=other, stream_events=0, log=said.append)
+    other = next(p for p in range(first + 2, 65534) if backend_launch.ports_free(p, 2))
+    with pytest.raises(peers.PeerError, match="stream-chunks"):
+        backend_launch.start_fast_backend(tracker, 2, first_port=other, stream_events=0, log=said.append)
     assert said == []
     with pytest.raises(ValueError, match="0-65535"):
-        overhead.start_fast_backend(tracker, 2, first_port=-5, log=said.append)
+        backend_launch.start_fast_backend(tracker, 2, first_port=-5, log=said.append)
     for b in (fixed, moved, raced):
         assert b.stats()["requests"] == 0  # (answered on its first URL: it listens there)
         b.process.stop()
@@ -478,21 +489,21 @@ def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
 def test_process_tree_readings_of_this_process():
     import os
 
-    assert overhead.process_tree(os.getpid())[0] == os.getpid()
-    assert overhead.tree_cpu_seconds(os.getpid()) > 0
-    assert overhead.tree_peak_rss_bytes(os.getpid()) > 10 * 2**20
-    assert overhead.process_tree(2**22 + 12345) == []
+    assert proc_stats.process_tree(os.getpid())[0] == os.getpid()
+    assert proc_stats.tree_cpu_seconds(os.getpid()) > 0
+    assert proc_stats.tree_peak_rss_bytes(os.getpid()) > 10 * 2**20
+    assert proc_stats.process_tree(2**22 + 12345) == []
 
 
 async def test_streams_client_counts_completed_streams(tracker):
-    slow = overhead.start_fast_backend(tracker, 1, stream_events=3, stream_delay_ms=200)
-    res = overhead.StreamsResult("direct", 40)
-    bodies = overhead.make_bodies(1024, True, 4)
-    await overhead._streams_client(slow.urls[0] + "/v1/chat/completions", bodies, 40, 3, res, connecting=10)
+    slow = backend_launch.start_fast_backend(tracker, 1, stream_events=3, stream_delay_ms=200)
+    res = overhead_streams.StreamsResult("direct", 40)
+    bodies = overhead_settings.make_bodies(1024, True, 4)
+    await overhead_streams._streams_client(slow.urls[0] + "/v1/chat/completions", bodies, 40, 3, res, connecting=10)
     assert res.errors == {} and res.completed == 40
     assert res.peak_open == 40 == slow.stats()["streams_peak"]  # 3 events 200 ms apart outlast 40 connects
-    res2 = overhead.StreamsResult("direct", 5)
-    await overhead._streams_client(slow.urls[0] + "/v1/chat/completions", bodies, 5, 4, res2)
+    res2 = overhead_streams.StreamsResult("direct", 5)
+    await overhead_streams._streams_client(slow.urls[0] + "/v1/chat/completions", bodies, 5, 4, res2)
     assert res2.completed == 0 and res2.errors == {"3 events instead of 4": 5}
     tracker.stop([slow.process])
     await asyncio.sleep(0)
@@ -505,11 +516,11 @@ def test_machine_facts_say_how_idle_cpus_sleep(tmp_path):
     for rel, text in sysfs.items():
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text(text)
-    facts = overhead.machine_facts(str(tmp_path))
+    facts = overhead_report.machine_facts(str(tmp_path))
     assert (facts["cpuidle_driver"], facts["cpuidle_governor"], facts["guest_halt_poll_ns"]) == \
         ("haltpoll", "haltpoll", 200_000)
     assert facts["cpus"] >= 1 and facts["platform"]
-    bare = overhead.machine_facts(str(tmp_path / "none"))  # not Linux, or no cpuidle: unknown, not an error
+    bare = overhead_report.machine_facts(str(tmp_path / "none"))  # not Linux, or no cpuidle: unknown, not an error
     assert (bare["cpuidle_driver"], bare["cpuidle_governor"], bare["guest_halt_poll_ns"]) == (None, None, None)
 
 
@@ -524,7 +535,7 @@ def test_the_stand_in_cache_stores_a_prompt_once_then_answer_blocks_and_restores
     tok = ModelTokenizer.load("tiny")
     cache = kv_stand_in.PortCache(lambda b, chat: tok.request_token_ids(json.loads(b), chat), restore_s=2.0,
                                   answer_window=2, answers_per_step=2)
-    body = overhead.make_bodies(1024, False, 1)[0]
+    body = overhead_settings.make_bodies(1024, False, 1)[0]
     ids = tok.request_token_ids(json.loads(body), True)
     first = cache.on_request(body, True, 0.0)
     prompt, answer = first
@@ -550,19 +561,20 @@ def test_precise_prefixroute_routes_on_the_fast_backends_kv_events(tracker, scri
     # The stand-in's events reach a precise router: every instance precise, each body's
     # prompt held where it was sent, and the bodies keep their instances.
     wrk = _wrk()
-    kv_backend = overhead.start_fast_backend(tracker, 2, kv_events=True, record_bodies=True)
+    kv_backend = backend_launch.start_fast_backend(tracker, 2, kv_events=True, record_bodies=True)
     assert set(kv_backend.kv_endpoints) == set(kv_backend.urls)
     section = kv_backend.kv_events_section()
     assert section["Tokenizer"] == "tiny" and set(section["Instances"]) == set(kv_backend.urls)
     assert overhead.precise_extra_missing() == ""
-    spec = next(r for r in overhead.router_specs(overhead.FULL) if r.label == overhead.PRECISE_LABEL)
+    spec = next(r for r in overhead.router_specs(overhead_settings.FULL) if r.label == overhead.PRECISE_LABEL)
     from dataclasses import replace
 
     router = replace(spec, kv_events=section).start(tracker, kv_backend.urls)
-    files = overhead.write_bodies(tracker.workdir / "precise", overhead.make_bodies(4096, False, 16), "p")
+    files = overhead_settings.write_bodies(tracker.workdir / "precise", overhead_settings.make_bodies(4096, False, 16),
+                                           "p")
     target = overhead.Target(spec.label, spec.router, spec.strategy, router.url, router.process.proc.pid,
                              kv_admin_url=router.admin_url)
-    m = overhead.measure(tracker, target, overhead.Cell(8, 4096, False), files, 2, backend=kv_backend, wrk=wrk,
+    m = overhead.measure(tracker, target, overhead_settings.Cell(8, 4096, False), files, 2, backend=kv_backend, wrk=wrk,
                          script=script)
     assert m.wrk.error_count == 0 and m.wrk.requests > 100
     assert m.precise is not None and m.to_json()["precise"] == m.precise
@@ -579,7 +591,7 @@ def test_precise_prefixroute_routes_on_the_fast_backends_kv_events(tracker, scri
 
 
 def test_the_precise_router_is_measured_only_when_named():
-    specs = overhead.router_specs(overhead.FULL)
+    specs = overhead.router_specs(overhead_settings.FULL)
     assert overhead.PRECISE_LABEL not in [r.label for r in overhead.select_routers(specs, "")]
     assert overhead.PRECISE_LABEL not in [r.label for r in overhead.select_routers(specs, "prefixroute")]
     named = overhead.select_routers(specs, "prefixroute-cache-aware,prefixroute-cache-aware-precise")
