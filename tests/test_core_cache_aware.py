@@ -387,11 +387,32 @@ def test_new_conversations_leave_a_busy_home_of_their_shared_system_prompt(user_
     # the next turn of conversation 0 stays on the busy home
     got = _decide_as_the_reference(pool, turn(0, 1), 99)
     assert got[0] is home and got[1] is DecisionKind.AFFINITY
-    # and so does its first turn sent again (a retry: the home holds its partial last block too)
-    again = turn(0, 0)
-    assert again.full < len(again)
-    got = _decide_as_the_reference(pool, again, 100)
-    assert got[0] is home and got[1] is DecisionKind.AFFINITY and pool.strategy.uncached_units == 0
+
+
+def test_identical_prompts_in_flight_together_leave_a_busy_home():
+    """48 copies of one prompt at once (n samples sent as separate requests), none
+    finishing: the home keeps them until it has more than SPREAD_FACTOR x the mean in
+    flight (+ SPREAD_SLACK), as new branches off a held prefix; the same prompt again is
+    not a continuation that would keep them all there (a conversation has one turn in
+    flight, identical prompts may have dozens)."""
+    from prefixroute.core import cache_aware as C
+
+    prompt = ("Summarize the refund policy in one line. " * 80)[:3000]  # ends in a partial block
+    pool = VariantPool("v", URLS, ca(threshold=64, load_weight=0))  # load ignored: the spread rule alone moves them
+    where = []
+    for i in range(48):
+        blocks = text_block_hashes(prompt, 64, 131072, "m")
+        assert blocks.full < len(blocks)
+        got = _decide_as_the_reference(pool, blocks, i)
+        lease = pool.acquire(None, blocks=blocks)
+        assert lease.instance is got[0]
+        lease.first_token()
+        where.append((lease.instance, lease.decision.kind))
+    home = where[0][0]
+    first_moved = next(i for i, (inst, _) in enumerate(where) if inst is not home)
+    assert first_moved == math.floor(C.SPREAD_SLACK / (1 - C.SPREAD_FACTOR / len(URLS))) + 1
+    assert where[first_moved][1] is DecisionKind.OVERFLOW
+    assert home.in_flight < 48 and sum(1 for inst in pool.instances if inst.in_flight) >= 2
 
 
 def test_never_over_threshold_while_another_is_below():
@@ -662,19 +683,6 @@ def _reference_choose(strategy, candidates, blocks):
     def uncached_cost(c, units):
         return units * (1 + max(c.awaiting_first_token, c.engine_waiting))
 
-    def continues(i, d):
-        """Units past block d - 1 of the request routed to candidate i that this one
-        continues (its partial last block), or None: candidate i holds this text's own
-        partial last block (the same text routed there), or the tail of a chain routed
-        there is at block d - 1 and its partial block is this text's prefix there."""
-        if d > blocks.full:
-            return 0
-        t = strategy.caches[candidates[i].instance_id].tail(blocks[d - 1])
-        if t is not None and (t[0] == 0 or (unit(d) + t[0] <= size
-                                            and blocks.prefix_hash(unit(d) + t[0], d) == t[1])):
-            return t[0]
-        return None
-
     def spread(home, homes, top_d, u_top, anchor, threshold):
         """A new branch off a shared prefix whose home is markedly busier than the mean
         goes to the branch's bounded-load rendezvous choice (not a continuation)."""
@@ -683,8 +691,11 @@ def _reference_choose(strategy, candidates, blocks):
         if not below or h <= C.SPREAD_FACTOR * sum(below) / len(below) + C.SPREAD_SLACK:
             return None
         d = depth[home]  # the home's own match
-        if d and continues(home, d) is not None:
-            return None  # a continuation keeps its instance
+        if d:
+            t = strategy.caches[candidates[home].instance_id].tail(blocks[d - 1])
+            if t is not None and (t[0] == 0 or (unit(d) + t[0] <= size
+                                                 and blocks.prefix_hash(unit(d) + t[0], d) == t[1])):
+                return None  # a continuation keeps its instance
         i = walk(anchor, threshold, set(homes))
         return i if i is not None and load(candidates[i]) < h else None
 
@@ -704,9 +715,10 @@ def _reference_choose(strategy, candidates, blocks):
         if not meaningful or len(tops) > 1:  # the holders this request continues a request routed to
             cont = {}
             for i in tops:
-                rest = continues(i, top_d)
-                if rest is not None:
-                    cont[i] = rest
+                t = strategy.caches[candidates[i].instance_id].tail(blocks[top_d - 1])
+                if t is not None and (t[0] == 0 or (u_top + t[0] <= size
+                                                     and blocks.prefix_hash(u_top + t[0], top_d) == t[1])):
+                    cont[i] = t[0]
             if cont:
                 extra = max(cont.values())
                 homes, meaningful = [i for i, r in cont.items() if r == extra], True

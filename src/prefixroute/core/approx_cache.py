@@ -169,13 +169,8 @@ class ApproxPrefixCache:
         and the partial block it ended with is this text's prefix there: a
         conversation's next turn, an agent's next step): the units that partial block
         adds past block ``d - 1`` (0 when it ended on a block's end); else ``None``.
-        When ``d`` includes the text's own partial last block (``d > blocks.full``), this
-        very text was routed here (a partial block's hash covers the whole text and ends
-        off the block schedule): 0, the same prompt again. Costs one dictionary read, and
-        one hash of the text up to that partial block's end when a chain ended there with
-        one."""
-        if d > blocks.full:
-            return 0
+        Costs one dictionary read, and one hash of the text up to that partial block's
+        end when a chain ended there with one."""
         t = self._tails.get(blocks.hash(d - 1))
         if t is None:
             return None

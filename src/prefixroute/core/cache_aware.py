@@ -31,7 +31,7 @@ disagree when several router replicas run (SPEC §5). This strategy:
 4. **Homes keep their requests.** An instance holding meaningfully more of the request
    than any other (:data:`STICK_MIN_BLOCKS`, :data:`STICK_FRACTION`), or whose match ends
    where a request routed there ended (a conversation's next turn, an agent's next step:
-   the router never sees the answers in between; the same prompt again), is a home. The cheapest home keeps the
+   the router never sees the answers in between), is a home. The cheapest home keeps the
    request unless its cost exceeds the alternative's by more than :data:`TIE_BLOCKS` plus
    :data:`REPLICATE_FRACTION` of the request: a conversation stays on one instance as it
    grows, a hot document is replicated only when its queue is clearly longer
@@ -490,7 +490,11 @@ class CacheAwareStrategy(Strategy):
         """The holders (bits of ``mask``, which hold ``d_top`` blocks) where a chain routed
         earlier ended inside this request's text: its partial last block is this text's
         prefix there (:meth:`ApproxPrefixCache.continued_rest`). Returns ``(their bits, the partial block's units)`` (the longest
-        such end), or ``None``."""
+        such end), or ``None``. A text ending in a partial block that the holders hold
+        too (the same prompt again) is not a continuation here, on purpose: identical
+        prompts may be in flight by the dozen (an evaluation harness, n samples sent as
+        separate requests), where a conversation has one turn at a time, and the spread
+        rule is what keeps them from piling onto one instance."""
         found, extra = 0, -1
         caches = self.caches
         for b in _bits(mask):
@@ -578,10 +582,12 @@ class CacheAwareStrategy(Strategy):
         chain routed there (the test of :meth:`_continuing`: its last full held block
         is where that chain's full blocks ended, and the partial block that chain ended
         with is this text's prefix there; a conversation's next turn, an agent's next
-        step; the same prompt again) or branches off what it holds (a new question
+        step; and, the depth being capped at the full blocks here, unlike in
+        :meth:`_continuing`, the same prompt again) or branches off what it holds (a new question
         about a document, a new conversation behind a system prompt); ``None`` when it
         holds nothing of it. Read before this chain's own tail is marked."""
-        return cache.continued_rest(blocks, held) is not None if held else None
+        k = min(held, blocks.full)
+        return cache.continued_rest(blocks, k) is not None if k else None
 
     def on_membership_change(self, instances: Sequence[InstanceState]) -> None:
         # A removed instance's view is dropped; if it comes back its cache is cold anyway.
