@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from fast_backend import EXIT_CANNOT_LISTEN
-from peers import ManagedProcess, PeerError, ProcessTracker
+from peer_process import ManagedProcess, PeerError, ProcessTracker
 
 FAST_BACKEND = Path(__file__).resolve().parent / "fast_backend.py"
 _BACKEND_READY = re.compile(r"fast-backend listening on (http://\S+)")

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from backend_launch import start_fast_backend  # noqa: E402  (bench/ is a folder of scripts)
 import overhead as O  # noqa: E402
 from overhead_settings import FULL, make_bodies, parse_size, write_bodies  # noqa: E402
-from peers import ProcessTracker  # noqa: E402
+from peer_process import ProcessTracker  # noqa: E402
 from wrk_load import WRK_SCRIPT, run_wrk  # noqa: E402
 
 _TICK_US = 1e6 / 100  # /proc/<pid>/stat times are in clock ticks (USER_HZ, 100 on Linux)

@@ -57,7 +57,7 @@ from prefixroute.core.keys import loads_body, openai_route
 from prefixroute.core.pool import VariantPool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peers import source_commit  # noqa: E402  (bench/ is a folder of scripts)
+from checkout import source_commit  # noqa: E402  (bench/ is a folder of scripts)
 
 STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "CACHE_AWARE")
 SIZES = (4096, 65536)

@@ -61,9 +61,10 @@ BENCH_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(BENCH_DIR))
 
 from backend_launch import start_fast_backend  # noqa: E402
+from checkout import source_commit  # noqa: E402
 from overhead_report import machine_facts  # noqa: E402
 from overhead_settings import make_bodies, write_bodies  # noqa: E402
-from peers import ManagedProcess, PeerError, ProcessTracker, source_commit  # noqa: E402
+from peer_process import ManagedProcess, PeerError, ProcessTracker  # noqa: E402
 from wrk_load import WRK_SCRIPT, ensure_wrk, find_wrk, run_wrk  # noqa: E402
 
 from prefixroute.demo.loadgen import run_closed_loop  # noqa: E402

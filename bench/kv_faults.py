@@ -322,7 +322,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from peers import ProcessTracker, source_commit
+    from checkout import source_commit
+    from peer_process import ProcessTracker
 
     scenarios = [s for s in args.scenarios.split(",") if s]
     unknown = set(scenarios) - set(SCENARIOS)

@@ -118,21 +118,15 @@ from overhead_results import (DIRECT, LATENCY_REFERENCE, THROUGHPUT_REFERENCE, M
 from overhead_settings import (FULL, QUICK, Cell, OverheadSettings, _size_name, make_bodies,  # noqa: E402
                                parse_size, write_bodies)
 from overhead_streams import StreamsResult, run_streams_phase  # noqa: E402
+from peer_install import DEFAULT_PEERS_VENV, PeerStatus, ensure_haproxy, ensure_python_peers  # noqa: E402
+from peer_process import PeerError, ProcessTracker, free_port, run_main  # noqa: E402
 from peers import (  # noqa: E402
-    DEFAULT_PEERS_VENV,
     HAProxySpec,
-    PeerError,
-    PeerStatus,
     PrefixrouteSpec,
-    ProcessTracker,
-    run_main,
     RouterSpec,
     RunningRouter,
     SGLangRouterSpec,
     VLLMRouterSpec,
-    ensure_haproxy,
-    ensure_python_peers,
-    free_port,
     prefixroute_fleet_config,
 )
 from proc_stats import reset_peak_rss, tree_cpu_seconds, tree_peak_rss_bytes  # noqa: E402

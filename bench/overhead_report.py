@@ -11,10 +11,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Sequence
 
+from checkout import source_commit
 from overhead_results import DIRECT, CellResult, Measurement
 from overhead_settings import Cell, OverheadSettings, _size_name
 from overhead_streams import StreamsResult
-from peers import PeerStatus, source_commit
+from peer_install import PeerStatus
 
 BENCH_DIR = Path(__file__).resolve().parent
 

@@ -14,7 +14,8 @@ from typing import Any, Callable, Sequence
 from backend_launch import start_fast_backend
 from fast_backend import raise_nofile_limit
 from overhead_settings import OverheadSettings, make_bodies
-from peers import ProcessTracker, RouterSpec
+from peer_process import ProcessTracker
+from peers import RouterSpec
 from proc_stats import reset_peak_rss, tree_cpu_seconds, tree_peak_rss_bytes
 
 

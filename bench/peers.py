@@ -1,5 +1,5 @@
-"""Routers to benchmark against: install them, start them in front of a fleet, change the
-fleet while they run, stop them. Shared by the benchmarks in this folder.
+"""Routers to benchmark against: start them in front of a fleet, change the fleet while
+they run, stop them. Shared by the benchmarks in this folder.
 
 Routers (each a :class:`RouterSpec`; ``start`` returns a :class:`RunningRouter`):
 
@@ -23,383 +23,41 @@ Routers (each a :class:`RouterSpec`; ``start`` returns a :class:`RunningRouter`)
   ones not in the fleet yet start ``disabled`` and are switched with ``set server
   BACKEND/NAME state ready|maint``.
 
-The peers are never dependencies of the project: :func:`ensure_python_peers` installs
-them into a virtual environment of their own (by default
-``~/.cache/prefixroute-bench/peers-venv``, reused when present) and
-:func:`ensure_haproxy` installs HAProxy with ``apt-get`` when it is missing. Each
-returns a :class:`PeerStatus` per peer; a benchmark skips the peers that are not
-available and prints why.
-
-Every process is started in its own session with its output in a log file; a
-:class:`ProcessTracker` stops all of them (SIGTERM, then SIGKILL after a grace period)
-on exit, on error and on Ctrl-C.
+Installing the peers is :mod:`peer_install`'s; the processes and the tracker that stops
+them, :mod:`peer_process`'s; the commit a benchmark measured, :mod:`checkout`'s.
 """
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import re
-import shutil
-import signal
 import socket
-import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-import weakref
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import yaml
 
+from peer_install import DEFAULT_PEERS_VENV, find_haproxy
+from peer_process import ManagedProcess, PeerError, ProcessTracker, free_port
+
 __all__ = [
-    "DEFAULT_PEERS_VENV",
-    "PYTHON_PEERS",
-    "PeerError",
-    "PeerStatus",
-    "ManagedProcess",
-    "ProcessTracker",
     "RouterSpec",
     "RunningRouter",
     "PrefixrouteSpec",
     "SGLangRouterSpec",
     "VLLMRouterSpec",
     "HAProxySpec",
-    "ensure_python_peers",
-    "ensure_haproxy",
-    "free_port",
-    "source_commit",
     "prefixroute_fleet_config",
     "haproxy_config",
 ]
 
-#: Where the peers' virtual environment lives unless told otherwise.
-DEFAULT_PEERS_VENV = Path(os.environ.get("PREFIXROUTE_PEERS_VENV",
-                                         Path.home() / ".cache" / "prefixroute-bench" / "peers-venv"))
-
-#: PyPI requirement of each Python-packaged peer. Pinned to the versions the published
-#: results were measured with, so a rerun measures the same routers.
-PYTHON_PEERS: dict[str, str] = {
-    "sglang-router": "sglang-router==0.3.2",
-    "vllm-router": "vllm-router==0.1.17",
-}
 
 _MODEL = "meta-llama/Llama-3.1-70B-Instruct"
-
-
-class PeerError(RuntimeError):
-    """A router could not be installed, started, reconfigured or stopped; the message
-    says which and includes the end of its log."""
-
-
-@dataclass(frozen=True)
-class PeerStatus:
-    """Whether a peer can run here.
-
-    Attributes:
-        name: ``sglang-router``, ``vllm-router`` or ``haproxy``.
-        available: True when it is installed and runs.
-        detail: its version when available, else why not (printed by the benchmark).
-        executable: the program to run (a path), "" when not available.
-    """
-
-    name: str
-    available: bool
-    detail: str
-    executable: str = ""
-
-
-# -- installation ---------------------------------------------------------------------------
-
-
-def _run(argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
-
-
-def _last_lines(text: str, n: int = 6) -> str:
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
-    return " | ".join(lines[-n:])
-
-
-def ensure_python_peers(venv: Path = DEFAULT_PEERS_VENV, peers: dict[str, str] | None = None,
-                        install: bool = True, log: Callable[[str], None] = print) -> dict[str, PeerStatus]:
-    """Make ``sglang-router`` and ``vllm-router`` runnable from their own virtual environment.
-
-    Creates ``venv`` if it does not exist and ``pip install``\\ s each missing peer into it,
-    one at a time so that one failure does not hide the others. A peer counts as
-    available when its package imports/its program answers ``--help``.
-
-    Args:
-        venv: the peers' virtual environment (never the project's).
-        peers: ``{name: pip requirement}``; default :data:`PYTHON_PEERS`.
-        install: False to only look, never install.
-        log: progress messages.
-
-    Returns:
-        ``{name: PeerStatus}`` for every peer asked for.
-    """
-    peers = dict(PYTHON_PEERS if peers is None else peers)
-    python = venv / "bin" / "python"
-    out: dict[str, PeerStatus] = {}
-    if not python.exists():
-        if not install:
-            return {n: PeerStatus(n, False, f"no virtual environment at {venv} (run without --no-install)")
-                    for n in peers}
-        log(f"creating the peers' virtual environment {venv}")
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            proc = _run([sys.executable, "-m", "venv", str(venv)], timeout=300)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            proc = subprocess.CompletedProcess([], 1, "", str(exc))
-        if proc.returncode != 0:
-            why = f"cannot create virtual environment {venv}: {_last_lines(proc.stderr + proc.stdout)}"
-            return {n: PeerStatus(n, False, why) for n in peers}
-    for name, requirement in peers.items():
-        status = _python_peer_status(venv, name, requirement)
-        if not status.available and install:
-            log(f"installing {requirement} into {venv}")
-            try:
-                proc = _run([str(python), "-m", "pip", "install", "-q", "--disable-pip-version-check", requirement],
-                            timeout=900)
-            except (OSError, subprocess.TimeoutExpired) as exc:
-                proc = subprocess.CompletedProcess([], 1, "", str(exc))
-            if proc.returncode != 0:
-                out[name] = PeerStatus(name, False, f"pip install {requirement} failed: "
-                                                    f"{_last_lines(proc.stderr + proc.stdout)}")
-                continue
-            status = _python_peer_status(venv, name, requirement)
-        out[name] = status
-    return out
-
-
-def _python_peer_status(venv: Path, name: str, requirement: str) -> PeerStatus:
-    python = venv / "bin" / "python"
-    wanted = requirement.partition("==")[2]
-    try:
-        proc = _run([str(python), "-m", "pip", "show", name], timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return PeerStatus(name, False, f"pip show {name} failed: {exc}")
-    m = re.search(r"^Version:\s*(\S+)", proc.stdout, re.M)
-    if proc.returncode != 0 or not m:
-        return PeerStatus(name, False, f"{name} is not installed in {venv}")
-    version = m.group(1)
-    if wanted and version != wanted:
-        return PeerStatus(name, False, f"{name} {version} is installed, {wanted} is wanted")
-    if name == "vllm-router":
-        exe = venv / "bin" / "vllm-router"
-        argv = [str(exe), "--help"]
-    else:
-        exe = python
-        argv = [str(python), "-m", "sglang_router.launch_router", "--help"]
-    try:
-        probe = _run(argv, timeout=60)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return PeerStatus(name, False, f"{name} {version} is installed but does not run: {exc}")
-    if probe.returncode != 0:
-        return PeerStatus(name, False, f"{name} {version} is installed but `{' '.join(argv[-3:])}` failed: "
-                                       f"{_last_lines(probe.stderr + probe.stdout)}")
-    return PeerStatus(name, True, f"{name} {version}", str(exe))
-
-
-def find_haproxy() -> str | None:
-    """The ``haproxy`` program on PATH or in /usr/sbin, or None."""
-    return shutil.which("haproxy") or next((p for p in ("/usr/sbin/haproxy", "/usr/local/sbin/haproxy")
-                                            if os.access(p, os.X_OK)), None)
-
-
-def ensure_haproxy(install: bool = True, log: Callable[[str], None] = print) -> PeerStatus:
-    """Find HAProxy (2.6 or newer, for ``balance hash``), installing the Debian package
-    with ``apt-get`` when it is missing and we are root.
-
-    Returns:
-        The :class:`PeerStatus` of ``haproxy``.
-    """
-    exe = find_haproxy()
-    if exe is None and install:
-        if not shutil.which("apt-get"):
-            return PeerStatus("haproxy", False, "haproxy is not installed and there is no apt-get to install it")
-        if os.geteuid() != 0:
-            return PeerStatus("haproxy", False, "haproxy is not installed; run `apt-get install -y haproxy` as root")
-        log("installing haproxy with apt-get")
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-        try:
-            upd = subprocess.run(["apt-get", "update", "-q"], capture_output=True, text=True, timeout=600, env=env)
-            inst = subprocess.run(["apt-get", "install", "-y", "-q", "haproxy"], capture_output=True, text=True,
-                                  timeout=900, env=env)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            return PeerStatus("haproxy", False, f"apt-get install haproxy failed: {exc}")
-        if inst.returncode != 0:
-            return PeerStatus("haproxy", False, "apt-get install haproxy failed: "
-                                                f"{_last_lines(upd.stderr + inst.stderr + inst.stdout)}")
-        exe = find_haproxy()
-    if exe is None:
-        return PeerStatus("haproxy", False, "haproxy is not installed (apt-get install -y haproxy)")
-    try:
-        proc = _run([exe, "-v"], timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return PeerStatus("haproxy", False, f"{exe} -v failed: {exc}")
-    m = re.search(r"version (\d+)\.(\d+)(\S*)", proc.stdout)
-    if not m:
-        return PeerStatus("haproxy", False, f"{exe} -v printed no version: {_last_lines(proc.stdout + proc.stderr)}")
-    if (int(m.group(1)), int(m.group(2))) < (2, 6):
-        return PeerStatus("haproxy", False, f"haproxy {m.group(1)}.{m.group(2)} is too old: `balance hash` "
-                                            "on the body needs 2.6 or newer")
-    return PeerStatus("haproxy", True, f"haproxy {m.group(1)}.{m.group(2)}{m.group(3)}", exe)
-
-
-def source_commit(directory: Path | None = None) -> str | None:
-    """The short git commit of the checkout holding ``directory`` (default: bench/),
-    with ``+uncommitted changes`` when its working tree differs from that commit;
-    ``None`` outside a git checkout or without git. What a benchmark's JSON names as
-    the code it measured."""
-    where = str(directory or Path(__file__).resolve().parent)
-    try:
-        commit = subprocess.run(["git", "-C", where, "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", where, "status", "--porcelain"], capture_output=True, text=True,
-                               timeout=10).stdout.strip()
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return commit + ("+uncommitted changes" if dirty else "") if commit else None
-
-
-# -- processes --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (for routers that cannot pick their own)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ManagedProcess:
-    """One child process in its own session, its output (stdout and stderr) in ``log_path``."""
-
-    def __init__(self, name: str, argv: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        try:
-            self.proc = subprocess.Popen(self.argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, env=env, start_new_session=True)
-        except OSError as exc:
-            self._log.close()
-            raise PeerError(f"{name}: cannot run {self.argv[0]}: {exc}") from None
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def tail(self, n: int = 15) -> str:
-        """The last ``n`` lines of its output."""
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-        return "\n".join(text.splitlines()[-n:])
-
-    def wait_ready(self, probe: Callable[[], bool], timeout_s: float, what: str = "ready") -> None:
-        """Poll ``probe`` until it returns True.
-
-        Raises:
-            PeerError: the process exited or ``probe`` stayed False for ``timeout_s`` seconds.
-        """
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
-        while True:
-            if not self.alive():
-                raise PeerError(f"{self.name} exited with code {self.proc.returncode}; output:\n{self.tail()}")
-            try:
-                if probe():
-                    return
-            except (OSError, ValueError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                raise PeerError(f"{self.name} not {what} after {timeout_s:.0f} s; output:\n{self.tail()}")
-            time.sleep(delay)
-            delay = min(0.25, delay * 1.5)
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM its process group, SIGKILL after ``grace_s`` seconds."""
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=grace_s)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait(timeout=5)
-        self._log.close()
-
-
-class ProcessTracker:
-    """Owns started :class:`ManagedProcess`\\ es and a scratch directory for their logs and
-    configuration files; a context manager that stops them all on exit."""
-
-    def __init__(self, workdir: Path | None = None) -> None:
-        self._own_dir = workdir is None
-        self.workdir = Path(tempfile.mkdtemp(prefix="prefixroute-bench-")) if workdir is None else workdir
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.processes: list[ManagedProcess] = []
-        self._counter = 0
-        _LIVE.add(self)
-
-    def path(self, stem: str, suffix: str) -> Path:
-        """A fresh file name in the scratch directory."""
-        self._counter += 1
-        return self.workdir / f"{self._counter:04d}-{re.sub(r'[^A-Za-z0-9_.-]', '_', stem)}{suffix}"
-
-    def start(self, name: str, argv: Sequence[str], env: dict[str, str] | None = None) -> ManagedProcess:
-        p = ManagedProcess(name, argv, self.path(name, ".log"), env)
-        self.processes.append(p)
-        return p
-
-    def stop(self, procs: Sequence[ManagedProcess], grace_s: float = 5.0) -> None:
-        """Stop ``procs`` in parallel (SIGTERM all, then wait for each)."""
-        for p in procs:
-            if p.alive():
-                try:
-                    os.killpg(p.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        for p in procs:
-            p.stop(grace_s)
-            if p in self.processes:
-                self.processes.remove(p)
-
-    def close(self) -> None:
-        """Stop every process; remove the scratch directory if this tracker made it."""
-        self.stop(list(self.processes))
-        _LIVE.discard(self)
-        if self._own_dir:
-            shutil.rmtree(self.workdir, ignore_errors=True)
-
-    def __enter__(self) -> "ProcessTracker":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
-_LIVE: "weakref.WeakSet[ProcessTracker]" = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for tracker in list(_LIVE):
-        tracker.close()
 
 
 # -- small HTTP helpers (blocking; benchmarks call them from a thread) ------------------------
@@ -831,19 +489,3 @@ class _HAProxyRouter(RunningRouter):
     def remove_backend(self, url, timeout_s=30.0):
         self._set_state(url, "maint")
         self.backends.remove(_norm(url))
-
-
-def run_main(main: Callable[[], int]) -> None:
-    """Run a benchmark's ``main`` as a program: SIGTERM and SIGHUP stop it like Ctrl-C
-    (the :class:`ProcessTracker` stops every child on the way out), exit status 130."""
-
-    def stop(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        print("interrupted; every process the benchmark started has been stopped", file=sys.stderr)
-        sys.exit(130)

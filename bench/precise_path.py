@@ -57,9 +57,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kv_stand_in import PortCache  # noqa: E402  (bench/ is a folder of scripts)
+from checkout import source_commit  # noqa: E402  (bench/ is a folder of scripts)
+from kv_stand_in import PortCache  # noqa: E402
 from overhead_settings import make_bodies, parse_size  # noqa: E402
-from peers import prefixroute_fleet_config, source_commit  # noqa: E402
+from peers import prefixroute_fleet_config  # noqa: E402
 
 INSTANCES = [f"http://127.0.0.1:{18431 + i}" for i in range(4)]
 ROUTING = {"RoutingStrategy": "CACHE_AWARE", "CacheAwareRoutingConfig": {"ConcurrencyThreshold": 64}}

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from peers import PeerError, PeerStatus, ProcessTracker
+from peer_install import PeerStatus
+from peer_process import PeerError, ProcessTracker
 
 #: The wrk script: POST the bodies of the files named after ``--``, cycling over them
 #: (each thread starts at a different one); ``done`` prints the summary as one JSON line.

@@ -15,7 +15,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-import multi_model as bench  # noqa: E402
+import mm_lora  # noqa: E402
+import mm_matrix  # noqa: E402
+import mm_metrics  # noqa: E402
 
 SPEC_FIELDS = {"router", "strategy", "replicas", "requests", "errors", "p50_ttft_s", "p90_ttft_s",
                "p50_latency_s", "cache_hit_rate", "throughput_rps", "instance_share"}
@@ -23,10 +25,10 @@ SPEC_FIELDS = {"router", "strategy", "replicas", "requests", "errors", "p50_ttft
 
 def test_histogram_quantile_is_linear_within_buckets():
     buckets = {0.01: 10.0, 0.1: 30.0, 1.0: 40.0, float("inf"): 40.0}
-    assert bench.histogram_quantile(buckets, 0.25) == pytest.approx(0.01)
-    assert bench.histogram_quantile(buckets, 0.5) == pytest.approx(0.01 + 0.09 * 0.5)
-    assert bench.histogram_quantile(buckets, 0.875) == pytest.approx(0.1 + 0.9 * 0.5)
-    assert bench.histogram_quantile({}, 0.5) != bench.histogram_quantile({}, 0.5)  # nan
+    assert mm_metrics.histogram_quantile(buckets, 0.25) == pytest.approx(0.01)
+    assert mm_metrics.histogram_quantile(buckets, 0.5) == pytest.approx(0.01 + 0.09 * 0.5)
+    assert mm_metrics.histogram_quantile(buckets, 0.875) == pytest.approx(0.1 + 0.9 * 0.5)
+    assert mm_metrics.histogram_quantile({}, 0.5) != mm_metrics.histogram_quantile({}, 0.5)  # nan
 
 
 def _run(kind: str, api: str, stream: bool, strategy: str, hit: float, ttft: float, **extra) -> dict:
@@ -37,11 +39,11 @@ def _run(kind: str, api: str, stream: bool, strategy: str, hit: float, ttft: flo
 def test_matrix_rules_name_each_failure():
     ok = [_run("single-model", "native", False, "RANDOM", 0.25, 0.2),
           _run("single-model", "native", False, "PREFIX_AWARE", 0.80, 0.03)]
-    assert bench.check_matrix(ok) == []
+    assert mm_matrix.check_matrix(ok) == []
     bad = [_run("single-model", "native", False, "RANDOM", 0.25, 0.2),
            _run("single-model", "native", False, "PREFIX_AWARE", 0.50, 0.1, errors=2, error_kinds=["HTTP 503"],
                 requests_served_elsewhere=1, component_header_mismatches=3)]
-    failures = bench.check_matrix(bad)
+    failures = mm_matrix.check_matrix(bad)
     assert len(failures) == 5
     assert any("2 errors" in f for f in failures) and any("hit rate 50.0% vs RANDOM 25.0%" in f for f in failures)
     assert any("not 60 % lower" in f for f in failures) and any("reached an engine without" in f for f in failures)
@@ -57,20 +59,20 @@ def _lora(autoload: bool, wait: float, load: float = 1.0, time_scale: float = 1.
 
 
 def test_lora_rule_no_request_waits_more_than_one_load():
-    assert bench.check_lora([_lora(True, 1.0096), _lora(False, 0.0004)]) == []  # one load and its 9.6 ms
-    assert bench.router_wait_limit(1.0, 1.0) == pytest.approx(1.2)  # + 20 %
-    assert bench.check_lora([_lora(True, 1.199)]) == []
-    failures = bench.check_lora([_lora(True, 2.05, lora_7=1.3)])  # two loads in a row for lora-4, 1.3 s for lora-7
+    assert mm_lora.check_lora([_lora(True, 1.0096), _lora(False, 0.0004)]) == []  # one load and its 9.6 ms
+    assert mm_lora.router_wait_limit(1.0, 1.0) == pytest.approx(1.2)  # + 20 %
+    assert mm_lora.check_lora([_lora(True, 1.199)]) == []
+    failures = mm_lora.check_lora([_lora(True, 2.05, lora_7=1.3)])  # two loads in a row for lora-4, 1.3 s for lora-7
     assert failures == ["LoRA autoload on: the router held a request 2.050 s, more than the 1.200 s allowed (one "
                         "load, 1 s, + 20 %, at least 50 ms of wall time; lora-4, lora-7)"]
     # the floor: a load that takes no time still leaves the router 50 ms of wall time (5 model s at scale 0.01)
-    assert bench.router_wait_limit(0.0, 1.0) == pytest.approx(0.05)
-    assert bench.check_lora([_lora(True, 4.9, load=0.0, time_scale=0.01)]) == []
-    assert bench.check_lora([_lora(True, 0.06, load=0.0)])[0].startswith("LoRA autoload on: the router held")
+    assert mm_lora.router_wait_limit(0.0, 1.0) == pytest.approx(0.05)
+    assert mm_lora.check_lora([_lora(True, 4.9, load=0.0, time_scale=0.01)]) == []
+    assert mm_lora.check_lora([_lora(True, 0.06, load=0.0)])[0].startswith("LoRA autoload on: the router held")
     # without autoload nothing is loaded, so there is no load to wait for: not this rule's business
-    assert bench.check_lora([_lora(False, 3.0)]) == []
+    assert mm_lora.check_lora([_lora(False, 3.0)]) == []
     nan = float("nan")  # no answer carried X-Prefixroute-Overhead-Ms: not measured is not a pass
-    assert bench.check_lora([_lora(True, nan)]) == [
+    assert mm_lora.check_lora([_lora(True, nan)]) == [
         "LoRA autoload on: no router-side wait was measured (no X-Prefixroute-Overhead-Ms)"]
 
 
@@ -87,8 +89,8 @@ def test_lora_part_runs_and_writes_spec_json(tmp_path):
     for r in (on, off):
         assert SPEC_FIELDS <= set(r) and r["endpoint_kind"] == "lora" and r["api"] == "openai" and r["stream"]
         assert r["errors"] == 0 and r["sticky_set_violations"] == 0
-        assert set(r["adapters"]) == set(bench.ADAPTERS) and len(r["instance_share"]) == 4
-        assert r["sticky_set_timeline"] and all(set(p["sizes"]) == set(bench.ADAPTERS)
+        assert set(r["adapters"]) == set(mm_lora.ADAPTERS) and len(r["instance_share"]) == 4
+        assert r["sticky_set_timeline"] and all(set(p["sizes"]) == set(mm_lora.ADAPTERS)
                                                 for p in r["sticky_set_timeline"])
     assert on["autoload"] and on["loads"] >= 4 and on["engine_loads"] == on["loads"]  # lora-4..7 placed at least
     assert on["throttled_saturated"] == 0

@@ -31,7 +31,7 @@ import overhead_report  # noqa: E402
 import overhead_results  # noqa: E402
 import overhead_settings  # noqa: E402
 import overhead_streams  # noqa: E402
-import peers  # noqa: E402
+import peer_process  # noqa: E402
 import proc_stats  # noqa: E402
 import wrk_load  # noqa: E402
 
@@ -47,7 +47,7 @@ def _wrk() -> str:
 
 @pytest.fixture(scope="module")
 def tracker():
-    with peers.ProcessTracker() as t:
+    with peer_process.ProcessTracker() as t:
         yield t
 
 
@@ -476,7 +476,7 @@ def test_the_fast_backend_listens_on_fixed_ports_unless_one_is_taken(tracker):
     # Any other early exit is not blamed on the ports: its own error, no second start.
     said.clear()
     other = next(p for p in range(first + 2, 65534) if backend_launch.ports_free(p, 2))
-    with pytest.raises(peers.PeerError, match="stream-chunks"):
+    with pytest.raises(peer_process.PeerError, match="stream-chunks"):
         backend_launch.start_fast_backend(tracker, 2, first_port=other, stream_events=0, log=said.append)
     assert said == []
     with pytest.raises(ValueError, match="0-65535"):
