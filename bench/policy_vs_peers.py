@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python bench/policy_vs_peers.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true",
                    help=f"smoke run: {QUICK.duration_s:g} s of traffic per run instead of {FULL.duration_s:g} s, and "
-                        "4 replicas on the shared-prefix workload only")
+                        "every workload with 1 router replica, shared-prefix also with 4 and 8")
     p.add_argument("--json", metavar="PATH", help="write SPEC §7 JSON (every run, plus settings and verdicts)")
     p.add_argument("--resume", action="store_true",
                    help="with --json: keep the runs already in that file (it is rewritten after every run) and run "
