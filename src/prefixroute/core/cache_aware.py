@@ -490,11 +490,13 @@ class CacheAwareStrategy(Strategy):
         """The holders (bits of ``mask``, which hold ``d_top`` blocks) where a chain routed
         earlier ended inside this request's text: its partial last block is this text's
         prefix there (:meth:`ApproxPrefixCache.continued_rest`). Returns ``(their bits, the partial block's units)`` (the longest
-        such end), or ``None``. A text ending in a partial block that the holders hold
-        too (the same prompt again) is not a continuation here, on purpose: identical
-        prompts may be in flight by the dozen (an evaluation harness, n samples sent as
-        separate requests), where a conversation has one turn at a time, and the spread
-        rule is what keeps them from piling onto one instance."""
+        such end), or ``None``. A text the holders hold whole (the same prompt again,
+        whether it ends in a partial block or on a block's end) is not a continuation
+        here, on purpose: identical prompts may be in flight by the dozen (an evaluation
+        harness, n samples sent as separate requests), where a conversation has one turn
+        at a time, and the spread rule is what keeps them from piling onto one instance."""
+        if d_top >= len(blocks):
+            return None
         found, extra = 0, -1
         caches = self.caches
         for b in _bits(mask):

@@ -238,11 +238,12 @@ def decide(strategy: "CacheAwareStrategy", candidates: Sequence[InstanceState], 
         """Units past candidate ``i``'s saving that a request routed there and continued by
         this one holds too (the partial block it ended with), or ``None`` if it does
         not continue one (for a precise instance, ``events_agree``: nor while its events
-        do not show that request's blocks)."""
+        do not show that request's blocks). The same text again (held whole) is not one:
+        :meth:`~prefixroute.core.cache_aware.CacheAwareStrategy._continuing`."""
         if not chain:
             return None
         d = approx_depth(i)
-        if not d:
+        if not d or d >= n:
             return None
         rest = caches[candidates[i].instance_id].continued_rest(blocks, d)  # type: ignore[arg-type]
         if rest is None:
