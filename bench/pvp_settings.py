@@ -86,8 +86,8 @@ class BenchSettings:
 
 
 FULL = BenchSettings()
-#: ``--quick``: the same fleet, traffic and routers, 3 s runs, and 4 and 8 replicas on one
-#: workload only (about 12 minutes on 2 cores). For smoke tests, not for conclusions: in
+#: ``--quick``: the same fleet, traffic and routers, 3 s runs, every workload with 1 replica
+#: and shared-prefix also with 4 and 8 (about 12 minutes on 2 cores). For smoke tests, not for conclusions: in
 #: 3 s the cold start (every document's first request misses) weighs much more.
 QUICK = BenchSettings(duration_s=3.0, multi_replica_workloads=("shared-prefix",))
 
