@@ -348,9 +348,16 @@ def test_a_precise_fleet_with_tiers_serves_every_workload_and_the_router_follows
             results, _, _ = asyncio.run(pvp_drive.drive([router.url], iter(w.make(0).sessions()), w.session_key, 2,
                                                         1.0, s.time_scale))
             assert results and [r.error for r in results if r.error] == []
-        with urllib.request.urlopen(router.admin_url + "/admin/kv-events", timeout=5) as resp:
-            doc = json.loads(resp.read())
-        assert {row["Mode"] for row in doc["Instances"]} == {"precise"}
+        # An instance is approximate while the router catches up on a backlog of its
+        # events (a loaded machine): every one must be precise within a few seconds.
+        deadline = time.monotonic() + 15
+        while True:
+            with urllib.request.urlopen(router.admin_url + "/admin/kv-events", timeout=5) as resp:
+                doc = json.loads(resp.read())
+            if {row["Mode"] for row in doc["Instances"]} == {"precise"} or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert {row["Mode"] for row in doc["Instances"]} == {"precise"}, doc["Instances"]
         assert sum(row["Blocks"] for row in doc["Instances"]) > 0
 
 
