@@ -1,10 +1,12 @@
 """A process tree's CPU time and peak memory, read from Linux's ``/proc``: what
-``bench/overhead.py`` charges a router (its process and every descendant).
+``bench/overhead.py``, ``bench/policy_vs_peers.py`` and ``bench/workers_scaling.py``
+charge a router (its process and every descendant).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
@@ -36,15 +38,28 @@ def tree_cpu_seconds(root: int) -> float:
     """CPU seconds (user + system) used by ``root``'s process tree: utime + stime +
     cutime + cstime of every live process (a reaped child's time is in its parent's
     cutime/cstime, a live one's only in its own)."""
+    return trees_cpu_seconds([root])
+
+
+def trees_cpu_seconds(roots: Iterable[int], *, reaped: bool = True) -> float:
+    """CPU seconds (user + system) used by the process trees of ``roots`` (each process
+    counted once): utime + stime of every live process, plus cutime + cstime (its
+    reaped children's) when ``reaped``; ``nan`` without ``/proc``."""
+    if not os.path.isdir("/proc"):
+        return float("nan")
+    pids: dict[int, None] = {}
+    for root in roots:
+        pids.update(dict.fromkeys(process_tree(root)))
+    end = 15 if reaped else 13
     total = 0
-    for pid in process_tree(root):
+    for pid in pids:
         try:
             with open(f"/proc/{pid}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
         except OSError:
             continue
         # fields[0] is the state (field 3 of proc(5)); utime..cstime are fields 14-17.
-        total += sum(int(x) for x in fields[11:15])
+        total += sum(int(x) for x in fields[11:end])
     return total / _CLK_TCK
 
 

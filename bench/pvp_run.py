@@ -1,12 +1,12 @@
 """One run of ``bench/policy_vs_peers.py`` (:func:`run_one`): a fresh fleet and fresh
 routers, the workload's traffic with its membership change, the engines' prefix-cache
-counters and the CPU seconds the routers and engines used (:func:`tree_cpu_s`).
+counters and the CPU seconds the routers and engines used (:func:`tree_cpu_s`, from
+``proc_stats``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -14,6 +14,7 @@ from typing import Any, Callable, Sequence
 from peer_install import PeerStatus
 from peer_process import PeerError, ProcessTracker
 from peers import RouterSpec, RunningRouter
+from proc_stats import trees_cpu_seconds
 from prefixroute.demo.report import scrape_counters, summarize
 from pvp_drive import drive
 from pvp_fleet import start_fleet, tiny_token_ratio
@@ -25,37 +26,11 @@ HIT = "vllm:prefix_cache_hits_total"
 QUERIES = "vllm:prefix_cache_queries_total"
 
 
-_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-
-
 def tree_cpu_s(pids: Sequence[int]) -> float:
     """CPU seconds (user + system) used so far by the processes ``pids`` and every
-    descendant still running (Linux ``/proc``; ``nan`` elsewhere)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        return float("nan")
-    children: dict[int, list[int]] = {}
-    ticks: dict[int, int] = {}
-    for d in proc.iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) ": state, ppid, ...
-        pid = int(d.name)
-        children.setdefault(int(fields[1]), []).append(pid)
-        ticks[pid] = int(fields[11]) + int(fields[12])  # utime, stime
-    total, todo, seen = 0, list(pids), set()
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        total += ticks.get(pid, 0)
-        todo += children.get(pid, [])
-    return total / _CLK_TCK
+    descendant still running (their reaped children's not counted; ``nan`` without
+    ``/proc``)."""
+    return trees_cpu_seconds(pids, reaped=False)
 
 
 _RATIOS: dict[tuple[str, int, str], float] = {}

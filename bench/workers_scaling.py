@@ -45,6 +45,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # (bench/ is a folder of scripts)
+from proc_stats import trees_cpu_seconds  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 _LISTEN = re.compile(r"(prefixroute-serve|fast-backend) listening on (http://\S+)")
 _RESULT = re.compile(r"^WORKERS_SCALING (\{.*\})$", re.M)
@@ -134,26 +137,7 @@ class Child:
 
 def _tree_cpu_s(root: int) -> float:
     """utime + stime of ``root`` and every live descendant, seconds."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        pid = int(d.name)
-        parents[pid] = int(fields[1])
-        times[pid] = (int(fields[11]) + int(fields[12])) / tick
-    tree, todo = set(), [root]
-    while todo:
-        p = todo.pop()
-        tree.add(p)
-        todo.extend(c for c, pp in parents.items() if pp == p and c not in tree)
-    return sum(times.get(p, 0.0) for p in tree)
+    return trees_cpu_seconds([root], reaped=False)
 
 
 def _bodies(directory: Path, count: int = 16, size: int = 1024) -> list[Path]:

@@ -296,6 +296,7 @@ def test_the_relay_floor_relays_whole_and_streamed_answers_round_robin(tracker, 
         assert m.backend_unknown == {}
     # The answers arrive whole: a stream ends with its last chunk, a JSON answer with its body.
     import socket
+    import os
     import subprocess
     import sys
     import urllib.request
@@ -636,3 +637,20 @@ def test_the_stand_in_forgets_the_oldest_bodies_past_its_bound(monkeypatch):
     assert len(cache.chains) == 3 and len(cache.token_cache) == 3
     # body 0's prompt blocks are evicted with it (its answer block stays: the answer window's)
     assert [e for e in fourth if isinstance(e, BlockRemoved)] == [BlockRemoved(first.block_hashes)]
+
+
+def test_cpu_of_several_trees_counts_each_process_once_and_reaped_children_only_when_asked():
+    """``trees_cpu_seconds`` (what the peers and workers benchmarks charge their routers):
+    a process named twice counts once; a child that has run and been reaped counts in
+    its parent's cutime/cstime only with ``reaped``."""
+    import os
+    import subprocess
+
+    me = os.getpid()
+    subprocess.run([sys.executable, "-c", "sum(i * i for i in range(3_000_000))"], check=True)  # reaped: in cutime
+    own = proc_stats.trees_cpu_seconds([me], reaped=False)
+    both = proc_stats.trees_cpu_seconds([me, me], reaped=False)
+    with_reaped = proc_stats.trees_cpu_seconds([me])
+    assert own > 0 and abs(both - own) < 0.05  # (the process runs on between the reads)
+    assert with_reaped - own > 0.05  # the child's own CPU, about 0.1-0.3 s
+    assert abs(proc_stats.tree_cpu_seconds(me) - with_reaped) < 0.05
